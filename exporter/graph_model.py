@@ -1,0 +1,201 @@
+"""The graph we trace: a decoder with a static KV cache passed in and the new K/V passed out.
+
+One module serves every role (prefill, verify, decode, draft): only the number of tokens T
+changes. Conventions (design.md, "Graphs"):
+
+  inputs   input_ids                     int64 [B, T]
+           cache_length                  int64 [B]      tokens already in the cache
+           past_key_values.{i}.key|value float [B, n_kv, S_max, head_dim]
+  outputs  logits                        float [B, T, V]
+           next_tokens                   int64 [B, T]   argmax of logits (greedy needs no logits)
+           present.{i}.key|value         float [B, n_kv, T, head_dim]  K/V of the T new tokens
+
+The mask is built in the graph from cache_length: past slot j is visible when j < cache_length
+(and inside the sliding window); new token t sees new tokens t' <= t. Slots past the cache
+length may hold anything, so padding a short chunk is safe. Attention never concatenates the
+cache with the new keys (that would copy the whole cache every step): scores against the past
+and against the new tokens are computed apart and joined only after the matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specexport.exporter.archs import DecoderParts, LayerWeights
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, T, heads, head_dim]; cos/sin [B, T, 1, rot] with rot <= head_dim (partial rotary)
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def _param(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t.contiguous(), requires_grad=False)
+
+
+class _Layer(nn.Module):
+    def __init__(self, w: LayerWeights):
+        super().__init__()
+        # Linear weights are stored [in, out] so each projection is a plain MatMul with an
+        # initializer: what onnxruntime's int4 quantizer and TensorRT both want.
+        self.attn_norm = _param(w.attn_norm)
+        self.q_w, self.k_w, self.v_w = _param(w.q_w.T), _param(w.k_w.T), _param(w.v_w.T)
+        self.q_b, self.k_b, self.v_b = _param(w.q_b), _param(w.k_b), _param(w.v_b)
+        self.o_w, self.o_b = _param(w.o_w.T), _param(w.o_b)
+        self.q_norm, self.k_norm = _param(w.q_norm), _param(w.k_norm)
+        self.attn_out_norm = _param(w.attn_out_norm)
+        self.mlp_norm = _param(w.mlp_norm)
+        self.mlp_out_norm = _param(w.mlp_out_norm)
+        self.gate_w, self.up_w, self.down_w = _param(w.gate_w.T), _param(w.up_w.T), _param(w.down_w.T)
+        self.sliding_window = w.sliding_window
+        self.rope_table = w.rope_table
+
+
+class StaticDecoder(nn.Module):
+    def __init__(self, parts: DecoderParts, max_seq_len: int):
+        super().__init__()
+        self.parts_summary = parts.summary()
+        self.max_seq_len = max_seq_len
+        self.n_heads = parts.num_attention_heads
+        self.n_kv = parts.num_key_value_heads
+        self.group = self.n_heads // self.n_kv
+        self.head_dim = parts.head_dim
+        self.eps = parts.rms_norm_eps
+        self.activation = parts.activation
+        self.embed_scale = parts.embed_scale
+        self.attn_scale = parts.attn_scale
+        self.attn_softcap = parts.attn_softcap
+        self.final_softcap = parts.final_softcap
+        self.embed = _param(parts.embed)  # [V, hidden]
+        self.final_norm = _param(parts.final_norm)
+        # A tied head reuses the embedding table: one tensor on disk and in memory.
+        self.lm_head = _param(parts.lm_head)
+        self.layers = nn.ModuleList(_Layer(w) for w in parts.layers)
+        self.rope_tables = sorted(parts.rope_tables)
+        for name, (cos, sin) in parts.rope_tables.items():
+            self.register_buffer(f"rope_cos_{name}", cos[:max_seq_len].contiguous(), persistent=False)
+            self.register_buffer(f"rope_sin_{name}", sin[:max_seq_len].contiguous(), persistent=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def forward(self, input_ids: torch.Tensor, cache_length: torch.Tensor, *past: torch.Tensor):
+        # input_ids [B, T]; cache_length [B]; past: 2·L tensors [B, n_kv, S_max, head_dim]
+        batch, tokens = input_ids.shape
+        s_max = self.max_seq_len
+        offsets = torch.arange(tokens, dtype=torch.int64)  # [T]
+        positions = cache_length.unsqueeze(1) + offsets  # [B, T]
+        # Padding slots of a last, short chunk may run past the table; their outputs are unused.
+        rope_index = positions.clamp(max=s_max - 1)
+
+        past_slots = torch.arange(s_max, dtype=torch.int64)  # [S_max]
+        past_visible = past_slots.view(1, 1, s_max) < cache_length.view(batch, 1, 1)  # [B, 1, S_max]
+        past_visible = past_visible.expand(batch, tokens, s_max)  # [B, T, S_max]
+        new_visible = offsets.view(1, tokens) <= offsets.view(tokens, 1)  # [T, T] causal
+        new_visible = new_visible.unsqueeze(0).expand(batch, tokens, tokens)  # [B, T, T]
+
+        # One Gather per table, shared by the layers that use it.
+        rope = {
+            name: (
+                nn.functional.embedding(rope_index, getattr(self, f"rope_cos_{name}")).unsqueeze(2),
+                nn.functional.embedding(rope_index, getattr(self, f"rope_sin_{name}")).unsqueeze(2),
+            )
+            for name in self.rope_tables
+        }  # name -> cos, sin [B, T, 1, rot]
+
+        hidden = nn.functional.embedding(input_ids, self.embed)  # [B, T, hidden]
+        if self.embed_scale != 1.0:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+
+        presents: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            cos, sin = rope[layer.rope_table]  # [B, T, 1, rot]
+            past_k, past_v = past[2 * i], past[2 * i + 1]  # [B, n_kv, S_max, hd]
+            mask_past, mask_new = past_visible, new_visible
+            if layer.sliding_window is not None:
+                window = layer.sliding_window
+                mask_past = mask_past & (positions.unsqueeze(2) - past_slots.view(1, 1, s_max) < window)
+                mask_new = mask_new & (offsets.view(tokens, 1) - offsets.view(1, tokens) < window).unsqueeze(0)
+            attn_out, k_new, v_new = self._attention(layer, hidden, cos, sin, past_k, past_v, mask_past, mask_new)
+            presents += [k_new, v_new]
+            if layer.attn_out_norm is not None:
+                attn_out = _rms_norm(attn_out, layer.attn_out_norm, self.eps)
+            hidden = hidden + attn_out
+            mlp_out = self._mlp(layer, _rms_norm(hidden, layer.mlp_norm, self.eps))
+            if layer.mlp_out_norm is not None:
+                mlp_out = _rms_norm(mlp_out, layer.mlp_out_norm, self.eps)
+            hidden = hidden + mlp_out
+
+        hidden = _rms_norm(hidden, self.final_norm, self.eps)  # [B, T, hidden]
+        head = self.embed if self.lm_head is None else self.lm_head  # [V, hidden]
+        # 2-D linear exports as Gemm(transB=1): the [V, hidden] table is used as stored.
+        logits = nn.functional.linear(hidden.reshape(batch * tokens, -1), head)
+        logits = logits.reshape(batch, tokens, -1)  # [B, T, V]
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        next_tokens = logits.argmax(dim=-1)  # [B, T]
+        return (logits, next_tokens, *presents)
+
+    def _attention(self, layer: _Layer, hidden, cos, sin, past_k, past_v, mask_past, mask_new):
+        batch, tokens, _ = hidden.shape
+        hd, n_kv, g = self.head_dim, self.n_kv, self.group
+        x = _rms_norm(hidden, layer.attn_norm, self.eps)  # [B, T, hidden]
+        q = x @ layer.q_w  # [B, T, H*hd]
+        k = x @ layer.k_w  # [B, T, n_kv*hd]
+        v = x @ layer.v_w
+        if layer.q_b is not None:
+            q, k, v = q + layer.q_b, k + layer.k_b, v + layer.v_b
+        q = q.view(batch, tokens, self.n_heads, hd)
+        k = k.view(batch, tokens, n_kv, hd)
+        v = v.view(batch, tokens, n_kv, hd)
+        if layer.q_norm is not None:
+            q = _rms_norm(q, layer.q_norm, self.eps)
+            k = _rms_norm(k, layer.k_norm, self.eps)
+        q = _apply_rope(q, cos, sin)
+        k = _apply_rope(k, cos, sin)
+        k_new = k.transpose(1, 2)  # [B, n_kv, T, hd]
+        v_new = v.transpose(1, 2)  # [B, n_kv, T, hd]
+
+        # Query heads sharing a KV head are stacked with the tokens: [B, n_kv, G·T, hd], the
+        # same G·(1+D) rows the tile rule counts.
+        q = q.view(batch, tokens, n_kv, g, hd).permute(0, 2, 3, 1, 4).reshape(batch, n_kv, g * tokens, hd)
+        s_past = q @ past_k.transpose(2, 3)  # [B, n_kv, G·T, S_max]
+        s_new = q @ k_new.transpose(2, 3)  # [B, n_kv, G·T, T]
+        scores = torch.cat((s_past, s_new), dim=-1) * self.attn_scale  # [B, n_kv, G·T, S_max+T]
+        if self.attn_softcap is not None:
+            scores = torch.tanh(scores / self.attn_softcap) * self.attn_softcap
+        visible = torch.cat((mask_past, mask_new), dim=-1)  # [B, T, S_max+T]
+        scores = scores.view(batch, n_kv, g, tokens, -1)
+        scores = scores.masked_fill(~visible.view(batch, 1, 1, tokens, -1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(batch, n_kv, g * tokens, -1)
+        s_max = past_k.shape[2]
+        out = probs[..., :s_max] @ past_v + probs[..., s_max:] @ v_new  # [B, n_kv, G·T, hd]
+        out = out.view(batch, n_kv, g, tokens, hd).permute(0, 3, 1, 2, 4).reshape(batch, tokens, -1)
+        out = out @ layer.o_w  # [B, T, hidden]
+        if layer.o_b is not None:
+            out = out + layer.o_b
+        return out, k_new, v_new
+
+    def _mlp(self, layer: _Layer, x):
+        gate = x @ layer.gate_w  # [B, T, intermediate]
+        up = x @ layer.up_w
+        if self.activation == "silu":
+            act = nn.functional.silu(gate)
+        else:
+            act = nn.functional.gelu(gate, approximate="tanh")
+        return (act * up) @ layer.down_w  # [B, T, hidden]

@@ -1,0 +1,135 @@
+"""Trace a StaticDecoder to ONNX with static shapes, and keep one weights file per model.
+
+Every graph of a model (prefill, verify, decode, probes) holds the same weights. Rather than
+one external-data file per graph, ``WeightStore`` writes each distinct tensor once (keyed by
+its bytes) into ``<model>.weights`` and points every graph's initializer at that offset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import warnings
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+from specexport.exporter.graph_model import StaticDecoder
+
+# Tensors at least this large go to the shared file; smaller ones stay inside the graph.
+_EXTERNAL_MIN_BYTES = 1024
+# Offsets aligned to pages so that runtimes can memory-map the file.
+_ALIGN = 4096
+
+
+def kv_names(num_layers: int, prefix: str) -> list[str]:
+    return [f"{prefix}.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
+
+
+def graph_io(num_layers: int) -> tuple[list[str], list[str]]:
+    inputs = ["input_ids", "cache_length", *kv_names(num_layers, "past_key_values")]
+    outputs = ["logits", "next_tokens", *kv_names(num_layers, "present")]
+    return inputs, outputs
+
+
+def example_inputs(decoder: StaticDecoder, batch: int, tokens: int) -> tuple[torch.Tensor, ...]:
+    ids = torch.zeros(batch, tokens, dtype=torch.int64)  # [B, T]
+    cache_length = torch.zeros(batch, dtype=torch.int64)  # [B]
+    kv_shape = (batch, decoder.n_kv, decoder.max_seq_len, decoder.head_dim)
+    past = [torch.zeros(kv_shape) for _ in range(2 * decoder.num_layers)]  # [B, n_kv, S_max, hd]
+    return (ids, cache_length, *past)
+
+
+def export_graph(decoder: StaticDecoder, batch: int, tokens: int, opset: int) -> onnx.ModelProto:
+    """torch.export-based ONNX export; every dimension static."""
+    inputs, outputs = graph_io(decoder.num_layers)
+    # The exporter narrates each stage on stdout and warns about unrelated optional
+    # packages; our own progress display says what is happening.
+    quiet_loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "onnxscript", "onnx_ir")]
+    levels = [lg.level for lg in quiet_loggers]
+    try:
+        for lg in quiet_loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings(), redirect_stdout(io.StringIO()), torch.no_grad():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                decoder,
+                example_inputs(decoder, batch, tokens),
+                None,
+                input_names=inputs,
+                output_names=outputs,
+                opset_version=opset,
+                dynamo=True,
+                optimize=True,
+                verbose=False,
+            )
+    finally:
+        for lg, level in zip(quiet_loggers, levels):
+            lg.setLevel(level)
+    return program.model_proto
+
+
+class WeightStore:
+    """One append-only weights file shared by all graphs of a model."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.location = path.name
+        self._offsets: dict[str, tuple[int, int]] = {}  # sha256 -> (offset, length)
+        self._fh = open(path, "wb")
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def _place(self, raw: bytes) -> tuple[int, int]:
+        key = hashlib.sha256(raw).hexdigest()
+        if key not in self._offsets:
+            offset = self._fh.tell()
+            pad = (-offset) % _ALIGN
+            if pad:
+                self._fh.write(b"\0" * pad)
+                offset += pad
+            self._fh.write(raw)
+            self._offsets[key] = (offset, len(raw))
+        return self._offsets[key]
+
+    def save(self, model: onnx.ModelProto, path: Path) -> None:
+        """Externalize the model's weights into the store, then write the graph itself."""
+        self.externalize(model)
+        self._fh.flush()
+        onnx.save(model, str(path))
+
+    def externalize(self, model: onnx.ModelProto) -> None:
+        """Move the model's large initializers into the store (in place)."""
+        for tensor in model.graph.initializer:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                raise ValueError(f"initializer {tensor.name} is already external")
+            raw = tensor.raw_data or numpy_helper.to_array(tensor).tobytes()
+            if len(raw) < _EXTERNAL_MIN_BYTES:
+                continue
+            offset, length = self._place(raw)
+            tensor.ClearField("raw_data")
+            for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                tensor.ClearField(field)
+            del tensor.external_data[:]
+            for key, value in (("location", self.location), ("offset", offset), ("length", length)):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, str(value)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+
+
+def tensor_specs(model: onnx.ModelProto, which: str) -> dict[str, list]:
+    """name -> [dtype, shape] of graph inputs or outputs, for the manifest."""
+    values = model.graph.input if which == "inputs" else model.graph.output
+    specs = {}
+    for value in values:
+        ttype = value.type.tensor_type
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type)).name
+        shape = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in ttype.shape.dim]
+        specs[value.name] = [dtype, shape]
+    return specs

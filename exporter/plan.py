@@ -1,0 +1,87 @@
+"""The draft-length plan: the tile rule, then the recipe's cap or override.
+
+Attention kernels stack the G query heads that share a KV head, times the 1+D verify tokens,
+along the rows of a 128-row tile. D = floor(tile / G) - 1 fills one tile exactly; past that,
+G·(1+D) should be a multiple of the tile, since a partly filled tile costs a full one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from specexport.errors import BadInput
+
+
+@dataclass(frozen=True)
+class DraftPlanResult:
+    group_size: int  # G: query heads per KV head
+    tile: int
+    tile_draft_len: int  # D from the tile rule, before any cap
+    draft_len: int  # D the engines are built for
+    tokens_per_verify: int  # 1 + D
+    tile_rows_used: int  # G · (1 + D)
+    tiles: int  # tiles a verify pass occupies per KV head
+    reason: str
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def group_size(num_attention_heads: int, num_key_value_heads: int | None) -> int:
+    kv = num_key_value_heads or num_attention_heads
+    if num_attention_heads % kv:
+        raise BadInput(
+            f"num_attention_heads ({num_attention_heads}) is not a multiple of "
+            f"num_key_value_heads ({kv})"
+        )
+    return num_attention_heads // kv
+
+
+def plan_draft_len(
+    num_attention_heads: int,
+    num_key_value_heads: int | None,
+    tile: int = 128,
+    max_draft: int | None = None,
+    draft_len: int | None = None,
+    why: str | None = None,
+) -> DraftPlanResult:
+    g = group_size(num_attention_heads, num_key_value_heads)
+    tile_d = tile // g - 1
+    warnings: list[str] = []
+    rule = f"G = {num_attention_heads}/{num_key_value_heads or num_attention_heads} = {g}; tile rule D = floor({tile}/{g}) - 1 = {tile_d}"
+
+    if draft_len is not None:
+        d = draft_len
+        reason = f"{rule}; overridden by draft.draft_len = {d}"
+    elif tile_d < 1:
+        d = 1
+        reason = f"{rule}; G fills a whole tile with one token, so D = 1 (the smallest useful draft)"
+        warnings.append(f"group size {g} fills a {tile}-row tile with one token; verify cost grows with every draft token")
+    elif max_draft is not None and max_draft < tile_d:
+        d = max_draft
+        reason = f"{rule}; capped by draft.max_draft = {d}"
+    else:
+        d = tile_d
+        reason = rule
+
+    if why and (draft_len is not None or d == max_draft):
+        reason = f"{reason} ({why})"
+    rows = g * (1 + d)
+    tiles = -(-rows // tile)
+    if rows > tile and rows % tile:
+        warnings.append(
+            f"G·(1+D) = {g}·{1 + d} = {rows} rows is past one {tile}-row tile and not a multiple of it: "
+            f"the last tile is {rows % tile}/{tile} full but costs a whole one"
+        )
+    return DraftPlanResult(
+        group_size=g,
+        tile=tile,
+        tile_draft_len=tile_d,
+        draft_len=d,
+        tokens_per_verify=1 + d,
+        tile_rows_used=rows,
+        tiles=tiles,
+        reason=reason,
+        warnings=warnings,
+    )

@@ -1,0 +1,54 @@
+"""`specexport plan`: the draft-length plan of a recipe, without loading any weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from specexport.exporter.plan import plan_draft_len
+from specexport.exporter.recipe import load_recipe
+from specexport.exporter.sources import load_config
+
+
+def plan_recipe(path: Path) -> dict:
+    recipe, base = load_recipe(path)
+    config = load_config(recipe.target, base, "target")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    plan = plan_draft_len(heads, kv_heads, recipe.draft.tile, recipe.draft.max_draft, recipe.draft.draft_len,
+                          recipe.draft.why)
+    return {
+        "recipe": recipe.name,
+        "model_type": config.model_type,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        **plan.to_dict(),
+        "max_draft": recipe.draft.max_draft,
+        "draft_len_override": recipe.draft.draft_len,
+        "graphs": {
+            "decode": 1,
+            "verify": plan.tokens_per_verify,
+            "prefill": recipe.shapes.prefill_chunk,
+        },
+        "shapes": recipe.shapes.model_dump(),
+    }
+
+
+def render_plan(result: dict) -> None:
+    console = Console()
+    table = Table(title=f"draft plan: {result['recipe']} ({result['model_type']})", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    g, tile = result["group_size"], result["tile"]
+    table.add_row("G (query heads per KV head)", f"{result['num_attention_heads']} / {result['num_key_value_heads']} = {g}")
+    table.add_row("tile rule", f"D = floor({tile}/{g}) - 1 = {result['tile_draft_len']}")
+    table.add_row("draft length D", str(result["draft_len"]))
+    table.add_row("tokens per verify (1+D)", str(result["tokens_per_verify"]))
+    table.add_row("tile rows used G·(1+D)", f"{result['tile_rows_used']} of {tile} × {result['tiles']}")
+    table.add_row("graphs (tokens)", ", ".join(f"{k} {v}" for k, v in result["graphs"].items()))
+    table.add_row("reason", result["reason"])
+    console.print(table)
+    for warning in result["warnings"]:
+        console.print(f"[yellow]warning:[/] {warning}")

@@ -1,0 +1,226 @@
+"""The recipe: a YAML file that says which models to export, with which shapes and drafters.
+
+Every field is typed, unknown keys are rejected, and a problem is reported as one line that
+names the file and the field (``recipe.yaml: drafters.1.bits: ...``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from specexport.errors import BadInput
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- model sources -------------------------------------------------------------------------
+
+
+class HfSource(_Strict):
+    """A local transformers directory (config.json + *.safetensors + tokenizer files)."""
+
+    source: Literal["hf"]
+    path: Path
+    trust_remote_code: bool = False
+
+
+class GgufSource(_Strict):
+    """A GGUF file, given by path or as a file inside an installed Python package."""
+
+    source: Literal["gguf"]
+    path: Path | None = None
+    package: str | None = None
+    file: str | None = None
+
+    @model_validator(mode="after")
+    def _one_location(self) -> "GgufSource":
+        if (self.path is None) == (self.package is None):
+            raise ValueError("give either 'path', or 'package' and 'file'")
+        if self.package is not None and not self.file:
+            raise ValueError("'package' needs 'file' (the GGUF file's name inside the package)")
+        return self
+
+
+class TinySource(_Strict):
+    """A small random-weight model built from a transformers config, for tests and examples."""
+
+    source: Literal["tiny"]
+    arch: str = "llama"
+    seed: int = 0
+    hidden_size: int = Field(64, ge=8)
+    num_layers: int = Field(2, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    head_dim: int | None = Field(None, ge=2)
+    intermediate_size: int = Field(128, ge=8)
+    # Random weights drawn with a larger spread than training initialisation, so that
+    # logits have clear margins and argmax comparisons are meaningful.
+    init_std: float = Field(0.5, gt=0)
+
+
+ModelSource = Annotated[Union[HfSource, GgufSource, TinySource], Field(discriminator="source")]
+
+
+# --- drafters ------------------------------------------------------------------------------
+
+
+class NgramDrafter(_Strict):
+    """Prompt lookup: propose the tokens that followed the longest earlier match."""
+
+    kind: Literal["ngram"]
+    name: str = "ngram"
+    max_ngram: int = Field(3, ge=1)
+    min_ngram: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "NgramDrafter":
+        if self.min_ngram > self.max_ngram:
+            raise ValueError("min_ngram must not exceed max_ngram")
+        return self
+
+
+class QuantizedSelfDrafter(_Strict):
+    """An int4 weight-only copy of the target (onnxruntime MatMulNBits)."""
+
+    kind: Literal["quantized-self"]
+    name: str = "quantized-self"
+    bits: Literal[4] = 4
+    block_size: int = Field(32, ge=16)
+    symmetric: bool = False
+    accuracy_level: int | None = Field(None, ge=0, le=4)
+
+    @model_validator(mode="after")
+    def _power_of_two(self) -> "QuantizedSelfDrafter":
+        if self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two (16, 32, 64, 128)")
+        return self
+
+
+class ModelDrafter(_Strict):
+    """An external, smaller draft model sharing the target's tokenizer."""
+
+    kind: Literal["model"]
+    name: str = "model"
+    model: ModelSource
+
+
+DrafterSpec = Annotated[
+    Union[NgramDrafter, QuantizedSelfDrafter, ModelDrafter], Field(discriminator="kind")
+]
+
+
+# --- shapes and planning -------------------------------------------------------------------
+
+
+class Shapes(_Strict):
+    batch: int = Field(1, ge=1)
+    max_seq_len: int = Field(1024, ge=2)
+    prefill_chunk: int = Field(64, ge=1)
+
+    @model_validator(mode="after")
+    def _chunk_fits(self) -> "Shapes":
+        if self.max_seq_len <= self.prefill_chunk:
+            raise ValueError(
+                f"max_seq_len ({self.max_seq_len}) must be larger than prefill_chunk "
+                f"({self.prefill_chunk})"
+            )
+        return self
+
+
+class DraftPlan(_Strict):
+    tile: int = Field(128, ge=1)
+    max_draft: int | None = Field(None, ge=1)
+    draft_len: int | None = Field(None, ge=1)
+    # Why the cap or override was chosen (measured costs, say); shown in `plan`'s reason.
+    why: str | None = None
+    # Verify-pass sizes besides 1 and 1+D to export (the bench's cost curve); each shares the
+    # model's weights file, so they cost a small graph each.
+    probe_tokens: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
+
+
+class Validation(_Strict):
+    max_abs_logit_diff: float = Field(1e-3, gt=0)
+    min_argmax_agreement: float = Field(1.0, ge=0, le=1)
+    # Tiny models must pass the thresholds; for real models the figures are recorded and the
+    # build fails only when `enforce` says so.
+    enforce: Literal["auto", "always", "never"] = "auto"
+
+
+class Recipe(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    target: ModelSource
+    drafters: list[DrafterSpec] = Field(default_factory=list)
+    shapes: Shapes = Shapes()
+    draft: DraftPlan = DraftPlan()
+    backends: list[Literal["onnxruntime", "tensorrt"]] = Field(
+        default_factory=lambda: ["onnxruntime"], min_length=1
+    )
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    opset: int = Field(18, ge=17, le=21)
+    validation: Validation = Validation()
+
+    @model_validator(mode="after")
+    def _unique_drafter_names(self) -> "Recipe":
+        names = [d.name for d in self.drafters]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"drafter names must be unique; repeated: {', '.join(dupes)}")
+        if "target" in names or "none" in names:
+            raise ValueError("'target' and 'none' are reserved and cannot name a drafter")
+        return self
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+def _field_path(loc: tuple) -> str:
+    # Discriminated unions add the tag to the location (drafters.1.quantized-self.bits);
+    # users wrote drafters.1.bits, so drop the tag.
+    tags = {"hf", "gguf", "tiny", "ngram", "quantized-self", "model"}
+    parts = [str(p) for p in loc if str(p) not in tags]
+    return ".".join(parts) or "(top level)"
+
+
+def _one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = _field_path(first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key (check the spelling against the recipe reference in the README)"
+    elif first["type"] == "missing":
+        msg = "required field is missing"
+    elif "input" in first and first["type"] not in ("union_tag_invalid", "model_type"):
+        msg = f"{msg} (got {first['input']!r})"
+    more = len(err.errors()) - 1
+    return f"{where}: {msg}" + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
+
+
+def parse_recipe(data: object, origin: str) -> Recipe:
+    if not isinstance(data, dict):
+        raise BadInput(f"{origin}: a recipe must be a YAML mapping with at least 'name' and 'target'")
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as err:
+        raise BadInput(f"{origin}: {_one_line(err)}") from None
+    return recipe
+
+
+def load_recipe(path: str | Path) -> tuple[Recipe, Path]:
+    """Read and validate a recipe. Relative model paths are resolved against its folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise BadInput(f"{path}: recipe file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "invalid YAML"
+        raise BadInput(f"{path}: malformed YAML{where}: {problem}") from None
+    return parse_recipe(data, str(path)), path.resolve().parent

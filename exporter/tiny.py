@@ -1,0 +1,121 @@
+"""Tiny random-weight models and a byte-level tokenizer: real architectures, no download.
+
+Used by tests and examples (``source: tiny``). The tokenizer maps every byte to one token, plus
+three ChatML specials, so any text round-trips and the vocabulary stays small (259).
+"""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.pre_tokenizers import ByteLevel
+
+from specexport.exporter.archs import ARCHITECTURES
+from specexport.exporter.recipe import TinySource
+from specexport.errors import BadInput
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# The recipe names families; transformers names text-only Gemma 3 "gemma3_text".
+_CONFIG_NAMES = {"gemma3": "gemma3_text"}
+# Embedding rows of norm ~4: logits spread by a few units, so argmax has clear margins.
+EMBED_STD_SCALE = 4.0
+
+
+def byte_tokenizer():
+    """A transformers fast tokenizer over bytes: ids 0-2 are specials, 3-258 the 256 bytes."""
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = ByteLevel.alphabet()  # 256 printable stand-ins for the bytes
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(SPECIALS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def tiny_config(src: TinySource, vocab_size: int):
+    from transformers import AutoConfig
+
+    model_type = _CONFIG_NAMES.get(src.arch, src.arch)
+    if model_type not in ARCHITECTURES:
+        raise BadInput(
+            f"target.arch: '{src.arch}' is not supported for tiny models; supported: "
+            + ", ".join(sorted({k if k != "gemma3_text" else "gemma3" for k in ARCHITECTURES}))
+        )
+    if src.num_attention_heads % src.num_key_value_heads:
+        raise BadInput("num_attention_heads must be a multiple of num_key_value_heads")
+    head_dim = src.head_dim or src.hidden_size // src.num_attention_heads
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=src.hidden_size,
+        intermediate_size=src.intermediate_size,
+        num_hidden_layers=src.num_layers,
+        num_attention_heads=src.num_attention_heads,
+        num_key_value_heads=src.num_key_value_heads,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
+    if model_type == "qwen2":
+        kwargs["use_sliding_window"] = False
+    if model_type == "mistral":
+        kwargs["sliding_window"] = None
+    if model_type in ("qwen2", "gemma2", "gemma3_text", "phi3"):
+        # an untied output head exercises the separate lm_head path (and keeps Gemma's
+        # sandwich-normed stream from collapsing onto one token with a tied head)
+        kwargs["tie_word_embeddings"] = False
+    if model_type in ("gemma2", "gemma3_text"):
+        # Alternate sliding and full layers with a short window, so the tests reach it.
+        kwargs["sliding_window"] = 16
+        kwargs["query_pre_attn_scalar"] = head_dim
+    if model_type == "phi3":
+        kwargs["pad_token_id"] = 0
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_model(src: TinySource):
+    """Return (model, tokenizer): a random-weight causal LM over the byte tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = byte_tokenizer()
+    config = tiny_config(src, vocab_size=len(tokenizer))
+    generator = torch.Generator().manual_seed(src.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    # Gemma scales embeddings by sqrt(hidden); undo it so the residual stream is not just
+    # the input token (the model would only ever repeat it).
+    embed_scale = float(getattr(model.model.embed_tokens, "scalar_embed_scale", 1.0))
+    embed_std = EMBED_STD_SCALE / config.hidden_size**0.5 / embed_scale**0.5
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim >= 2:
+                std = embed_std if "embed" in name else src.init_std
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+            else:
+                # norms and biases: near their identity, with a little spread
+                base = 0.0 if ("bias" in name or model_type_uses_offset(config)) else 1.0
+                param.copy_(base + 0.1 * torch.randn(param.shape, generator=generator))
+    return model.eval(), tokenizer
+
+
+def model_type_uses_offset(config) -> bool:
+    return ARCHITECTURES[config.model_type].norm_offset != 0.0

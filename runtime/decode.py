@@ -1,0 +1,143 @@
+"""The speculative decode loop: prefill, then rounds of draft -> verify -> accept -> commit.
+
+Cache invariant: the target's cache holds every committed token but the last one. A round
+feeds [last, d1..dk] through the target's verify graph, so the outputs at those 1+k positions
+give the target's choice after each prefix; the accepted drafts and the next token are
+committed, and the cache is rewound to drop the rejected drafts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from specexport.runtime.acceptance import EMPTY_DRAFT, Sampling, greedy, rejection, warp
+from specexport.runtime.drafters import Drafter
+from specexport.runtime.runner import ModelRunner
+
+
+@dataclass
+class DecodeStats:
+    draft_len: int
+    rounds: int = 0
+    tokens: int = 0  # generated tokens
+    proposed: int = 0  # draft tokens offered to the target
+    accepted: int = 0  # draft tokens the target kept
+    accepted_at: list[int] = field(default_factory=list)  # [D] rounds that kept draft position i
+    proposed_at: list[int] = field(default_factory=list)  # [D] rounds that offered position i
+    prefill_s: float = 0.0
+    draft_s: float = 0.0  # drafter wall time (its engines and its host work)
+    verify_s: float = 0.0  # target engine time in rounds
+    total_s: float = 0.0  # the rounds' wall time, prefill excluded
+    stop_reason: str = ""
+
+    def __post_init__(self) -> None:
+        self.accepted_at = [0] * self.draft_len
+        self.proposed_at = [0] * self.draft_len
+
+    @property
+    def host_s(self) -> float:
+        return max(self.total_s - self.draft_s - self.verify_s, 0.0)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total_s if self.total_s else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """E[L]: tokens committed per verify round (accepted drafts + the target's token)."""
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "tokens": self.tokens,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance_length": self.acceptance_length,
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            "acceptance_by_position": [a / p if p else None for a, p in zip(self.accepted_at, self.proposed_at)],
+            "prefill_s": self.prefill_s,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "host_s": self.host_s,
+            "total_s": self.total_s,
+            "host_fraction": self.host_s / self.total_s if self.total_s else 0.0,
+            "tokens_per_s": self.tokens_per_s,
+            "stop_reason": self.stop_reason,
+        }
+
+
+def decode(target: ModelRunner, drafter: Drafter, prompt: np.ndarray, *, draft_len: int, max_new_tokens: int,
+           sampling: Sampling, eos_ids: frozenset[int], rng: np.random.Generator,
+           stop: Callable[[int], bool] | None = None, stats: DecodeStats) -> Iterator[int]:
+    """Yield tokens as the target accepts them; ``stats`` is filled in as it goes.
+
+    ``stop(token)`` sees each token before it is yielded (to detokenize and match stop
+    strings); True ends decoding after that token."""
+    capacity = target.cache.max_seq_len
+    context = np.zeros(capacity + 1, dtype=np.int64)  # committed tokens: prompt + output
+    length = len(prompt)
+    context[:length] = prompt
+
+    start = time.perf_counter()
+    target.rewind(0)
+    target.forward(prompt[:-1])  # chunked prefill; the last prompt token opens round one
+    drafter.reset(prompt)
+    stats.prefill_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    try:
+        while True:
+            if length > capacity:
+                stats.stop_reason = "kv_full"
+                return
+            # The target cache will hold length-1 tokens + the 1+k fed: 1+k <= capacity-length+1.
+            k = min(draft_len, capacity - length, max_new_tokens - stats.tokens - 1)
+
+            t0 = time.perf_counter()
+            draft = drafter.propose(context[:length], k, sampling, rng) if k > 0 else EMPTY_DRAFT
+            stats.draft_s += time.perf_counter() - t0
+
+            engine_before = target.seconds
+            out = target.forward(np.concatenate((context[length - 1 : length], draft.tokens)),
+                                 want_logits=not sampling.greedy)
+            stats.verify_s += target.seconds - engine_before
+
+            if sampling.greedy:
+                n_accepted, next_token = greedy(draft.tokens, out.next_tokens)
+            else:
+                n_accepted, next_token = rejection(draft, warp(out.logits, sampling), rng)
+            target.rewind(length + n_accepted)  # keep last + accepted drafts; drop the rest
+
+            t0 = time.perf_counter()
+            drafter.accept(n_accepted, next_token)
+            stats.draft_s += time.perf_counter() - t0
+
+            stats.rounds += 1
+            stats.proposed += draft.size
+            stats.accepted += n_accepted
+            for i in range(draft.size):
+                stats.proposed_at[i] += 1
+                stats.accepted_at[i] += i < n_accepted
+
+            for token in (*draft.tokens[:n_accepted].tolist(), next_token):
+                context[length] = token
+                length += 1
+                stats.tokens += 1
+                stopped = stop is not None and stop(token)
+                yield token
+                if token in eos_ids:
+                    stats.stop_reason = "eos"
+                    return
+                if stopped:
+                    stats.stop_reason = "stop_string"
+                    return
+                if stats.tokens >= max_new_tokens:
+                    stats.stop_reason = "max_new_tokens"
+                    return
+    finally:
+        stats.total_s = time.perf_counter() - start

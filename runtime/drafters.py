@@ -1,0 +1,119 @@
+"""Drafters: propose k tokens after a context; only the target decides what is kept.
+
+Every drafter has ``propose(context, k, sampling, rng) -> Draft`` and ``accept(n, next_token)``
+(told how many drafts the target kept, so it can resync its own state), and ``reset()``.
+``DRAFTER_KINDS`` maps a manifest drafter kind to its factory.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Sampling, sample, warp
+from specexport.runtime.runner import ModelRunner
+
+
+class Drafter(Protocol):
+    name: str
+
+    def reset(self, prompt: np.ndarray) -> None:
+        """Start a new sequence (neural drafters prefill the prompt here)."""
+
+    def propose(self, context: np.ndarray, k: int, sampling: Sampling, rng: np.random.Generator) -> Draft: ...
+
+    def accept(self, n_accepted: int, next_token: int) -> None: ...
+
+
+class NoDrafter:
+    """The target alone: every round verifies one token. The baseline, through the same engines."""
+
+    name = "none"
+
+    def reset(self, prompt: np.ndarray) -> None:
+        pass
+
+    def propose(self, context, k, sampling, rng) -> Draft:
+        return EMPTY_DRAFT
+
+    def accept(self, n_accepted: int, next_token: int) -> None:
+        pass
+
+
+class NgramDrafter:
+    """Prompt lookup: find the context's last n tokens earlier in the context (longest n
+    first, latest occurrence that still has k tokens after it) and propose what followed."""
+
+    def __init__(self, name: str = "ngram", max_ngram: int = 3, min_ngram: int = 1):
+        self.name = name
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def reset(self, prompt: np.ndarray) -> None:
+        pass
+
+    def propose(self, context: np.ndarray, k: int, sampling, rng) -> Draft:
+        size = len(context)
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if size <= n or k <= 0:
+                continue
+            suffix = context[size - n :]  # [n]
+            # window i is context[i:i+n]; windows end before the last token, so each has a
+            # continuation
+            windows = sliding_window_view(context[: size - 1], n)  # [size-n, n]
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size == 0:
+                continue
+            full = hits[hits + n + k <= size]
+            start = int(full[-1] if full.size else hits[0]) + n
+            return Draft(np.array(context[start : start + k], dtype=np.int64))
+        return EMPTY_DRAFT
+
+    def accept(self, n_accepted: int, next_token: int) -> None:
+        pass
+
+
+class ModelDrafter:
+    """A neural drafter (external draft model or the int4 copy of the target) with its own
+    KV cache, kept in step with what the target accepted."""
+
+    def __init__(self, name: str, runner: ModelRunner):
+        self.name = name
+        self.runner = runner
+        self._base = 0  # context length at the last proposal
+        self._k = 0
+
+    def reset(self, prompt: np.ndarray) -> None:
+        self.runner.rewind(0)
+        self.runner.forward(prompt[:-1])  # as the target: all but the last token
+        self._base = self._k = 0
+
+    def propose(self, context: np.ndarray, k: int, sampling: Sampling, rng: np.random.Generator) -> Draft:
+        if k <= 0:
+            self._k = 0
+            return EMPTY_DRAFT
+        want_logits = not sampling.greedy
+        # Tokens the cache lacks: the last committed token, plus the last draft when every
+        # draft was accepted, or the whole prompt at the start.
+        out = self.runner.forward(context[self.runner.length :], want_logits)
+        tokens = np.empty(k, dtype=np.int64)  # [k]
+        probs = np.empty((k, out.logits.shape[-1])) if want_logits else None  # [k, V]
+        for j in range(k):
+            if want_logits:
+                probs[j] = warp(out.logits[-1:], sampling)[0]
+                tokens[j] = sample(probs[j], rng)
+            else:
+                tokens[j] = out.next_tokens[-1]
+            if j < k - 1:
+                out = self.runner.forward(tokens[j : j + 1], want_logits)
+        self._base, self._k = len(context), k
+        return Draft(tokens, probs)
+
+    def accept(self, n_accepted: int, next_token: int) -> None:
+        # The cache holds the context and drafts 1..k-1; keep those the target accepted.
+        if self._k == 0:
+            return  # nothing was drafted; the cache is a prefix of the context as it was
+        self.runner.rewind(self._base + min(n_accepted, self._k - 1))
+

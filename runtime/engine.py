@@ -1,0 +1,62 @@
+"""The Engine interface and the registry of backends that implement it.
+
+An engine is one compiled graph with fixed shapes. Backends are imported lazily: asking for
+one whose package is missing raises an error naming the extra to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from specexport.errors import BadInput
+from specexport.runtime.manifest import EngineEntry, TensorSpec
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    threads: int | None = None  # intra-op threads; None lets the backend choose
+    device: str = "cpu"  # cpu | cuda | tensorrt (execution provider for ONNX graphs)
+
+
+class Engine(Protocol):
+    name: str
+    inputs: dict[str, TensorSpec]
+    outputs: dict[str, TensorSpec]
+
+    def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Run once; return the requested outputs (all when None) as host arrays."""
+        ...
+
+
+# backend name -> "module:factory"; a factory takes (EngineEntry, engine dir, EngineOptions).
+BACKENDS: dict[str, str] = {
+    "onnxruntime": "specexport.runtime.ort_engine:open_ort_engine",
+    "tensorrt": "specexport.runtime.trt_engine:open_trt_engine",
+}
+
+
+def open_engine(entry: EngineEntry, root: Path, options: EngineOptions) -> Engine:
+    target = BACKENDS.get(entry.backend)
+    if target is None:
+        raise BadInput(f"engine {entry.name}: unknown backend '{entry.backend}' (known: {', '.join(BACKENDS)})")
+    module_name, factory = target.split(":")
+    return getattr(importlib.import_module(module_name), factory)(entry, root, options)
+
+
+def check_feeds(engine: Engine, feeds: dict[str, np.ndarray]) -> None:
+    """Compare feeds with the recorded input specs; raise one clear line on a mismatch."""
+    missing = set(engine.inputs) - set(feeds)
+    if missing:
+        raise BadInput(f"engine {engine.name}: missing inputs {sorted(missing)}")
+    for name, spec in engine.inputs.items():
+        value = feeds[name]
+        if value.dtype.name != spec.dtype or tuple(value.shape) != spec.shape:
+            raise BadInput(
+                f"engine {engine.name}: input {name} is {value.dtype.name}{list(value.shape)}, "
+                f"the engine was built for {spec.dtype}{list(spec.shape)}"
+            )

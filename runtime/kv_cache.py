@@ -1,0 +1,49 @@
+"""A preallocated, static KV cache owned by the runtime.
+
+Allocated once per model at max_seq_len. Graphs read it whole (past_key_values.*) and return
+only the K/V of the tokens they processed (present.*), which ``write`` copies into place.
+Dropping rejected tokens is ``rewind``: the length moves back, nothing is copied or cleared.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class KVCache:
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
+                 dtype: str = "float32"):
+        shape = (batch, num_kv_heads, max_seq_len, head_dim)  # [B, n_kv, S_max, hd]
+        self.max_seq_len = max_seq_len
+        self.num_layers = num_layers
+        self.length = 0
+        self._tensors = {
+            f"past_key_values.{i}.{kind}": np.zeros(shape, dtype=dtype)
+            for i in range(num_layers)
+            for kind in ("key", "value")
+        }
+        self._present_names = {name: name.replace("past_key_values", "present") for name in self._tensors}
+
+    @property
+    def free(self) -> int:
+        return self.max_seq_len - self.length
+
+    def view(self) -> dict[str, np.ndarray]:
+        """The feeds for a graph's past inputs: the cache arrays themselves, not copies."""
+        return self._tensors
+
+    def write(self, presents: dict[str, np.ndarray], count: int) -> None:
+        """Append the first ``count`` new positions of each present.* output at ``length``."""
+        if count > self.free:
+            raise ValueError(f"KV cache overflow: {count} tokens with {self.free} slots free")
+        at = self.length
+        for past_name, present_name in self._present_names.items():
+            new = presents[present_name]  # [B, n_kv, T, hd]
+            self._tensors[past_name][:, :, at : at + count] = new[:, :, :count]
+        self.length += count
+
+    def rewind(self, length: int) -> None:
+        """Forget every position at or after ``length``."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot rewind a cache of length {self.length} to {length}")
+        self.length = length

@@ -1,0 +1,65 @@
+"""onnxruntime backend: one InferenceSession per graph, CPU by default.
+
+CUDA and TensorRT execution providers are selectable with ``EngineOptions.device`` when the
+installed onnxruntime has them (onnxruntime-gpu).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from specexport.errors import BadInput, missing_extra
+from specexport.runtime.engine import EngineOptions, check_feeds
+from specexport.runtime.manifest import EngineEntry, TensorSpec
+
+_PROVIDERS = {
+    "cpu": ["CPUExecutionProvider"],
+    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+}
+
+
+def _onnxruntime():
+    try:
+        import onnxruntime
+    except ImportError:
+        raise missing_extra("onnxruntime", "cpu") from None
+    return onnxruntime
+
+
+class OrtEngine:
+    def __init__(self, name: str, path: Path, inputs: dict[str, TensorSpec], outputs: dict[str, TensorSpec],
+                 options: EngineOptions):
+        ort = _onnxruntime()
+        providers = _PROVIDERS.get(options.device)
+        if providers is None:
+            raise BadInput(f"device '{options.device}' is unknown; choose one of {', '.join(_PROVIDERS)}")
+        available = ort.get_available_providers()
+        if providers[0] not in available:
+            raise missing_extra(f"onnxruntime with {providers[0]}", "gpu")
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        if options.threads:
+            so.intra_op_num_threads = options.threads
+        so.inter_op_num_threads = 1
+        self.name = name
+        self.inputs = inputs
+        self.outputs = outputs
+        self._session = ort.InferenceSession(str(path), so, providers=providers)
+        self._checked = False
+
+    def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        if not self._checked:  # shapes are static: checking the first call checks them all
+            check_feeds(self, feeds)
+            self._checked = True
+        names = list(outputs) if outputs is not None else list(self.outputs)
+        values = self._session.run(names, feeds)
+        return dict(zip(names, values))
+
+
+def open_ort_engine(entry: EngineEntry, root: Path, options: EngineOptions) -> OrtEngine:
+    return OrtEngine(entry.name, root / entry.path, entry.inputs, entry.outputs, options)

@@ -1,0 +1,95 @@
+"""ModelRunner: one neural model's engines (one per token count) over its own KV cache.
+
+``forward(tokens)`` feeds tokens at the cache's current length through the smallest engine
+that holds them (padding the rest), appends their K/V to the cache and returns the model's
+outputs for each real token. Longer inputs run in pieces of the largest engine (the prefill
+chunk). Feed buffers are allocated once per engine and updated in place.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from specexport.runtime.engine import Engine
+from specexport.runtime.kv_cache import KVCache
+
+PAD_ID = 0  # any id works: padded positions are never read back
+
+
+@dataclass
+class StepOutput:
+    next_tokens: np.ndarray  # [n] int64, the argmax at each position
+    logits: np.ndarray | None  # [n, V] float32, when asked for
+
+
+class ModelRunner:
+    def __init__(self, name: str, engines: Sequence[Engine], cache: KVCache, tokens_of: dict[str, int]):
+        self.name = name
+        self.cache = cache
+        # token count -> engine, smallest first
+        self._engines = sorted(((tokens_of[e.name], e) for e in engines), key=lambda pair: pair[0])
+        if not self._engines:
+            raise ValueError(f"model {name} has no engines")
+        self._feeds: dict[int, dict[str, np.ndarray]] = {}
+        for tokens, _ in self._engines:
+            feeds = dict(cache.view())
+            feeds["input_ids"] = np.full((1, tokens), PAD_ID, dtype=np.int64)  # [B, T]
+            feeds["cache_length"] = np.zeros(1, dtype=np.int64)  # [B]
+            self._feeds[tokens] = feeds
+        presents = [f"present.{i}.{kind}" for i in range(cache.num_layers) for kind in ("key", "value")]
+        self._outputs = ["next_tokens", *presents]
+        self._outputs_with_logits = ["next_tokens", "logits", *presents]
+        self.seconds = 0.0  # time inside engines, for the stats
+        self.calls = 0
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    @property
+    def sizes(self) -> list[int]:
+        return [t for t, _ in self._engines]
+
+    def rewind(self, length: int) -> None:
+        self.cache.rewind(length)
+
+    def _pick(self, remaining: int) -> tuple[int, Engine]:
+        for tokens, engine in self._engines:
+            if tokens >= remaining:
+                return tokens, engine
+        return self._engines[-1]
+
+    def forward(self, tokens: Sequence[int], want_logits: bool = False) -> StepOutput:
+        n = len(tokens)
+        if n > self.cache.free:
+            raise ValueError(f"{self.name}: {n} tokens do not fit in the {self.cache.free} free cache slots")
+        outputs = self._outputs_with_logits if want_logits else self._outputs
+        next_parts, logit_parts = [], []
+        done = 0
+        while done < n:
+            size, engine = self._pick(n - done)
+            count = min(size, n - done)
+            feeds = self._feeds[size]
+            ids = feeds["input_ids"]
+            ids[0, :count] = tokens[done : done + count]
+            ids[0, count:] = PAD_ID
+            feeds["cache_length"][0] = self.cache.length
+            start = time.perf_counter()
+            result = engine.run(feeds, outputs)
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+            self.cache.write(result, count)
+            next_parts.append(result["next_tokens"][0, :count])
+            if want_logits:
+                logit_parts.append(result["logits"][0, :count])
+            done += count
+        next_tokens = next_parts[0] if len(next_parts) == 1 else np.concatenate(next_parts)
+        logits = None
+        if want_logits:
+            logits = logit_parts[0] if len(logit_parts) == 1 else np.concatenate(logit_parts)
+        return StepOutput(next_tokens, logits)
+

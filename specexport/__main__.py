@@ -1,0 +1,3 @@
+from specexport.cli import main
+
+main()

@@ -1,0 +1,165 @@
+"""The `specexport` command: plan | build | generate | bench | inspect | lint.
+
+Exit codes: 0 ok, 1 runtime failure, 2 bad input. Errors the user can fix are one line on
+stderr, never a traceback. `build` imports the exporter lazily, so a runtime-only install
+can still `generate`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from specexport import __version__
+from specexport.errors import SpecexportError
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"specexport: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _print_json(data) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="specexport")
+def cli() -> None:
+    """Compile LLMs and their drafters into static-shape engines; run them as a lossless speculative decoder."""
+
+
+@cli.command()
+@click.argument("recipe", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(recipe: Path, as_json: bool) -> None:
+    """Show G, the tile arithmetic and the draft length a RECIPE builds for."""
+    from specexport.exporter.plan_command import plan_recipe, render_plan
+
+    result = plan_recipe(recipe)
+    if as_json:
+        _print_json(result)
+    else:
+        render_plan(result)
+
+
+@cli.command()
+@click.argument("recipe", type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
+              help="Engine directory to write (default: engines/<recipe name>).")
+@click.option("--force", is_flag=True, help="Rebuild even when the inputs are unchanged.")
+@click.option("--threads", type=click.IntRange(1), default=None, help="onnxruntime threads for validation.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+@click.option("--json", "as_json", is_flag=True, help="Print the build result as JSON.")
+def build(recipe: Path, out: Path | None, force: bool, threads: int | None, quiet: bool, as_json: bool) -> None:
+    """Export, validate and write the engines a RECIPE describes."""
+    from specexport.exporter.builder import build as run_build
+    from specexport.exporter.progress import Reporter
+
+    reporter = Reporter(quiet=quiet or as_json)
+    result = run_build(recipe, out, force, reporter, threads)
+    summary = {
+        "out": str(result.out),
+        "reused": result.reused,
+        "seconds": round(result.seconds, 1),
+        "plan": result.manifest["plan"],
+        "engines": [
+            {"name": e["name"], "tokens": e["tokens"], "parity": e.get("parity", {})}
+            for e in result.manifest["engines"]
+        ],
+        "steps": [{"kind": t.kind, "what": t.what, "seconds": round(t.seconds, 2)} for t in reporter.timings],
+        "disk_bytes": sum(p.stat().st_size for p in result.out.iterdir() if p.is_file()),
+    }
+    if as_json:
+        _print_json(summary)
+    elif not quiet:
+        state = "reused" if result.reused else "built"
+        click.echo(f"{state} {result.out} in {result.seconds:.1f} s ({summary['disk_bytes'] / 1e6:.1f} MB)")
+
+
+@cli.command()
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--prompt", "-p", default=None, help="Prompt text.")
+@click.option("--prompt-file", type=click.Path(path_type=Path), default=None, help="Read the prompt from a file.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
+@click.option("--drafter", "-d", default="none", show_default=True, help="Drafter name from the manifest, or none.")
+@click.option("--draft-len", type=int, default=None, help="Draft tokens per round (default: the plan's D).")
+@click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)
+@click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 is off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="1 is off.")
+@click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible runs).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); it is cut from the output.")
+@click.option("--threads", type=click.IntRange(1), default=None, help="onnxruntime intra-op threads.")
+@click.option("--stream", is_flag=True, help="Print text as tokens are accepted.")
+@click.option("--json", "as_json", is_flag=True, help="Print text, token ids, stop reason and stats as JSON.")
+def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, chat: bool, drafter: str,
+             draft_len: int | None, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+             seed: int | None, stop: tuple[str, ...], threads: int | None, stream: bool, as_json: bool) -> None:
+    """Generate text from ENGINE_DIR with a drafter, losslessly."""
+    from specexport.errors import BadInput
+    from specexport.runtime import load
+
+    if prompt_file is not None:
+        if prompt is not None:
+            raise BadInput("give --prompt or --prompt-file, not both")
+        try:
+            prompt = prompt_file.read_text()
+        except OSError as err:
+            raise BadInput(f"{prompt_file}: cannot read the prompt file ({err.strerror})") from None
+    pipe = load(engine_dir, threads=threads)
+    pieces = pipe.stream(prompt, chat=chat, drafter=drafter, draft_len=draft_len, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+    while True:
+        try:
+            piece = next(pieces)
+        except StopIteration as done:
+            result = done.value
+            break
+        if stream and not as_json:
+            click.echo(piece, nl=False)
+    if as_json:
+        _print_json(result.to_dict())
+    elif stream:
+        click.echo()
+    else:
+        click.echo(result.text)
+    if not as_json:
+        st = result.stats
+        click.echo(
+            f"[{result.drafter}] {st.tokens} tokens, {st.tokens / st.total_s if st.total_s else 0:.1f} tok/s, "
+            f"E[L] {st.acceptance_length:.2f}, stop: {result.stop_reason}; "
+            f"draft {st.draft_s * 1e3:.0f} ms, verify {st.verify_s * 1e3:.0f} ms, host {st.host_s * 1e3:.0f} ms",
+            err=True,
+        )
+
+
+def _terminated(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    # A terminated build cleans up like an interrupted one.
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Exit as done:
+        sys.exit(done.exit_code)
+    except click.exceptions.Abort:
+        _fail("interrupted", 130)
+    except click.ClickException as err:
+        err.show()
+        sys.exit(err.exit_code)
+    except SpecexportError as err:
+        _fail(str(err), err.exit_code)
+    except KeyboardInterrupt:
+        _fail("interrupted; nothing was written", 130)
+    except Exception as err:  # noqa: BLE001 - the last line of defence against tracebacks
+        if os.environ.get("SPECEXPORT_DEBUG"):
+            raise
+        _fail(f"internal error: {type(err).__name__}: {err} (set SPECEXPORT_DEBUG=1 for the traceback)", 1)
