@@ -293,6 +293,12 @@ class Builder:
             if isinstance(spec, ModelDrafter):
                 self.validate(spec.name, drafter_models[spec.name], self._enforce(spec.model))
 
+        if "tensorrt" in recipe.backends:
+            from specexport.exporter.trt_build import compile_engines
+
+            # one serialized engine per ONNX graph, appended as backend "tensorrt" entries
+            self.engines += compile_engines(tmp, self.engines, recipe, self.rep, timing_cache_dir=self.out.parent)
+
         with self.rep.step("write", "manifest") as s:
             tokenizer = self.write_tokenizer(tmp, target)
             files = {p.name: sha256_of(p) for p in sorted(tmp.iterdir()) if p.is_file()}
