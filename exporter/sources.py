@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import io
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,7 +94,8 @@ def load_config(src, base: Path, origin: str):
         return tiny_config(src, vocab_size=len(byte_tokenizer()))
     if isinstance(src, GgufSource):
         path = gguf_path(src, base, origin)
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        with quiet_transformers():
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     else:
         path = _hf_dir(src, base, origin)
         _check_config_arch(path / "config.json", origin)
@@ -101,7 +104,28 @@ def load_config(src, base: Path, origin: str):
     return config
 
 
+@contextmanager
+def quiet_transformers():
+    """transformers draws its own progress bars and warnings; our display says what happens."""
+    from transformers.utils import logging as hf_logging
+
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def load_source(src, base: Path, origin: str) -> LoadedModel:
+    with quiet_transformers():
+        return _load_source(src, base, origin)
+
+
+def _load_source(src, base: Path, origin: str) -> LoadedModel:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -114,9 +138,11 @@ def load_source(src, base: Path, origin: str) -> LoadedModel:
     if isinstance(src, GgufSource):
         path = gguf_path(src, base, origin)
         kwargs = dict(gguf_file=path.name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), dtype=torch.float32, attn_implementation="eager", **kwargs
-        )
+        # the GGUF reader draws a tqdm bar of its own on stderr
+        with redirect_stderr(io.StringIO()):
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path.parent), dtype=torch.float32, attn_implementation="eager", **kwargs
+            )
         check_supported(model.config.model_type, origin)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
         return LoadedModel(model.eval(), tokenizer, origin)

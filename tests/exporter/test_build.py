@@ -1,0 +1,195 @@
+"""The engine directory: contents, manifest, shared weights, reuse, atomicity, local HF models."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import onnx
+import pytest
+
+from specexport.runtime.manifest import Manifest, sha256_of
+from tests.conftest import ALL_DRAFTERS, run_cli, tiny_recipe
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("build")
+    recipe = tiny_recipe(root / "r.yaml", "llama", drafters=ALL_DRAFTERS, max_seq_len=64, prefill_chunk=8)
+    code, out, err = run_cli("build", recipe, "-o", root / "engines", "--json")
+    assert code == 0, err
+    return root, recipe, json.loads(out)
+
+
+def test_directory_and_manifest(built):
+    root, _, result = built
+    out = root / "engines"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["format"] == 1 and manifest["specexport"]
+    assert manifest["plan"]["draft_len"] == 4 and manifest["plan"]["group_size"] == 2
+    assert {"torch", "transformers", "onnx", "onnxruntime"} <= set(manifest["toolchain"])
+    assert manifest["tokenizer"]["file"] == "tokenizer.json"
+    assert manifest["tokenizer"]["chat_template"] == "chat_template.jinja"
+    assert manifest["tokenizer"]["eos_token_ids"]
+    assert {d["name"] for d in manifest["drafters"]} == {"ngram", "quantized-self", "draft-model"}
+    assert set(manifest["models"]) == {"target", "quantized-self", "draft-model"}
+    # every file but the manifest is hashed, and the hashes are right
+    files = {p.name for p in out.iterdir()} - {"manifest.json"}
+    assert set(manifest["files"]) == files
+    for name, digest in manifest["files"].items():
+        assert sha256_of(out / name) == digest
+    names = {e["name"] for e in manifest["engines"]}
+    assert {"target.decode.b1.t1", "target.verify.b1.t5", "target.prefill.b1.t8",
+            "quantized-self.decode.b1.t1", "quantized-self.catchup.b1.t2", "quantized-self.prefill.b1.t8",
+            "draft-model.decode.b1.t1", "draft-model.catchup.b1.t2", "draft-model.prefill.b1.t8"} <= names
+    for engine in manifest["engines"]:
+        assert engine["sha256"] == manifest["files"][engine["path"]]
+        assert "parity" in engine
+    Manifest.load(out).verify_files()  # the runtime's own reading agrees
+
+
+def test_graphs_are_static_and_share_one_weights_file_per_model(built):
+    root, _, _ = built
+    out = root / "engines"
+    manifest = json.loads((out / "manifest.json").read_text())
+    for engine in manifest["engines"]:
+        model = onnx.load(str(out / engine["path"]), load_external_data=False)
+        for value in [*model.graph.input, *model.graph.output]:
+            dims = value.type.tensor_type.shape.dim
+            assert all(d.HasField("dim_value") for d in dims), (engine["name"], value.name)
+        locations = {
+            entry.value
+            for tensor in model.graph.initializer
+            for entry in tensor.external_data
+            if entry.key == "location"
+        }
+        assert locations == {f"{engine['model']}.weights"}, engine["name"]
+        t = engine["tokens"]
+        assert engine["inputs"]["input_ids"] == ["int64", [1, t]]
+        assert engine["inputs"]["past_key_values.0.key"][1][2] == 64  # S_max
+        assert engine["outputs"]["present.0.key"][1][2] == t
+        assert engine["outputs"]["logits"] == ["float32", [1, t, 259]]
+    # the weights are stored once: the graphs themselves are small next to the weights
+    weights = (out / "target.weights").stat().st_size
+    graphs = [out / e["path"] for e in manifest["engines"] if e["model"] == "target"]
+    assert len(graphs) >= 3 and weights > 0
+
+
+def test_quantized_self_is_int4_matmulnbits(built):
+    root, _, _ = built
+    model = onnx.load(str(root / "engines" / "quantized-self.decode.b1.t1.onnx"), load_external_data=False)
+    ops = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert ops and all(n.domain == "com.microsoft" for n in ops)
+    attrs = {a.name: a.i for a in ops[0].attribute}
+    assert attrs["bits"] == 4 and attrs["block_size"] == 32
+    assert not [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1].startswith("layers.")]
+
+
+def test_unchanged_rebuild_is_reused(built):
+    root, recipe, _ = built
+    before = (root / "engines" / "manifest.json").stat().st_mtime_ns
+    start = time.perf_counter()
+    code, out, err = run_cli("build", recipe, "-o", root / "engines", "--json")
+    assert code == 0, err
+    assert json.loads(out)["reused"] is True
+    assert time.perf_counter() - start < 10
+    assert (root / "engines" / "manifest.json").stat().st_mtime_ns == before
+
+
+def test_changed_recipe_or_force_rebuilds(tmp_path):
+    recipe = tiny_recipe(tmp_path / "r.yaml", "llama", max_seq_len=32, prefill_chunk=8)
+    out = tmp_path / "engines"
+    assert run_cli("build", recipe, "-o", out, "-q")[0] == 0
+    first = json.loads((out / "manifest.json").read_text())["created"]
+    code, text, _ = run_cli("build", recipe, "-o", out, "--force", "--json")
+    assert code == 0 and json.loads(text)["reused"] is False
+    tiny_recipe(recipe, "llama", max_seq_len=32, prefill_chunk=8, max_draft=2)
+    code, text, _ = run_cli("build", recipe, "-o", out, "--json")
+    assert code == 0 and json.loads(text)["reused"] is False
+    assert json.loads((out / "manifest.json").read_text())["plan"]["draft_len"] == 2
+    assert first  # the first build existed and was replaced in place
+    assert not list(tmp_path.glob(".engines.*"))
+
+
+def test_tampered_engine_directory_is_rebuilt_not_reused(tmp_path):
+    recipe = tiny_recipe(tmp_path / "r.yaml", "llama", max_seq_len=32, prefill_chunk=8)
+    out = tmp_path / "engines"
+    assert run_cli("build", recipe, "-o", out, "-q")[0] == 0
+    with open(out / "target.weights", "r+b") as fh:
+        fh.seek(100)
+        fh.write(b"\x13\x37")
+    code, text, _ = run_cli("build", recipe, "-o", out, "--json")
+    assert code == 0 and json.loads(text)["reused"] is False
+    Manifest.load(out).verify_files()
+
+
+def test_interrupted_build_leaves_nothing(tmp_path):
+    recipe = tiny_recipe(tmp_path / "r.yaml", "llama", max_seq_len=32, prefill_chunk=8,
+                         drafters=ALL_DRAFTERS)
+    out = tmp_path / "engines"
+    proc = subprocess.Popen([sys.executable, "-m", "specexport", "build", str(recipe), "-o", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # wait until it is writing graphs into its partial directory, then stop it
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        partial = list(tmp_path.glob(".engines.partial-*"))
+        if partial and any(p.suffix == ".onnx" for p in partial[0].iterdir()):
+            break
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail("the build never started writing")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "interrupted" in err and "Traceback" not in err
+    assert not out.exists()
+    assert not list(tmp_path.glob(".engines.*"))
+
+
+def test_stale_partial_from_a_killed_build_is_swept(tmp_path):
+    recipe = tiny_recipe(tmp_path / "r.yaml", "llama", max_seq_len=32, prefill_chunk=8)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".engines.partial-{dead.pid}"
+    stale.mkdir()
+    (stale / "half.onnx").write_bytes(b"x")
+    assert run_cli("build", recipe, "-o", tmp_path / "engines", "-q")[0] == 0
+    assert not stale.exists()
+
+
+def test_local_transformers_directory_builds_offline(tmp_path, monkeypatch):
+    from tests.exporter.hf_dirs import save_tiny_hf
+
+    model_dir = save_tiny_hf(tmp_path / "qwen3-tiny", "qwen3", seed=5)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        f"name: local-qwen3\ntarget: {{source: hf, path: {model_dir.name}}}\n"
+        "drafters: [{kind: ngram}]\nshapes: {max_seq_len: 48, prefill_chunk: 8}\n"
+        "draft: {max_draft: 3}\nvalidation: {enforce: always}\n"
+    )
+    code, out, err = run_cli("build", recipe, "-o", tmp_path / "engines", "--json")
+    assert code == 0, err
+    for engine in json.loads(out)["engines"]:
+        assert engine["parity"]["argmax_agreement"] == 1.0
+        assert engine["parity"]["max_abs_logit_diff"] < 1e-3
+    manifest = json.loads((tmp_path / "engines" / "manifest.json").read_text())
+    assert manifest["models"]["target"]["model_type"] == "qwen3"
+
+
+def test_progress_shows_every_step(tmp_path):
+    recipe = tiny_recipe(tmp_path / "r.yaml", "llama", max_seq_len=32, prefill_chunk=8,
+                         drafters=[{"kind": "quantized-self"}])
+    code, _, err = run_cli("build", recipe, "-o", tmp_path / "engines")
+    assert code == 0
+    for step in ("load", "plan", "export", "quantize", "validate", "write"):
+        assert f" {step} " in f" {err} ", step
+    code, out, err = run_cli("build", recipe, "-o", tmp_path / "other", "--quiet")
+    assert code == 0 and err == "" and out == ""
+
+
+if os.name != "posix":  # pragma: no cover
+    pytest.skip("signals", allow_module_level=True)

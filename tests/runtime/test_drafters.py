@@ -1,0 +1,80 @@
+import numpy as np
+
+from specexport.runtime.acceptance import Sampling
+from specexport.runtime.drafters import ModelDrafter, NgramDrafter
+from specexport.runtime.kv_cache import KVCache
+from tests.runtime.fakes import MarkovRunner, random_table
+
+RNG = np.random.default_rng(0)
+
+
+def propose(drafter, context, k):
+    return drafter.propose(np.array(context, dtype=np.int64), k, Sampling(), RNG).tokens.tolist()
+
+
+def test_ngram_longest_match_first():
+    # "7 8 9" matches earlier in full (-> 1 2); the bare suffix "9" alone matches elsewhere (-> 5)
+    context = [9, 5, 5, 7, 8, 9, 1, 2, 3, 0, 7, 8, 9]
+    assert propose(NgramDrafter(max_ngram=3), context, 2) == [1, 2]
+    assert propose(NgramDrafter(max_ngram=1), context, 2) == [1, 2]  # latest "9" with 2 tokens after
+
+
+def test_ngram_prefers_the_latest_match_with_k_tokens_after():
+    context = [4, 1, 2, 4, 3, 3, 4, 6, 4]
+    assert propose(NgramDrafter(max_ngram=1), context, 2) == [6, 4]
+    assert propose(NgramDrafter(max_ngram=1), context, 5) == [3, 3, 4, 6, 4]
+    # no occurrence has 6 tokens after it: take the longest continuation (the earliest)
+    assert propose(NgramDrafter(max_ngram=1), context, 6) == [1, 2, 4, 3, 3, 4]
+
+
+def test_ngram_no_match_proposes_nothing():
+    assert propose(NgramDrafter(max_ngram=3, min_ngram=2), [1, 2, 3, 4, 5], 4) == []
+    assert propose(NgramDrafter(), [7], 4) == []
+
+
+def test_ngram_min_size_is_respected():
+    context = [1, 2, 3, 9, 3]  # only a 1-gram match ("3")
+    assert propose(NgramDrafter(max_ngram=3, min_ngram=2), context, 2) == []
+    assert propose(NgramDrafter(max_ngram=3, min_ngram=1), context, 2) == [9, 3]
+
+
+def test_model_drafter_resyncs_after_partial_acceptance():
+    table = random_table(5, seed=1)
+    runner = MarkovRunner(table)
+    drafter = ModelDrafter("m", runner)
+    prompt = np.array([1, 2, 3])
+    drafter.reset(prompt)
+    assert runner.fed == [1, 2]
+    draft = drafter.propose(prompt, 4, Sampling(), RNG).tokens.tolist()
+    # fed the last prompt token, then drafts 1..3 (the 4th is never fed)
+    assert runner.fed == [1, 2, 3, *draft[:3]]
+    drafter.accept(1, 4)  # target kept draft 1, then chose token 4
+    assert runner.fed == [1, 2, 3, draft[0]]
+    context = np.array([1, 2, 3, draft[0], 4])
+    drafter.propose(context, 2, Sampling(), RNG)
+    assert runner.fed[:5] == context.tolist()
+
+
+def test_kv_cache_write_and_rewind_reuse_the_same_buffers():
+    cache = KVCache(num_layers=2, batch=1, num_kv_heads=2, max_seq_len=8, head_dim=4)
+    buffers = {k: id(v) for k, v in cache.view().items()}
+    present = {f"present.{i}.{kind}": np.full((1, 2, 3, 4), i + 1.0, dtype=np.float32)
+               for i in range(2) for kind in ("key", "value")}
+    cache.write(present, 3)
+    cache.rewind(1)
+    cache.write(present, 2)
+    assert cache.length == 3
+    assert {k: id(v) for k, v in cache.view().items()} == buffers
+    assert (cache.view()["past_key_values.1.value"][:, :, :3] == 2.0).all()
+    assert (cache.view()["past_key_values.1.value"][:, :, 4:] == 0.0).all()
+
+
+def test_kv_cache_refuses_overflow_and_forward_rewind():
+    import pytest
+
+    cache = KVCache(1, 1, 1, 4, 2)
+    present = {f"present.0.{k}": np.zeros((1, 1, 5, 2), np.float32) for k in ("key", "value")}
+    with pytest.raises(ValueError):
+        cache.write(present, 5)
+    with pytest.raises(ValueError):
+        cache.rewind(1)
