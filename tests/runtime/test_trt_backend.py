@@ -1,0 +1,395 @@
+"""The TensorRT backend: what holds on any machine, and (marked gpu) what needs one.
+
+CPU-only checks: asking for TensorRT where it or a GPU is missing is one line naming the
+extra, exit code 2; an engine built for another TensorRT version or GPU is refused with the
+exact rebuild command; every cuda-python call in the backend matches the installed
+function's signature; the device-side KV append writes what the host cache writes; the
+fp16/bf16 cast of a real graph keeps its I/O types and its argmax.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from specexport.errors import BadInput
+from specexport.runtime.kv_cache import KVCache
+from specexport.runtime.manifest import EngineEntry, TensorSpec, sha256_of
+from specexport.runtime.trt_engine import (
+    CudaDevice,
+    append_copies,
+    check_compatible,
+    cuda_device,
+    rebuild_command,
+    require_tensorrt,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+BACKEND = REPO / "runtime" / "trt_engine.py"
+
+
+def gpu_unavailable() -> str | None:
+    """Why the GPU tests cannot run here (None when they can)."""
+    try:
+        require_tensorrt()
+        cuda_device()
+    except BadInput as err:
+        return str(err)
+    return None
+
+
+NO_GPU = gpu_unavailable()
+needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(NO_GPU is not None, reason=f"needs a CUDA GPU and TensorRT: {NO_GPU}")]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """The tiny-llama engine directory (shared with tests/exporter/test_lint.py's build)."""
+    from specexport.exporter.builder import build
+    from specexport.exporter.progress import Reporter
+
+    out = tmp_path_factory.getbasetemp() / "tiny-llama-engines"
+    build(REPO / "recipes" / "tiny-llama.yaml", out, False, Reporter(quiet=True), threads=1)
+    return out
+
+
+def with_tensorrt_entries(src: Path, dst: Path, version: str = "10.13.0.35", cc: str = "9.0") -> Path:
+    """A copy of an engine directory as a GPU build writes it: a tensorrt entry beside each
+    target graph. The .plan files are placeholders; nothing here gets far enough to load them."""
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    for entry in [e for e in manifest["engines"] if e["model"] == "target"]:
+        plan = dst / f"{entry['name']}.plan"
+        plan.write_bytes(b"placeholder engine")
+        digest = sha256_of(plan)
+        manifest["files"][plan.name] = digest
+        extra = {"tensorrt_version": version, "device_name": "NVIDIA H200", "compute_capability": cc,
+                 "precision": "fp16", "onnx": entry["path"]}
+        manifest["engines"].append({**entry, "backend": "tensorrt", "path": plan.name, "sha256": digest,
+                                    "extra": extra})
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return dst
+
+
+# -- missing TensorRT or GPU: one line, the extra, exit code 2 -------------------------------
+
+
+@pytest.mark.skipif(NO_GPU is None, reason="TensorRT and a GPU are present")
+def test_loading_the_tensorrt_backend_names_the_extra(tiny_dir, tmp_path):
+    from specexport.runtime import load
+
+    engines = with_tensorrt_entries(tiny_dir, tmp_path / "engines")
+    with pytest.raises(BadInput) as err:
+        load(engines, backend="tensorrt")
+    assert err.value.exit_code == 2
+    assert "pip install 'specexport[gpu]'" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(NO_GPU is None, reason="TensorRT and a GPU are present")
+def test_generate_with_tensorrt_backend_exits_2(tiny_dir, tmp_path):
+    from specexport.cli import cli
+
+    if "backend" not in {p.name for p in cli.commands["generate"].params}:
+        pytest.skip("`generate --backend` is not wired into specexport/cli.py yet")
+    engines = with_tensorrt_entries(tiny_dir, tmp_path / "engines")
+    proc = subprocess.run([sys.executable, "-m", "specexport", "generate", str(engines), "--backend", "tensorrt",
+                           "--prompt", "hi", "-n", "2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'specexport[gpu]'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(NO_GPU is None, reason="TensorRT and a GPU are present")
+def test_build_of_a_tensorrt_recipe_exits_2_before_exporting(tmp_path):
+    recipe = tmp_path / "trt.yaml"
+    text = (REPO / "recipes" / "tiny-llama.yaml").read_text()
+    recipe.write_text(text.replace("name: tiny-llama", "name: tiny-trt") + "backends: [onnxruntime, tensorrt]\n")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "specexport", "build", str(recipe), "-o", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "pip install 'specexport[gpu]'" in proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.skipif(NO_GPU is None, reason="TensorRT and a GPU are present")
+def test_require_tensorrt_is_not_fooled_by_the_type_stubs():
+    # tensorrt-stubs installs tensorrt/__init__.pyi, which imports as an empty namespace package
+    with pytest.raises(BadInput, match=r"tensorrt is not installed: pip install 'specexport\[gpu\]'"):
+        require_tensorrt()
+
+
+@pytest.mark.skipif(NO_GPU is None, reason="a GPU is present")
+def test_no_gpu_is_a_clear_error():
+    if importlib.util.find_spec("cuda") is None:
+        pytest.skip("cuda-python is not installed (it comes with specexport[dev])")
+    with pytest.raises(BadInput) as err:
+        cuda_device()
+    assert err.value.exit_code == 2
+    assert "no CUDA GPU is usable here" in str(err.value) and "specexport[gpu]" in str(err.value)
+
+
+# -- the manifest's version and GPU promise --------------------------------------------------
+
+
+def entry(version: str, cc: str) -> EngineEntry:
+    spec = {"input_ids": TensorSpec("int64", (1, 1))}
+    return EngineEntry("target.decode.b1.t1", "target", "decode", "tensorrt", "target.decode.b1.t1.plan", 1, 1,
+                       spec, {}, extra={"tensorrt_version": version, "compute_capability": cc,
+                                        "device_name": "NVIDIA H200"})
+
+
+def test_engine_from_another_tensorrt_version_is_refused_with_the_rebuild_command(tmp_path):
+    root = tmp_path / "my engines"
+    here = CudaDevice(0, "NVIDIA H200", "9.0")
+    with pytest.raises(BadInput) as err:
+        check_compatible(entry("10.12.0.36", "9.0"), root, "10.13.0.35", here)
+    message = str(err.value)
+    assert "TensorRT 10.12.0.36" in message and "TensorRT 10.13.0.35" in message
+    assert message.endswith(f"specexport build --from-onnx '{root}'")
+    assert rebuild_command(root) == f"specexport build --from-onnx '{root}'"
+
+
+def test_engine_for_another_gpu_architecture_is_refused(tmp_path):
+    orin = CudaDevice(0, "Orin", "8.7")
+    with pytest.raises(BadInput) as err:
+        check_compatible(entry("10.13.0.35", "9.0"), tmp_path, "10.13.0.35", orin)
+    assert "compute capability 9.0" in str(err.value) and "is 8.7" in str(err.value)
+    assert f"specexport build --from-onnx {tmp_path}" in str(err.value)
+    check_compatible(entry("10.13.0.35", "8.7"), tmp_path, "10.13.0.35", orin)  # a match loads
+
+
+# -- cuda-python calls against the installed bindings ----------------------------------------
+
+
+def cuda_calls(source: str) -> list[tuple[str, int, int]]:
+    """(function, positional args, line) for every cuda_call(cudart, "name", ...) and cudart.name(...)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id == "cuda_call":
+            name = node.args[1]
+            assert isinstance(name, ast.Constant), ast.dump(node)
+            found.append((name.value, len(node.args) - 2, node.lineno))
+        elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in ("cudart", "runtime") \
+                or isinstance(f, ast.Attribute) and isinstance(f.value, ast.Attribute) and f.value.attr == "_cudart":
+            found.append((f.attr, len(node.args), node.lineno))
+    return found
+
+
+def test_every_cuda_call_matches_the_installed_signature():
+    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+        pytest.skip("cuda-python is not installed (it comes with specexport[dev])")
+    from cuda.bindings import runtime as cudart
+
+    source = BACKEND.read_text()
+    calls = cuda_calls(source)
+    assert len(calls) > 15 and {"cudaMalloc", "cudaMemcpyAsync", "cudaGraphLaunch", "cudaMemcpy2DAsync"} <= {c[0] for c in calls}
+    for name, nargs, line in calls:
+        fn = getattr(cudart, name, None)
+        assert fn is not None, f"trt_engine.py:{line}: cuda-python has no {name}"
+        inspect.signature(fn).bind(*range(nargs))  # raises TypeError on a wrong argument count
+    # enum members named as cudart.<Enum>.<member>
+    for enum, member in set(re_findall(r"cudart\.(cuda\w+)\.(cuda\w+)", source)):
+        assert hasattr(getattr(cudart, enum), member), f"{enum}.{member}"
+    assert hasattr(cudart, "cudaStreamNonBlocking")
+
+
+def re_findall(pattern: str, text: str) -> list[tuple[str, str]]:
+    import re
+
+    return re.findall(pattern, text)
+
+
+def test_the_signature_check_catches_a_wrong_call():
+    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+        pytest.skip("cuda-python is not installed (it comes with specexport[dev])")
+    from cuda.bindings import runtime as cudart
+
+    (name, nargs, _), = cuda_calls('cuda_call(cudart, "cudaMemcpyAsync", dst, src, n, kind)')
+    with pytest.raises(TypeError):
+        inspect.signature(getattr(cudart, name)).bind(*range(nargs))  # the stream is missing
+
+
+# -- KV on the device: the append is the host cache's write ----------------------------------
+
+
+def emulate_copies(cache: np.ndarray, present: np.ndarray, copies) -> None:
+    """cudaMemcpy2D semantics on host bytes."""
+    dst, src = cache.reshape(-1).view(np.uint8), present.reshape(-1).view(np.uint8)
+    for c in copies:
+        for row in range(c.height):
+            d, s = c.dst_offset + row * c.dpitch, c.src_offset + row * c.spitch
+            dst[d : d + c.width] = src[s : s + c.width]
+
+
+@pytest.mark.parametrize("at, count", [(0, 5), (7, 3), (14, 2)])
+def test_device_append_writes_what_the_host_cache_writes(at, count):
+    rng = np.random.default_rng(at)
+    layers, n_kv, s_max, hd, tokens = 1, 3, 16, 4, 5
+    host = KVCache(layers, 1, n_kv, s_max, hd)
+    host.length = at
+    present = rng.standard_normal((1, n_kv, tokens, hd)).astype(np.float32)  # [B, n_kv, T, hd]
+    host.write({"present.0.key": present, "present.0.value": present}, count)
+    device = np.zeros((1, n_kv, s_max, hd), np.float32)  # [B, n_kv, S_max, hd]
+    emulate_copies(device, present, append_copies(present.shape, 4, s_max, [at]))
+    real = slice(0, at + count)  # positions the cache length covers
+    np.testing.assert_array_equal(device[:, :, real], host.view()["past_key_values.0.key"][:, :, real])
+    # padding past the length is written (harmless) but never beyond S_max
+    written = min(tokens, s_max - at)
+    np.testing.assert_array_equal(device[:, :, at : at + written], present[:, :, :written])
+
+
+def test_device_append_handles_rows_of_different_lengths():
+    present = np.arange(2 * 2 * 3 * 2, dtype=np.float32).reshape(2, 2, 3, 2)
+    device = np.zeros((2, 2, 8, 2), np.float32)
+    emulate_copies(device, present, append_copies(present.shape, 4, 8, [1, 4]))
+    np.testing.assert_array_equal(device[0, :, 1:4], present[0])
+    np.testing.assert_array_equal(device[1, :, 4:7], present[1])
+    assert not device[0, :, 4:].any() and not device[1, :, :4].any()
+
+
+# -- precision: the cast copy TensorRT builds in fp16 / bf16 ---------------------------------
+
+
+def feeds_for(entry_: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for name, (dtype, shape) in entry_["inputs"].items():
+        if name == "input_ids":
+            feeds[name] = rng.integers(0, 250, size=shape).astype(dtype)
+        elif name == "cache_length":
+            feeds[name] = np.full(shape, 9, dtype=dtype)
+        else:
+            feeds[name] = (0.5 * rng.standard_normal(shape)).astype(dtype)
+    return feeds
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cast_precision_keeps_io_and_argmax(tiny_dir, precision):
+    import onnxruntime as ort
+    from onnx.reference import ReferenceEvaluator
+
+    from specexport.exporter.trt_build import cast_precision
+
+    manifest = json.loads((tiny_dir / "manifest.json").read_text())
+    e = next(x for x in manifest["engines"] if x["name"].startswith("target.verify") and x["backend"] == "onnxruntime")
+    path = tiny_dir / e["path"]
+    low = cast_precision(onnx.load(str(path)), precision)
+    onnx.checker.check_model(low, full_check=True)
+
+    original = onnx.load(str(path), load_external_data=False)
+    io = lambda m: [(v.name, v.type.tensor_type.elem_type) for v in [*m.graph.input, *m.graph.output]]  # noqa: E731
+    assert io(low) == io(original)
+    code = {"fp16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}[precision]
+    types = {v.name: v.type.tensor_type.elem_type for v in low.graph.value_info}
+    types.update({t.name: t.data_type for t in low.graph.initializer})
+    matmul_inputs = [types.get(x) for n in low.graph.node if n.op_type in ("MatMul", "Gemm") for x in n.input[:2]]
+    assert matmul_inputs and all(t == code for t in matmul_inputs)
+    norm = [n for n in low.graph.node if n.op_type == "ReduceMean"]
+    assert norm and all(types.get(n.output[0]) == onnx.TensorProto.FLOAT for n in norm)  # statistics in fp32
+
+    feeds = feeds_for(e)
+    names = [o.name for o in low.graph.output]
+    ref = dict(zip(names, ort.InferenceSession(str(path)).run(names, feeds)))
+    if precision == "fp16":
+        got = dict(zip(names, ort.InferenceSession(low.SerializeToString()).run(names, feeds)))
+    else:  # onnxruntime's CPU kernels have no bf16 Mul; the reference evaluator does
+        got = dict(zip(names, ReferenceEvaluator(low).run(names, feeds)))
+    scale = float(np.abs(ref["logits"]).max())
+    tolerance = {"fp16": 0.02, "bf16": 0.1}[precision]
+    assert float(np.abs(got["logits"] - ref["logits"]).max()) < tolerance * scale
+    assert (got["next_tokens"] == ref["next_tokens"]).mean() == 1.0
+
+
+def test_cast_precision_clips_instead_of_overflowing():
+    from specexport.exporter.trt_build import _low_array
+
+    values = np.array([np.finfo(np.float32).min, -np.inf, 1.5, 1e6], np.float32)
+    fp16 = _low_array(values, onnx.TensorProto.FLOAT16)
+    assert fp16[0] == -65504 and fp16[1] == -np.inf and fp16[2] == 1.5 and fp16[3] == 65504
+    bf16 = _low_array(values, onnx.TensorProto.BFLOAT16).astype(np.float32)
+    assert np.isfinite(bf16[0]) and bf16[1] == -np.inf
+
+
+# -- on a GPU with TensorRT ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trt_dir(tmp_path_factory) -> Path:
+    from specexport.exporter.builder import build
+    from specexport.exporter.progress import Reporter
+
+    recipe = tmp_path_factory.mktemp("trt") / "tiny-trt.yaml"
+    text = (REPO / "recipes" / "tiny-llama.yaml").read_text().replace("name: tiny-llama", "name: tiny-trt")
+    recipe.write_text(text + "backends: [onnxruntime, tensorrt]\nprecision: fp32\n")
+    out = recipe.parent / "engines"
+    build(recipe, out, False, Reporter(quiet=True), threads=1)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NO_GPU is not None, reason=f"needs a CUDA GPU and TensorRT: {NO_GPU}")
+def test_gpu_tensorrt_greedy_equals_onnxruntime(trt_dir):
+    from specexport.runtime import load
+
+    manifest = json.loads((trt_dir / "manifest.json").read_text())
+    trt_entries = [e for e in manifest["engines"] if e["backend"] == "tensorrt"]
+    assert trt_entries and not any(e["model"] == "quantized-self" for e in trt_entries)
+    assert all(e["extra"]["precision"] == "fp32" and e["extra"]["compute_capability"] for e in trt_entries)
+    ort_pipe, trt_pipe = load(trt_dir, backend="onnxruntime"), load(trt_dir, backend="tensorrt")
+    for drafter in ("none", "ngram", "tiny-draft"):
+        a = ort_pipe.generate("hello hello hello", drafter=drafter, max_new_tokens=24)
+        b = trt_pipe.generate("hello hello hello", drafter=drafter, max_new_tokens=24)
+        assert a.token_ids == b.token_ids, drafter
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NO_GPU is not None, reason=f"needs a CUDA GPU and TensorRT: {NO_GPU}")
+def test_gpu_device_kv_and_cuda_graphs_match_the_host_path(trt_dir):
+    from dataclasses import dataclass
+
+    from specexport.runtime.engine import EngineOptions
+    from specexport.runtime.manifest import Manifest
+    from specexport.runtime.runner import ModelRunner
+    from specexport.runtime.trt_engine import DeviceKVCache, open_trt_engine
+
+    @dataclass(frozen=True)
+    class GraphOptions(EngineOptions):
+        cuda_graphs: bool = True
+
+    manifest = Manifest.load(trt_dir)
+    info = manifest.models["target"]
+    entries = manifest.engines_of("target", "tensorrt")
+    tokens = {e.name: e.tokens for e in entries}
+    host = ModelRunner("target", [open_trt_engine(e, trt_dir, EngineOptions()) for e in entries],
+                       KVCache(info.num_layers, 1, info.num_kv_heads, info.max_seq_len, info.head_dim), tokens)
+    engines = [open_trt_engine(e, trt_dir, GraphOptions()) for e in entries]
+    cache = DeviceKVCache(info.num_layers, 1, info.num_kv_heads, info.max_seq_len, info.head_dim)
+    for engine in engines:
+        engine.bind_kv_cache(cache)
+    device = ModelRunner("target", engines, cache, tokens)  # type: ignore[arg-type]
+    prompt = list(range(3, 40))
+    for runner in (host, device):
+        runner.forward(prompt)
+    a, b = host.forward([5, 6, 7]), device.forward([5, 6, 7])
+    np.testing.assert_array_equal(a.next_tokens, b.next_tokens)
+    host.rewind(len(prompt) + 1)
+    device.rewind(len(prompt) + 1)
+    for step in range(6):  # decode steps replay the captured graph
+        a, b = host.forward([int(a.next_tokens[-1])]), device.forward([int(b.next_tokens[-1])])
+        np.testing.assert_array_equal(a.next_tokens, b.next_tokens, err_msg=f"step {step}")
+    cache.close()
