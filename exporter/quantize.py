@@ -45,3 +45,27 @@ def quantize_int4(model: onnx.ModelProto, block_size: int, symmetric: bool, accu
 
 def count_quantized(model: onnx.ModelProto) -> int:
     return sum(node.op_type == "MatMulNBits" for node in model.graph.node)
+
+
+def gemm_heads_to_matmul(model: onnx.ModelProto) -> int:
+    """Rewrite Gemm(x, W, transB=1) with a constant W and no bias as MatMul(x, Wᵀ), so the
+    quantizer (which handles MatMul) reaches the output head too. Returns how many."""
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    changed = 0
+    for node in model.graph.node:
+        attrs = {a.name: a for a in node.attribute}
+        if (node.op_type != "Gemm" or len(node.input) != 2 or node.input[1] not in inits
+                or attrs.get("transB") is None or attrs["transB"].i != 1
+                or ("transA" in attrs and attrs["transA"].i) or any(
+                    k in attrs and attrs[k].f != 1.0 for k in ("alpha", "beta"))):
+            continue
+        weight = numpy_helper.to_array(inits[node.input[1]])  # [V, hidden]
+        name = f"{node.input[1]}_transposed"
+        model.graph.initializer.append(numpy_helper.from_array(weight.T.copy(), name))  # [hidden, V]
+        node.op_type = "MatMul"
+        del node.attribute[:]
+        node.input[1] = name
+        changed += 1
+    return changed
