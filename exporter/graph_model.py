@@ -26,21 +26,27 @@ from specexport.exporter.archs import DecoderParts, LayerWeights
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    # Written as a division (not rsqrt) so onnxruntime fuses it into SimplifiedLayerNormalization.
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rotate_half_matrix(rot: int) -> torch.Tensor:
+    """R with x @ R == cat(-x[half:], x[:half]): one small MatMul instead of Split/Neg/Concat.
+    Each output picks one input times ±1, so the result is exact."""
+    half = rot // 2
+    r = torch.zeros(rot, rot)
+    r[torch.arange(half) + half, torch.arange(half)] = -1.0
+    r[torch.arange(half), torch.arange(half) + half] = 1.0
+    return r  # [rot, rot]
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Tensor) -> torch.Tensor:
     # x [B, T, heads, head_dim]; cos/sin [B, T, 1, rot] with rot <= head_dim (partial rotary)
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
+        return x * cos + (x @ rotate) * sin
     x_rot, x_pass = x[..., :rot], x[..., rot:]
-    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+    return torch.cat((x_rot * cos + (x_rot @ rotate) * sin, x_pass), dim=-1)
 
 
 def _param(t: torch.Tensor | None) -> nn.Parameter | None:
@@ -53,14 +59,18 @@ class _Layer(nn.Module):
         # Linear weights are stored [in, out] so each projection is a plain MatMul with an
         # initializer: what onnxruntime's int4 quantizer and TensorRT both want.
         self.attn_norm = _param(w.attn_norm)
-        self.q_w, self.k_w, self.v_w = _param(w.q_w.T), _param(w.k_w.T), _param(w.v_w.T)
-        self.q_b, self.k_b, self.v_b = _param(w.q_b), _param(w.k_b), _param(w.v_b)
+        # Q, K and V in one MatMul (and gate with up below): fewer, larger kernels.
+        self.qkv_w = _param(torch.cat((w.q_w, w.k_w, w.v_w), dim=0).T)  # [hidden, (H+2·n_kv)·hd]
+        self.qkv_b = _param(torch.cat((w.q_b, w.k_b, w.v_b)) if w.q_b is not None else None)
+        self.qkv_sizes = (w.q_w.shape[0], w.k_w.shape[0], w.v_w.shape[0])
         self.o_w, self.o_b = _param(w.o_w.T), _param(w.o_b)
         self.q_norm, self.k_norm = _param(w.q_norm), _param(w.k_norm)
         self.attn_out_norm = _param(w.attn_out_norm)
         self.mlp_norm = _param(w.mlp_norm)
         self.mlp_out_norm = _param(w.mlp_out_norm)
-        self.gate_w, self.up_w, self.down_w = _param(w.gate_w.T), _param(w.up_w.T), _param(w.down_w.T)
+        self.gate_up_w = _param(torch.cat((w.gate_w, w.up_w), dim=0).T)  # [hidden, 2·intermediate]
+        self.intermediate = w.gate_w.shape[0]
+        self.down_w = _param(w.down_w.T)
         self.sliding_window = w.sliding_window
         self.rope_table = w.rope_table
 
@@ -86,6 +96,8 @@ class StaticDecoder(nn.Module):
         self.lm_head = _param(parts.lm_head)
         self.layers = nn.ModuleList(_Layer(w) for w in parts.layers)
         self.rope_tables = sorted(parts.rope_tables)
+        rot = next(iter(parts.rope_tables.values()))[0].shape[-1]
+        self.register_buffer("rope_rotate", _rotate_half_matrix(rot), persistent=False)
         for name, (cos, sin) in parts.rope_tables.items():
             self.register_buffer(f"rope_cos_{name}", cos[:max_seq_len].contiguous(), persistent=False)
             self.register_buffer(f"rope_sin_{name}", sin[:max_seq_len].contiguous(), persistent=False)
@@ -122,16 +134,22 @@ class StaticDecoder(nn.Module):
         if self.embed_scale != 1.0:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
 
+        # One additive mask per distinct window, shared by the layers: 0 visible, -inf hidden.
+        masks: dict[int | None, torch.Tensor] = {}
+        for window in {layer.sliding_window for layer in self.layers}:
+            mask_past, mask_new = past_visible, new_visible
+            if window is not None:
+                mask_past = mask_past & (positions.unsqueeze(2) - past_slots.view(1, 1, s_max) < window)
+                mask_new = mask_new & (offsets.view(tokens, 1) - offsets.view(1, tokens) < window).unsqueeze(0)
+            visible = torch.cat((mask_past, mask_new), dim=-1)  # [B, T, S_max+T]
+            zero = torch.zeros((), dtype=hidden.dtype)
+            masks[window] = torch.where(visible, zero, float("-inf")).view(batch, 1, 1, tokens, s_max + tokens)
+
         presents: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             cos, sin = rope[layer.rope_table]  # [B, T, 1, rot]
             past_k, past_v = past[2 * i], past[2 * i + 1]  # [B, n_kv, S_max, hd]
-            mask_past, mask_new = past_visible, new_visible
-            if layer.sliding_window is not None:
-                window = layer.sliding_window
-                mask_past = mask_past & (positions.unsqueeze(2) - past_slots.view(1, 1, s_max) < window)
-                mask_new = mask_new & (offsets.view(tokens, 1) - offsets.view(1, tokens) < window).unsqueeze(0)
-            attn_out, k_new, v_new = self._attention(layer, hidden, cos, sin, past_k, past_v, mask_past, mask_new)
+            attn_out, k_new, v_new = self._attention(layer, hidden, cos, sin, past_k, past_v, masks[layer.sliding_window])
             presents += [k_new, v_new]
             if layer.attn_out_norm is not None:
                 attn_out = _rms_norm(attn_out, layer.attn_out_norm, self.eps)
@@ -151,23 +169,22 @@ class StaticDecoder(nn.Module):
         next_tokens = logits.argmax(dim=-1)  # [B, T]
         return (logits, next_tokens, *presents)
 
-    def _attention(self, layer: _Layer, hidden, cos, sin, past_k, past_v, mask_past, mask_new):
+    def _attention(self, layer: _Layer, hidden, cos, sin, past_k, past_v, mask):
         batch, tokens, _ = hidden.shape
         hd, n_kv, g = self.head_dim, self.n_kv, self.group
         x = _rms_norm(hidden, layer.attn_norm, self.eps)  # [B, T, hidden]
-        q = x @ layer.q_w  # [B, T, H*hd]
-        k = x @ layer.k_w  # [B, T, n_kv*hd]
-        v = x @ layer.v_w
-        if layer.q_b is not None:
-            q, k, v = q + layer.q_b, k + layer.k_b, v + layer.v_b
+        qkv = x @ layer.qkv_w  # [B, T, (H+2·n_kv)·hd]
+        if layer.qkv_b is not None:
+            qkv = qkv + layer.qkv_b
+        q, k, v = torch.split(qkv, layer.qkv_sizes, dim=-1)  # [B, T, H·hd], [B, T, n_kv·hd] ×2
         q = q.view(batch, tokens, self.n_heads, hd)
         k = k.view(batch, tokens, n_kv, hd)
         v = v.view(batch, tokens, n_kv, hd)
         if layer.q_norm is not None:
             q = _rms_norm(q, layer.q_norm, self.eps)
             k = _rms_norm(k, layer.k_norm, self.eps)
-        q = _apply_rope(q, cos, sin)
-        k = _apply_rope(k, cos, sin)
+        q = _apply_rope(q, cos, sin, self.rope_rotate)
+        k = _apply_rope(k, cos, sin, self.rope_rotate)
         k_new = k.transpose(1, 2)  # [B, n_kv, T, hd]
         v_new = v.transpose(1, 2)  # [B, n_kv, T, hd]
 
@@ -179,9 +196,7 @@ class StaticDecoder(nn.Module):
         scores = torch.cat((s_past, s_new), dim=-1) * self.attn_scale  # [B, n_kv, G·T, S_max+T]
         if self.attn_softcap is not None:
             scores = torch.tanh(scores / self.attn_softcap) * self.attn_softcap
-        visible = torch.cat((mask_past, mask_new), dim=-1)  # [B, T, S_max+T]
-        scores = scores.view(batch, n_kv, g, tokens, -1)
-        scores = scores.masked_fill(~visible.view(batch, 1, 1, tokens, -1), float("-inf"))
+        scores = scores.view(batch, n_kv, g, tokens, -1) + mask  # mask [B, 1, 1, T, S_max+T]
         probs = torch.softmax(scores, dim=-1).view(batch, n_kv, g * tokens, -1)
         s_max = past_k.shape[2]
         out = probs[..., :s_max] @ past_v + probs[..., s_max:] @ v_new  # [B, n_kv, G·T, hd]
@@ -192,8 +207,7 @@ class StaticDecoder(nn.Module):
         return out, k_new, v_new
 
     def _mlp(self, layer: _Layer, x):
-        gate = x @ layer.gate_w  # [B, T, intermediate]
-        up = x @ layer.up_w
+        gate, up = torch.split(x @ layer.gate_up_w, layer.intermediate, dim=-1)  # [B, T, intermediate] ×2
         if self.activation == "silu":
             act = nn.functional.silu(gate)
         else:
