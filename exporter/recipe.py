@@ -7,7 +7,7 @@ names the file and the field (``recipe.yaml: drafters.1.bits: ...``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -39,7 +39,7 @@ class GgufSource(_Strict):
     file: str | None = None
 
     @model_validator(mode="after")
-    def _one_location(self) -> "GgufSource":
+    def _one_location(self) -> GgufSource:
         if (self.path is None) == (self.package is None):
             raise ValueError("give either 'path', or 'package' and 'file'")
         if self.package is not None and not self.file:
@@ -64,7 +64,7 @@ class TinySource(_Strict):
     init_std: float = Field(0.5, gt=0)
 
 
-ModelSource = Annotated[Union[HfSource, GgufSource, TinySource], Field(discriminator="source")]
+ModelSource = Annotated[HfSource | GgufSource | TinySource, Field(discriminator="source")]
 
 
 # --- drafters ------------------------------------------------------------------------------
@@ -79,7 +79,7 @@ class NgramDrafter(_Strict):
     min_ngram: int = Field(1, ge=1)
 
     @model_validator(mode="after")
-    def _ordered(self) -> "NgramDrafter":
+    def _ordered(self) -> NgramDrafter:
         if self.min_ngram > self.max_ngram:
             raise ValueError("min_ngram must not exceed max_ngram")
         return self
@@ -96,7 +96,7 @@ class QuantizedSelfDrafter(_Strict):
     accuracy_level: int | None = Field(None, ge=0, le=4)
 
     @model_validator(mode="after")
-    def _power_of_two(self) -> "QuantizedSelfDrafter":
+    def _power_of_two(self) -> QuantizedSelfDrafter:
         if self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two (16, 32, 64, 128)")
         return self
@@ -111,7 +111,7 @@ class ModelDrafter(_Strict):
 
 
 DrafterSpec = Annotated[
-    Union[NgramDrafter, QuantizedSelfDrafter, ModelDrafter], Field(discriminator="kind")
+    NgramDrafter | QuantizedSelfDrafter | ModelDrafter, Field(discriminator="kind")
 ]
 
 
@@ -124,7 +124,7 @@ class Shapes(_Strict):
     prefill_chunk: int = Field(64, ge=1)
 
     @model_validator(mode="after")
-    def _chunk_fits(self) -> "Shapes":
+    def _chunk_fits(self) -> Shapes:
         if self.max_seq_len <= self.prefill_chunk:
             raise ValueError(
                 f"max_seq_len ({self.max_seq_len}) must be larger than prefill_chunk "
@@ -166,7 +166,7 @@ class Recipe(_Strict):
     validation: Validation = Validation()
 
     @model_validator(mode="after")
-    def _unique_drafter_names(self) -> "Recipe":
+    def _unique_drafter_names(self) -> Recipe:
         names = [d.name for d in self.drafters]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:

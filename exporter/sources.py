@@ -7,16 +7,16 @@ recipe asks for it, and transformers directories must hold safetensors weights.
 from __future__ import annotations
 
 import importlib.util
-import json
 import io
+import json
 from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 from pathlib import Path
 
+from specexport.errors import BadInput
 from specexport.exporter.archs import check_supported
 from specexport.exporter.recipe import GgufSource, HfSource, TinySource
 from specexport.runtime.manifest import sha256_of as file_sha256
-from specexport.errors import BadInput
 
 
 @dataclass

@@ -10,9 +10,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.pre_tokenizers import ByteLevel
 
+from specexport.errors import BadInput
 from specexport.exporter.archs import ARCHITECTURES
 from specexport.exporter.recipe import TinySource
-from specexport.errors import BadInput
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (

@@ -47,6 +47,7 @@ class Draft:
 
     tokens: np.ndarray  # [k] int64
     probs: np.ndarray | None = None  # [k, V] q that each token was sampled from; None: point mass
+    tag: str = ""  # what kind of guess this is (drafter, n-gram length): acceptance is tracked per tag
 
     @property
     def size(self) -> int:

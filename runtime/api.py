@@ -7,14 +7,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 from specexport.errors import BadInput
 from specexport.runtime.acceptance import Sampling
+from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.decode import DecodeStats, decode
 from specexport.runtime.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
 from specexport.runtime.engine import EngineOptions, open_engine
@@ -44,16 +45,16 @@ class Generation:
         }
 
 
-def _ngram(entry: DrafterEntry, pipe: "Pipeline") -> Drafter:
+def _ngram(entry: DrafterEntry, pipe: Pipeline) -> Drafter:
     return NgramDrafter(entry.name, int(entry.params.get("max_ngram", 3)), int(entry.params.get("min_ngram", 1)))
 
 
-def _model(entry: DrafterEntry, pipe: "Pipeline") -> Drafter:
+def _model(entry: DrafterEntry, pipe: Pipeline) -> Drafter:
     return ModelDrafter(entry.name, pipe.runner(entry.model or entry.name))
 
 
 # manifest drafter kind -> factory
-DRAFTER_FACTORIES: dict[str, Callable[[DrafterEntry, "Pipeline"], Drafter]] = {
+DRAFTER_FACTORIES: dict[str, Callable[[DrafterEntry, Pipeline], Drafter]] = {
     "ngram": _ngram,
     "model": _model,
     "quantized-self": _model,
@@ -101,6 +102,21 @@ class Pipeline:
             self._drafters[name] = factory(entry, self)
         return self._drafters[name]
 
+    def _policy(self, drafter: str) -> DepthPolicy:
+        """A fresh adaptive-depth policy over the costs the build measured."""
+        target = {e.tokens: e.cost_ms for e in self.manifest.engines_of("target", self.backend)}
+
+        def verify_cost(tokens: int) -> float | None:
+            ms = target.get(self.target.engine_size(tokens))
+            return ms / 1e3 if ms else None
+
+        entry = self.manifest.drafters.get(drafter)
+        draft_ms = 0.0
+        if entry is not None and entry.model is not None:
+            draft_ms = next((e.cost_ms or 0.0 for e in self.manifest.engines_of(entry.model, self.backend)
+                             if e.tokens == 1), 0.0)
+        return DepthPolicy(self.manifest.draft_len, verify_cost, draft_cost=draft_ms / 1e3)
+
     def prompt_ids(self, prompt: str | None = None, *, chat: bool = False, messages: list[dict] | None = None,
                    ids: Sequence[int] | None = None) -> list[int]:
         if ids is not None:
@@ -125,7 +141,7 @@ class Pipeline:
     def stream(self, prompt: str | None = None, *, chat: bool = False, messages: list[dict] | None = None,
                prompt_ids: Sequence[int] | None = None, drafter: str = "none", max_new_tokens: int = 128,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               stop: Sequence[str] = (), draft_len: int | None = None) -> Iterator[str]:
+               stop: Sequence[str] = (), draft_len: int | None = None, adaptive: bool = True) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; the final Generation is the return value."""
         if max_new_tokens < 1:
             raise BadInput(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
@@ -136,11 +152,12 @@ class Pipeline:
         if not 0 <= depth <= self.manifest.draft_len:
             raise BadInput(f"draft length must be between 0 and {self.manifest.draft_len} (got {depth})")
         stats = DecodeStats(draft_len=depth)
+        policy = self._policy(chosen.name) if adaptive and chosen.name != "none" else None
         text = _TextTracker(self.text.stream(), stop)
         out: list[int] = []
         for token in decode(self.target, chosen, np.asarray(ids, dtype=np.int64), draft_len=depth,
                             max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=self.text.eos_ids,
-                            rng=np.random.default_rng(seed), stop=text.add, stats=stats):
+                            rng=np.random.default_rng(seed), stop=text.add, stats=stats, policy=policy):
             out.append(token)
             if piece := text.ready():
                 yield piece

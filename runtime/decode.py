@@ -9,12 +9,13 @@ committed, and the cache is rewound to drop the rejected drafts.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import numpy as np
 
 from specexport.runtime.acceptance import EMPTY_DRAFT, Sampling, greedy, rejection, warp
+from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.drafters import Drafter
 from specexport.runtime.runner import ModelRunner
 
@@ -73,8 +74,12 @@ class DecodeStats:
 
 def decode(target: ModelRunner, drafter: Drafter, prompt: np.ndarray, *, draft_len: int, max_new_tokens: int,
            sampling: Sampling, eos_ids: frozenset[int], rng: np.random.Generator,
-           stop: Callable[[int], bool] | None = None, stats: DecodeStats) -> Iterator[int]:
+           stop: Callable[[int], bool] | None = None, stats: DecodeStats,
+           policy: DepthPolicy | None = None) -> Iterator[int]:
     """Yield tokens as the target accepts them; ``stats`` is filled in as it goes.
+
+    ``policy`` (adaptive depth) chooses each round's depth up to ``draft_len`` from measured
+    costs and acceptance; without it every round drafts ``draft_len`` tokens.
 
     ``stop(token)`` sees each token before it is yielded (to detokenize and match stop
     strings); True ends decoding after that token."""
@@ -98,9 +103,13 @@ def decode(target: ModelRunner, drafter: Drafter, prompt: np.ndarray, *, draft_l
             # The target cache will hold length-1 tokens + the 1+k fed: 1+k <= capacity-length+1.
             k = min(draft_len, capacity - length, max_new_tokens - stats.tokens - 1)
 
+            if policy is not None:
+                k = policy.best_depth(drafter.name, k)
             t0 = time.perf_counter()
             draft = drafter.propose(context[:length], k, sampling, rng) if k > 0 else EMPTY_DRAFT
             stats.draft_s += time.perf_counter() - t0
+            if policy is not None:
+                draft = policy.trim(draft)
 
             engine_before = target.seconds
             out = target.forward(np.concatenate((context[length - 1 : length], draft.tokens)),
@@ -116,6 +125,8 @@ def decode(target: ModelRunner, drafter: Drafter, prompt: np.ndarray, *, draft_l
             t0 = time.perf_counter()
             drafter.accept(n_accepted, next_token)
             stats.draft_s += time.perf_counter() - t0
+            if policy is not None:
+                policy.update(draft.tag, draft.size, n_accepted)
 
             stats.rounds += 1
             stats.proposed += draft.size

@@ -68,7 +68,7 @@ class NgramDrafter:
                 continue
             full = hits[hits + n + k <= size]
             start = int(full[-1] if full.size else hits[0]) + n
-            return Draft(np.array(context[start : start + k], dtype=np.int64))
+            return Draft(np.array(context[start : start + k], dtype=np.int64), tag=f"{self.name}/n{n}")
         return EMPTY_DRAFT
 
     def accept(self, n_accepted: int, next_token: int) -> None:
@@ -109,7 +109,7 @@ class ModelDrafter:
             if j < k - 1:
                 out = self.runner.forward(tokens[j : j + 1], want_logits)
         self._base, self._k = len(context), k
-        return Draft(tokens, probs)
+        return Draft(tokens, probs, self.name)
 
     def accept(self, n_accepted: int, next_token: int) -> None:
         # The cache holds the context and drafts 1..k-1; keep those the target accepted.

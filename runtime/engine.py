@@ -7,9 +7,10 @@ one whose package is missing raises an error naming the extra to install.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -21,6 +22,8 @@ from specexport.runtime.manifest import EngineEntry, TensorSpec
 class EngineOptions:
     threads: int | None = None  # intra-op threads; None lets the backend choose
     device: str = "cpu"  # cpu | cuda | tensorrt (execution provider for ONNX graphs)
+    device_kv: bool = False  # tensorrt: keep the KV cache on the GPU (trt_engine.DeviceKVCache)
+    cuda_graphs: bool = False  # tensorrt: replay each fixed-shape step as a CUDA graph (needs device_kv)
 
 
 class Engine(Protocol):

@@ -23,7 +23,7 @@ class TensorSpec:
     shape: tuple[int, ...]
 
     @classmethod
-    def parse(cls, raw: list) -> "TensorSpec":
+    def parse(cls, raw: list) -> TensorSpec:
         return cls(str(raw[0]), tuple(int(d) for d in raw[1]))
 
 
@@ -40,6 +40,7 @@ class EngineEntry:
     outputs: dict[str, TensorSpec]
     parity: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # backend-specific facts (TensorRT version, GPU)
+    cost_ms: float | None = None  # one run, measured at build time (adaptive depth reads it)
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class Manifest:
         return sorted({e.backend for e in self.engines})
 
     @classmethod
-    def load(cls, root: str | Path) -> "Manifest":
+    def load(cls, root: str | Path) -> Manifest:
         root = Path(root)
         if not root.exists():
             raise BadInput(f"{root}: engine directory not found (build one with: specexport build RECIPE -o {root})")
@@ -115,7 +116,7 @@ class Manifest:
         return manifest
 
     @classmethod
-    def _parse(cls, root: Path, raw: dict) -> "Manifest":
+    def _parse(cls, root: Path, raw: dict) -> Manifest:
         models = {
             name: ModelEntry(
                 name=name,
@@ -147,6 +148,7 @@ class Manifest:
                 outputs={k: TensorSpec.parse(v) for k, v in e["outputs"].items()},
                 parity=dict(e.get("parity", {})),
                 extra=dict(e.get("extra", {})),
+                cost_ms=e.get("cost_ms"),
             )
             for e in raw["engines"]
         ]

@@ -6,8 +6,8 @@ installed onnxruntime has them (onnxruntime-gpu).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 

@@ -9,8 +9,8 @@ chunk). Feed buffers are allocated once per engine and updated in place.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -46,6 +46,7 @@ class ModelRunner:
         self.seconds = 0.0  # time inside engines, for the stats
         self.calls = 0
 
+
     @property
     def length(self) -> int:
         return self.cache.length
@@ -53,6 +54,10 @@ class ModelRunner:
     @property
     def sizes(self) -> list[int]:
         return [t for t, _ in self._engines]
+
+    def engine_size(self, tokens: int) -> int:
+        """Token count of the engine that runs ``tokens`` tokens in one call (or the largest)."""
+        return self._pick(tokens)[0]
 
     def rewind(self, length: int) -> None:
         self.cache.rewind(length)

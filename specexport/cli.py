@@ -49,17 +49,39 @@ def plan(recipe: Path, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("recipe", type=click.Path(path_type=Path))
+@click.argument("recipe", type=click.Path(path_type=Path), required=False)
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
               help="Engine directory to write (default: engines/<recipe name>).")
+@click.option("--from-onnx", "from_onnx", type=click.Path(path_type=Path), default=None,
+              help="Compile an engine directory's ONNX graphs into TensorRT engines on this machine.")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+              help="With --from-onnx: override the recipe's precision.")
 @click.option("--force", is_flag=True, help="Rebuild even when the inputs are unchanged.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="onnxruntime threads for validation.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
 @click.option("--json", "as_json", is_flag=True, help="Print the build result as JSON.")
-def build(recipe: Path, out: Path | None, force: bool, threads: int | None, quiet: bool, as_json: bool) -> None:
-    """Export, validate and write the engines a RECIPE describes."""
+def build(recipe: Path | None, out: Path | None, from_onnx: Path | None, precision: str | None, force: bool,
+          threads: int | None, quiet: bool, as_json: bool) -> None:
+    """Export, validate and write the engines a RECIPE describes (or compile an existing
+    directory's ONNX graphs for TensorRT with --from-onnx DIR)."""
+    from specexport.errors import BadInput
     from specexport.exporter.builder import build as run_build
     from specexport.exporter.progress import Reporter
+
+    if from_onnx is not None:
+        if recipe is not None or out is not None:
+            raise BadInput("give a RECIPE or --from-onnx DIR, not both (--from-onnx rebuilds DIR in place)")
+        from specexport.cli_trt import build_from_onnx
+
+        manifest = build_from_onnx(from_onnx, Reporter(quiet=quiet or as_json), precision=precision)
+        built = [e["name"] for e in manifest["engines"] if e["backend"] == "tensorrt"]
+        if as_json:
+            _print_json({"out": str(from_onnx), "tensorrt_engines": built})
+        elif not quiet:
+            click.echo(f"built {len(built)} TensorRT engines in {from_onnx}")
+        return
+    if recipe is None:
+        raise BadInput("give a RECIPE to build, or --from-onnx DIR")
 
     reporter = Reporter(quiet=quiet or as_json)
     result = run_build(recipe, out, force, reporter, threads)
@@ -88,7 +110,9 @@ def build(recipe: Path, out: Path | None, force: bool, threads: int | None, quie
 @click.option("--prompt-file", type=click.Path(path_type=Path), default=None, help="Read the prompt from a file.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
 @click.option("--drafter", "-d", default="none", show_default=True, help="Drafter name from the manifest, or none.")
-@click.option("--draft-len", type=int, default=None, help="Draft tokens per round (default: the plan's D).")
+@click.option("--draft-len", type=int, default=None, help="Draft tokens per round at most (default: the plan's D).")
+@click.option("--adaptive/--fixed-depth", default=True, show_default=True,
+              help="Choose each round's depth from measured costs and acceptance, or always draft --draft-len.")
 @click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)
 @click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 is off.")
@@ -96,11 +120,16 @@ def build(recipe: Path, out: Path | None, force: bool, threads: int | None, quie
 @click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible runs).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); it is cut from the output.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="onnxruntime intra-op threads.")
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default=None,
+              help="Engines to run (default: onnxruntime when the directory has them).")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu", show_default=True,
+              help="onnxruntime execution provider for the ONNX graphs.")
 @click.option("--stream", is_flag=True, help="Print text as tokens are accepted.")
 @click.option("--json", "as_json", is_flag=True, help="Print text, token ids, stop reason and stats as JSON.")
 def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, chat: bool, drafter: str,
-             draft_len: int | None, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-             seed: int | None, stop: tuple[str, ...], threads: int | None, stream: bool, as_json: bool) -> None:
+             draft_len: int | None, adaptive: bool, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+             seed: int | None, stop: tuple[str, ...], threads: int | None, backend: str | None, device: str,
+             stream: bool, as_json: bool) -> None:
     """Generate text from ENGINE_DIR with a drafter, losslessly."""
     from specexport.errors import BadInput
     from specexport.runtime import load
@@ -112,8 +141,9 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
             prompt = prompt_file.read_text()
         except OSError as err:
             raise BadInput(f"{prompt_file}: cannot read the prompt file ({err.strerror})") from None
-    pipe = load(engine_dir, threads=threads)
-    pieces = pipe.stream(prompt, chat=chat, drafter=drafter, draft_len=draft_len, max_new_tokens=max_new_tokens,
+    pipe = load(engine_dir, threads=threads, backend=backend, device=device)
+    pieces = pipe.stream(prompt, chat=chat, drafter=drafter, draft_len=draft_len, adaptive=adaptive,
+                         max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
     while True:
         try:
@@ -139,6 +169,11 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
         )
 
 
+from specexport.cli_trt import lint  # noqa: E402  (click only; onnx and TensorRT load lazily)
+
+cli.add_command(lint)
+
+
 def _terminated(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -147,7 +182,9 @@ def main() -> None:
     # A terminated build cleans up like an interrupted one.
     signal.signal(signal.SIGTERM, _terminated)
     try:
-        cli.main(standalone_mode=False)
+        code = cli.main(standalone_mode=False)
+        if isinstance(code, int) and code:  # a command's ctx.exit(code)
+            sys.exit(code)
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)
     except click.exceptions.Abort:

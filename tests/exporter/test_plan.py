@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from specexport.exporter.plan import plan_draft_len
 from specexport.errors import BadInput
+from specexport.exporter.plan import plan_draft_len
 from tests.conftest import REPO, run_cli, tiny_recipe
 
 

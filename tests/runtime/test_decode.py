@@ -13,12 +13,15 @@ from tests.runtime.fakes import FixedDrafter, MarkovRunner, OracleDrafter, rando
 V = 6
 
 
-def run(target, drafter, prompt, *, draft_len=4, max_new=20, sampling=Sampling(), eos=(), seed=0, stop=None,
-        stats=None):
+GREEDY = Sampling()
+
+
+def run(target, drafter, prompt, *, draft_len=4, max_new=20, sampling=GREEDY, eos=(), seed=0, stop=None,
+        stats=None, policy=None):
     stats = stats or DecodeStats(draft_len=draft_len)
     out = list(decode(target, drafter, np.array(prompt, dtype=np.int64), draft_len=draft_len,
                       max_new_tokens=max_new, sampling=sampling, eos_ids=frozenset(eos),
-                      rng=np.random.default_rng(seed), stop=stop, stats=stats))
+                      rng=np.random.default_rng(seed), stop=stop, stats=stats, policy=policy))
     return out, stats
 
 
@@ -148,7 +151,7 @@ def test_sampled_output_follows_the_target_distribution(table, name, sampling):
     target = MarkovRunner(table)
     drafter = drafters_for(table)[name]
     rng_seed = np.random.SeedSequence(42)
-    for i, child in enumerate(rng_seed.spawn(draws)):
+    for child in rng_seed.spawn(draws):
         out, _ = run(target, drafter, prompt, draft_len=3, max_new=length, sampling=sampling,
                      seed=int(child.generate_state(1)[0]))
         counts[tuple(out)] += 1

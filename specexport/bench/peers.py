@@ -1,0 +1,386 @@
+"""Peers for `specexport bench`: other inference stacks run on the same model, in fp32, in this process.
+
+The harness interleaves their runs with ours so a reader sees where our engines stand. Each
+peer generates greedily from the prompt ids it is given and reports its wall times:
+
+- ``transformers-greedy``: ``model.generate(do_sample=False)``, sdpa attention.
+- ``transformers-prompt-lookup``: the same with ``prompt_lookup_num_tokens=10`` (transformers'
+  own prompt lookup; it matches n-grams of up to ``max_matching_ngram_size`` = 2 tokens).
+- ``ort-genai``: onnxruntime-genai (optional: ``make bench-peers``) on an fp32 CPU model made by
+  its own model builder from the target, run with greedy search.
+- ``ort-genai-ngram``: the same model with onnxruntime-genai's n-gram speculative decoding
+  (``ngram_size=3``: the last 2 tokens are looked up; ``max_draft_tokens=4``).
+
+Threads: ``make_peers`` calls ``torch.set_num_threads(threads)`` when a transformers peer is
+asked for. That setting is global to the process (the bench runs in a process of its own); the
+onnxruntime-genai peers set ``intra_op_num_threads`` on their own session.
+
+The onnxruntime-genai model is built once into ``cache_dir/ort-genai-fp32`` (the target is
+saved as a transformers directory in ``cache_dir/hf`` for the builder, which is removed once the
+build succeeds) and reused while the target's files are unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from specexport.errors import BadInput
+
+PEER_NAMES = ("transformers-greedy", "transformers-prompt-lookup", "ort-genai", "ort-genai-ngram")
+PROMPT_LOOKUP_NUM_TOKENS = 10
+# onnxruntime-genai's n-gram speculative options (docs/SpeculativeDecoding.md in its repository):
+# ngram_size N matches the last N-1 committed tokens; max_draft_tokens is the fixed proposal width.
+ORT_GENAI_NGRAM = {"ngram_size": 3, "max_draft_tokens": 4}
+ORT_GENAI_DIR = "ort-genai-fp32"
+ORT_GENAI_STAMP = "specexport-peer.json"
+INSTALL_HINT = "make bench-peers"
+
+
+@dataclass
+class PeerRun:
+    token_ids: list[int]  # generated ids only (not the prompt), EOS included if produced
+    total_s: float  # wall time of the whole generation call
+    first_token_s: float  # wall time of a 1-token generation of the same prompt, run right before
+    stats: dict = field(default_factory=dict)  # what the peer says about itself (ort-genai-ngram: acceptance)
+
+
+class Peer(Protocol):
+    name: str
+    threads: int  # threads it was told to use
+    settings: dict  # how it was configured, for the report
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> PeerRun: ...
+
+
+def _check_request(prompt_ids: list[int], max_new_tokens: int) -> None:
+    if not prompt_ids:
+        raise BadInput("a peer needs a non-empty prompt")
+    if max_new_tokens < 1:
+        raise BadInput(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
+
+
+# --- transformers -------------------------------------------------------------------------
+
+
+class TransformersPeer:
+    def __init__(self, name: str, model, eos_ids: list[int], pad_id: int, threads: int, **generate_kwargs):
+        self.name = name
+        self.threads = threads
+        self.model = model
+        self.eos_ids = eos_ids
+        self.pad_id = pad_id
+        self.generate_kwargs = generate_kwargs
+        self.settings = {
+            "attn_implementation": model.config._attn_implementation,
+            "dtype": str(model.dtype).removeprefix("torch."),
+            **generate_kwargs,
+        }
+
+    def _generate(self, input_ids, mask, max_new_tokens: int):
+        import torch
+
+        with torch.inference_mode():
+            return self.model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                num_beams=1,
+                eos_token_id=self.eos_ids,
+                pad_token_id=self.pad_id,
+                **self.generate_kwargs,
+            )
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> PeerRun:
+        import torch
+
+        from specexport.exporter.sources import quiet_transformers
+
+        _check_request(prompt_ids, max_new_tokens)
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+        mask = torch.ones_like(input_ids)
+        with quiet_transformers():
+            start = time.perf_counter()
+            self._generate(input_ids, mask, 1)
+            first_token_s = time.perf_counter() - start
+            start = time.perf_counter()
+            out = self._generate(input_ids, mask, max_new_tokens)
+            total_s = time.perf_counter() - start
+        return PeerRun(out[0, len(prompt_ids):].tolist(), total_s, first_token_s)
+
+
+# --- onnxruntime-genai --------------------------------------------------------------------
+
+
+class OrtGenaiPeer:
+    def __init__(self, name: str, og, model, threads: int, speculative: dict | None = None):
+        self.name = name
+        self.threads = threads
+        self.og = og
+        self.model = model
+        self.speculative = dict(speculative or {})
+        self.settings = {"onnxruntime_genai": og.__version__, "precision": "fp32", "search": "greedy",
+                         "intra_op_num_threads": threads, **self.speculative}
+
+    def _generator(self, prompt_ids: list[int], max_length: int):
+        import numpy as np
+
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(do_sample=False, num_beams=1, max_length=max_length, min_length=0,
+                                  repetition_penalty=1.0, no_repeat_ngram_size=0)
+        if self.speculative:
+            params.set_speculative_options(**self.speculative)
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens(np.asarray(prompt_ids, dtype=np.int32))
+        return generator
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> PeerRun:
+        _check_request(prompt_ids, max_new_tokens)
+        start = time.perf_counter()
+        generator = self._generator(prompt_ids, len(prompt_ids) + 1)
+        while not generator.is_done():
+            generator.generate_next_token()
+        first_token_s = time.perf_counter() - start
+        del generator
+
+        start = time.perf_counter()
+        generator = self._generator(prompt_ids, len(prompt_ids) + max_new_tokens)
+        while not generator.is_done():
+            generator.generate_next_token()
+        total_s = time.perf_counter() - start
+        tokens = [int(t) for t in generator.get_sequence(0)[len(prompt_ids):]]
+        stats = _speculative_summary(generator.get_speculative_stats()) if self.speculative else {}
+        return PeerRun(tokens, total_s, first_token_s, stats)
+
+
+_SPECULATIVE_KEYS = ("rounds", "draft_tokens_proposed", "draft_tokens_accepted", "acceptance_rate",
+                     "target_forward_passes", "ngram_lookup_hits", "ngram_lookup_misses",
+                     "standard_fallback_steps")
+
+
+def _speculative_summary(stats: dict) -> dict:
+    return {k: stats[k] for k in _SPECULATIVE_KEYS if k in stats}
+
+
+def _import_ort_genai():
+    """The module, or raise _Skip with the reason."""
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        raise _Skip(f"onnxruntime-genai is not installed: {INSTALL_HINT}")
+    try:
+        import onnxruntime_genai as og
+    except Exception as err:  # a wheel built against another onnxruntime, a missing library
+        raise _Skip(f"onnxruntime-genai cannot be imported ({_one_line(err)}): {INSTALL_HINT}") from None
+    return og
+
+
+def _fingerprint(src, recipe_dir: Path) -> dict:
+    from specexport.exporter.sources import fingerprint
+
+    return {"target": src.model_dump(mode="json"), "files": fingerprint(src, recipe_dir, "target")}
+
+
+def _ort_genai_dir(og, src, recipe_dir: Path, cache_dir: Path, threads: int, loaded) -> Path:
+    """cache_dir/ort-genai-fp32, built by onnxruntime-genai's model builder unless it is current."""
+    out = cache_dir / ORT_GENAI_DIR
+    stamp = {"onnxruntime_genai": og.__version__, "precision": "fp32", "execution_provider": "cpu",
+             **_fingerprint(src, recipe_dir)}
+    if (out / "genai_config.json").is_file() and _read_json(out / ORT_GENAI_STAMP) == stamp:
+        return out
+    if out.exists() and not (out / ORT_GENAI_STAMP).is_file():
+        raise _Skip(f"{out} exists and was not made by specexport bench; move it away to rebuild")
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    hf_dir = cache_dir / "hf"
+    _save_hf_dir(loaded(), hf_dir)
+    work = Path(tempfile.mkdtemp(prefix=f".{ORT_GENAI_DIR}.", dir=cache_dir))
+    log = cache_dir / f"{ORT_GENAI_DIR}.build.log"
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(work / "model"),
+           "-p", "fp32", "-e", "cpu", "-c", str(work / "builder-cache")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
+    try:
+        with log.open("w") as sink:
+            done = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, check=False)
+        if done.returncode != 0 or not (work / "model" / "genai_config.json").is_file():
+            raise _Skip(f"onnxruntime-genai's model builder failed (exit {done.returncode}): "
+                        f"{_last_line(log)} (log: {log})")
+        (work / "model" / ORT_GENAI_STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)  # ours (it has the stamp), but for another target or version
+        (work / "model").rename(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(hf_dir, ignore_errors=True)  # only the builder's input
+    return out
+
+
+def _save_hf_dir(loaded, hf_dir: Path) -> None:
+    """Write the fp32 target as a transformers directory (safetensors, config, tokenizer)."""
+    model = loaded.model
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        # A GGUF-loaded model carries its GGUF quantizer, and save_pretrained refuses it
+        # (GgufHfQuantizer.is_serializable() is False). The weights are already plain fp32
+        # (checked by _check_fp32), so drop the quantization config the way transformers'
+        # own HfQuantizer.remove_quantization_config does.
+        quantizer.remove_quantization_config(model)
+    from specexport.exporter.sources import quiet_transformers
+
+    if hf_dir.exists():
+        shutil.rmtree(hf_dir)
+    with quiet_transformers():
+        model.save_pretrained(str(hf_dir))
+        loaded.tokenizer.save_pretrained(str(hf_dir))
+
+
+def _load_ort_genai_model(og, model_dir: Path, threads: int):
+    """The model with the thread count set on its session: the cached genai_config.json stays as
+    built, and this overlay sets model.decoder.session_options for this process only."""
+    config = og.Config(str(model_dir))
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+        "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+    return og.Model(config)
+
+
+# --- the factory ---------------------------------------------------------------------------
+
+
+class _Skip(Exception):
+    """A peer cannot run here; the message is the one-line reason."""
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no output"
+    return lines[-1][:300] if lines else "no output"
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _check_fp32(model) -> None:
+    """The peers compare fp32 stacks: refuse a model whose weights are not plain fp32 tensors
+    (e.g. GGUF blocks kept packed when transformers finds its GGUF kernels)."""
+    import torch
+
+    packed = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.startswith(("Gguf", "Ggml"))})
+    if packed:
+        raise _Skip(f"the target loaded with packed GGUF layers ({', '.join(packed)}), not fp32")
+    dtypes = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+    if dtypes:
+        raise _Skip(f"the target has {', '.join(dtypes)} weights, not fp32")
+
+
+def parse_target(target_source: dict):
+    import pydantic
+
+    from specexport.exporter.recipe import ModelSource
+
+    try:
+        return pydantic.TypeAdapter(ModelSource).validate_python(target_source)
+    except pydantic.ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise BadInput(f"peers: target source {target_source!r}: {where}: {first['msg']}") from None
+
+
+def make_peers(target_source: dict, recipe_dir: Path, names: list[str], threads: int,
+               cache_dir: Path) -> tuple[list[Peer], list[dict]]:
+    """Create the named peers for the target; returns (peers, skipped), in the order of ``names``.
+
+    ``target_source`` is the recipe's target as stored in manifest.json["recipe"]["target"];
+    relative paths in it are resolved against ``recipe_dir``. Each skipped peer is
+    ``{"peer": name, "skipped": reason}``. Note: asking for a transformers peer sets
+    ``torch.set_num_threads(threads)`` for the whole process.
+    """
+    if threads < 1:
+        raise BadInput(f"peers: threads must be at least 1 (got {threads})")
+    src = parse_target(target_source)
+    recipe_dir = Path(recipe_dir)
+    cache_dir = Path(cache_dir)
+    made: dict[str, Peer] = {}
+    skipped: dict[str, str] = {}
+
+    for name in names:
+        if name not in PEER_NAMES:
+            skipped[name] = f"unknown peer; known: {', '.join(PEER_NAMES)}"
+
+    state: dict = {}
+
+    def loaded():
+        """The target in fp32 via transformers, loaded once (the ort-genai build needs it too)."""
+        if "error" in state:
+            raise state["error"]
+        if "loaded" not in state:
+            from specexport.exporter.sources import load_source
+
+            try:
+                model = load_source(src, recipe_dir, "target")
+                _check_fp32(model.model)
+            except Exception as err:
+                state["error"] = err
+                raise
+            state["loaded"] = model
+        return state["loaded"]
+
+    hf_names = [n for n in names if n.startswith("transformers-") and n in PEER_NAMES]
+    if hf_names:
+        try:
+            import torch
+
+            torch.set_num_threads(threads)  # process-wide
+            target = loaded()
+            model = target.model
+            model.set_attn_implementation("sdpa")
+            from specexport.exporter.sources import eos_token_ids
+
+            eos = eos_token_ids(target)
+            pad = target.tokenizer.pad_token_id
+            pad = int(pad) if pad is not None else eos[0]
+            for name in hf_names:
+                extra = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS} if name.endswith("prompt-lookup") else {}
+                made[name] = TransformersPeer(name, model, eos, pad, threads, **extra)
+        except _Skip as why:
+            skipped.update({n: str(why) for n in hf_names})
+        except ImportError as err:
+            skipped.update({n: f"transformers/torch are not installed ({err.name}): pip install 'specexport[export]'"
+                            for n in hf_names})
+        except Exception as err:  # the peer is optional: say why, keep benchmarking the rest
+            skipped.update({n: f"cannot load the target with transformers: {_one_line(err)}" for n in hf_names})
+
+    og_names = [n for n in names if n.startswith("ort-genai") and n in PEER_NAMES]
+    if og_names:
+        try:
+            og = _import_ort_genai()
+            model_dir = _ort_genai_dir(og, src, recipe_dir, cache_dir, threads, loaded)
+            og_model = _load_ort_genai_model(og, model_dir, threads)
+            for name in og_names:
+                made[name] = OrtGenaiPeer(name, og, og_model, threads,
+                                          ORT_GENAI_NGRAM if name.endswith("ngram") else None)
+        except _Skip as why:
+            skipped.update({n: str(why) for n in og_names})
+        except Exception as err:
+            skipped.update({n: f"onnxruntime-genai model unavailable: {_one_line(err)}" for n in og_names})
+
+    peers = [made[n] for n in dict.fromkeys(names) if n in made]
+    return peers, [{"peer": n, "skipped": skipped[n]} for n in dict.fromkeys(names) if n in skipped]

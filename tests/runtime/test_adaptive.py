@@ -1,0 +1,76 @@
+"""Adaptive draft depth: it drafts deep when drafts are kept and stops when they are not."""
+
+import numpy as np
+
+from specexport.runtime.acceptance import Draft
+from specexport.runtime.adaptive import DepthPolicy
+from specexport.runtime.drafters import NgramDrafter
+from tests.runtime.fakes import FixedDrafter, MarkovRunner, OracleDrafter, random_table
+from tests.runtime.test_decode import greedy_reference, run
+
+# a CPU-like cost curve: 8 tokens cost 1.5x one token
+COSTS = {1: 0.020, 2: 0.0256, 4: 0.0256, 8: 0.030}
+
+
+def verify_cost(tokens):
+    return next(COSTS[s] for s in sorted(COSTS) if s >= tokens)
+
+
+def test_depth_zero_when_drafts_keep_failing():
+    policy = DepthPolicy(7, verify_cost)
+    for _ in range(30):
+        policy.update("bad", proposed=7, accepted=0)
+    depths = [policy.best_depth("bad", 7) for _ in range(16)]
+    assert depths.count(0) >= 14  # off, but probing now and then
+    assert 7 in depths
+
+
+def test_full_depth_when_drafts_are_kept():
+    policy = DepthPolicy(7, verify_cost)
+    for _ in range(30):
+        policy.update("good", proposed=7, accepted=7)
+    assert policy.best_depth("good", 7) == 7
+
+
+def test_drafting_cost_shortens_the_draft():
+    cheap = DepthPolicy(7, verify_cost, draft_cost=0.0)
+    dear = DepthPolicy(7, verify_cost, draft_cost=0.012)
+    for policy in (cheap, dear):
+        for _ in range(30):
+            policy.update("m", proposed=7, accepted=3)
+    assert dear.best_depth("m", 7) < cheap.best_depth("m", 7)
+
+
+def test_trim_keeps_a_prefix_and_its_probabilities():
+    policy = DepthPolicy(4, verify_cost)
+    for _ in range(40):
+        policy.update("t", proposed=4, accepted=1)
+    draft = Draft(np.array([1, 2, 3, 4]), np.full((4, 5), 0.2), "t")
+    trimmed = policy.trim(draft)
+    assert trimmed.size < 4 and trimmed.tokens.tolist() == [1, 2, 3, 4][: trimmed.size]
+    assert trimmed.probs.shape == (trimmed.size, 5) and trimmed.tag == "t"
+
+
+def test_adaptive_loop_is_lossless_and_stops_wasting_verifies():
+    table = random_table(6, seed=0)
+    prompt = [1, 2, 3]
+    wrong = FixedDrafter([5, 5, 5, 5, 5, 5, 5])
+    fixed_out, fixed = run(MarkovRunner(table), wrong, prompt, draft_len=7, max_new=60)
+    policy = DepthPolicy(7, verify_cost)
+    adaptive_out, adaptive = run(MarkovRunner(table), wrong, prompt, draft_len=7, max_new=60, policy=policy)
+    assert adaptive_out == fixed_out == greedy_reference(table, prompt, 60)
+    assert adaptive.proposed < fixed.proposed / 3
+
+
+def test_adaptive_loop_keeps_drafting_when_it_pays():
+    table = random_table(6, seed=1)
+    policy = DepthPolicy(4, verify_cost)
+    out, stats = run(MarkovRunner(table), OracleDrafter(table), [0], draft_len=4, max_new=40, policy=policy)
+    assert out == greedy_reference(table, [0], 40)
+    assert stats.acceptance_length == 5.0
+
+
+def test_ngram_drafts_are_tagged_by_match_length():
+    drafter = NgramDrafter(max_ngram=3)
+    draft = drafter.propose(np.array([1, 2, 3, 9, 1, 2, 3]), 2, None, None)
+    assert draft.tag == "ngram/n3" and draft.tokens.tolist() == [9, 1]
