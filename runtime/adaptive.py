@@ -26,8 +26,18 @@ from specexport.runtime.acceptance import Draft
 
 @dataclass
 class _TagStats:
-    alpha: np.ndarray  # [D] conditional acceptance per position
+    alpha: np.ndarray  # [D] conditional acceptance per position; NaN where never drafted
     skipped: int = 0  # rounds in a row that chose depth 0
+
+    def estimate(self, prior: float) -> np.ndarray:
+        """Per-position acceptance; a position never drafted borrows its predecessor's."""
+        filled = self.alpha.copy()
+        previous = prior
+        for i, value in enumerate(filled):
+            if np.isnan(value):
+                filled[i] = previous
+            previous = filled[i]
+        return filled
 
 
 @dataclass
@@ -42,7 +52,7 @@ class DepthPolicy:
 
     def _stats(self, tag: str) -> _TagStats:
         if tag not in self._tags:
-            self._tags[tag] = _TagStats(np.full(self.max_depth, self.prior))
+            self._tags[tag] = _TagStats(np.full(self.max_depth, np.nan))
         return self._tags[tag]
 
     def best_depth(self, tag: str, limit: int, sunk: bool = False) -> int:
@@ -54,7 +64,7 @@ class DepthPolicy:
         if not base:
             return limit
         stats = self._stats(tag)
-        expected = 1.0 + np.cumsum(np.cumprod(stats.alpha[:limit]))  # E(k) for k = 1..limit
+        expected = 1.0 + np.cumsum(np.cumprod(stats.estimate(self.prior)[:limit]))  # E(k), k = 1..limit
         best_k, best_rate = 0, 1.0 / base
         for k in range(1, limit + 1):
             cost = self.verify_cost(1 + k)
@@ -73,9 +83,9 @@ class DepthPolicy:
             stats.skipped = 0
         return best_k
 
-    def trim(self, draft: Draft) -> Draft:
+    def trim(self, draft: Draft, default_tag: str) -> Draft:
         """Keep the best prefix of a draft that already exists (cheap drafters draft deep)."""
-        keep = self.best_depth(draft.tag, draft.size, sunk=True)
+        keep = self.best_depth(draft.tag or default_tag, draft.size, sunk=True)
         if keep >= draft.size:
             return draft
         return Draft(draft.tokens[:keep], None if draft.probs is None else draft.probs[:keep], draft.tag)
@@ -85,5 +95,6 @@ class DepthPolicy:
             return
         stats = self._stats(tag)
         reached = min(accepted + 1, proposed)  # positions whose fate was decided
-        kept = np.arange(reached) < accepted  # [reached] True for the accepted ones
-        stats.alpha[:reached] = self.decay * stats.alpha[:reached] + (1 - self.decay) * kept
+        kept = (np.arange(reached) < accepted).astype(float)  # [reached] 1 for the accepted ones
+        seen = stats.alpha[:reached]
+        stats.alpha[:reached] = np.where(np.isnan(seen), kept, self.decay * seen + (1 - self.decay) * kept)

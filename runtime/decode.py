@@ -109,7 +109,7 @@ def decode(target: ModelRunner, drafter: Drafter, prompt: np.ndarray, *, draft_l
             draft = drafter.propose(context[:length], k, sampling, rng) if k > 0 else EMPTY_DRAFT
             stats.draft_s += time.perf_counter() - t0
             if policy is not None:
-                draft = policy.trim(draft)
+                draft = policy.trim(draft, drafter.name)
 
             engine_before = target.seconds
             out = target.forward(np.concatenate((context[length - 1 : length], draft.tokens)),
@@ -126,7 +126,7 @@ def decode(target: ModelRunner, drafter: Drafter, prompt: np.ndarray, *, draft_l
             drafter.accept(n_accepted, next_token)
             stats.draft_s += time.perf_counter() - t0
             if policy is not None:
-                policy.update(draft.tag, draft.size, n_accepted)
+                policy.update(draft.tag or drafter.name, draft.size, n_accepted)
 
             stats.rounds += 1
             stats.proposed += draft.size
