@@ -9,6 +9,8 @@ THREADS ?= 2
 # Two cores on CI: say so explicitly for every engine and peer.
 export OMP_NUM_THREADS ?= $(THREADS)
 
+BENCH_ARGS ?= --prompts bench/prompts/dev.jsonl --max-new-tokens 96 --repeats 3 --threads $(THREADS)
+
 .PHONY: install demo test test-fast lint typecheck bench bench-update bench-peers clean
 
 install: $(STAMP)
@@ -47,6 +49,18 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(PY) tests/test_mypy_tensorrt.py
+
+# The regression gate: speedup ratios and E[L] against bench/baseline.json (never absolute times).
+bench: $(ENGINES)/manifest.json
+	$(BIN)/specexport bench $(ENGINES) $(BENCH_ARGS) --out bench/out --baseline bench/baseline.json
+
+bench-update: $(ENGINES)/manifest.json
+	$(BIN)/specexport bench $(ENGINES) $(BENCH_ARGS) --out bench/out --baseline bench/baseline.json --update-baseline
+
+# Peers on the same model: transformers (installed) and onnxruntime-genai (installed here).
+bench-peers: $(ENGINES)/manifest.json
+	$(PY) -m pip install -q onnxruntime-genai==0.18.0
+	$(BIN)/specexport bench $(ENGINES) $(BENCH_ARGS) --out bench/out-peers --peers all
 
 clean:
 	rm -rf $(VENV) engines bench/out

@@ -22,11 +22,11 @@ from specexport.exporter.archs import read_decoder
 from specexport.exporter.graph_model import StaticDecoder
 from specexport.exporter.onnx_export import WeightStore, export_graph, tensor_specs
 from specexport.exporter.outdir import AtomicDir, existing_manifest
-from specexport.exporter.plan import DraftPlanResult, plan_draft_len
+from specexport.exporter.plan import DraftPlanResult, calibration_file, plan_recipe_draft
 from specexport.exporter.progress import Reporter
 from specexport.exporter.quantize import count_quantized, quantize_int4
 from specexport.exporter.recipe import ModelDrafter, QuantizedSelfDrafter, Recipe, TinySource, load_recipe
-from specexport.exporter.sources import LoadedModel, eos_token_ids, fingerprint, load_source
+from specexport.exporter.sources import LoadedModel, eos_token_ids, file_sha256, fingerprint, load_source
 from specexport.exporter.validate import GraphUnderTest, reference_ids, reference_logits, validate_model
 from specexport.runtime.manifest import FORMAT, MANIFEST, Manifest, TensorSpec, sha256_of
 
@@ -149,14 +149,8 @@ class Builder:
     def plan(self, target: LoadedModel) -> DraftPlanResult:
         with self.rep.step("plan", "draft length") as s:
             cfg = target.config
-            plan = plan_draft_len(
-                cfg.num_attention_heads,
-                getattr(cfg, "num_key_value_heads", None),
-                tile=self.recipe.draft.tile,
-                max_draft=self.recipe.draft.max_draft,
-                draft_len=self.recipe.draft.draft_len,
-                why=self.recipe.draft.why,
-            )
+            plan = plan_recipe_draft(self.recipe, self.base, cfg.num_attention_heads,
+                                     getattr(cfg, "num_key_value_heads", None))
             s.detail = f"G={plan.group_size}, D={plan.draft_len}"
         for warning in plan.warnings:
             self.rep.warn(warning)
@@ -312,6 +306,7 @@ class Builder:
                 "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "inputs_sha256": key,
                 "recipe": recipe.model_dump(mode="json"),
+                "recipe_dir": str(self.base),  # where relative model paths in the recipe point
                 "plan": plan.to_dict(),
                 "tokenizer": {**tokenizer, "sha256": files["tokenizer.json"]},
                 "models": self.models,
@@ -361,10 +356,15 @@ class BuildResult:
 
 def build(recipe_path: str | Path, out: str | Path | None, force: bool, reporter: Reporter,
           threads: int | None = None) -> BuildResult:
+    recipe, base = load_recipe(recipe_path)
+    return build_recipe(recipe, base, out, force, reporter, threads)
+
+
+def build_recipe(recipe: Recipe, base: Path, out: str | Path | None, force: bool, reporter: Reporter,
+                 threads: int | None = None) -> BuildResult:
     import time
 
     start = time.perf_counter()
-    recipe, base = load_recipe(recipe_path)
     if "tensorrt" in recipe.backends:
         from specexport.exporter.trt_build import require_tensorrt
 
@@ -377,6 +377,9 @@ def build(recipe_path: str | Path, out: str | Path | None, force: bool, reporter
         for i, spec in enumerate(recipe.drafters):
             if isinstance(spec, ModelDrafter):
                 prints[spec.name] = fingerprint(spec.model, base, f"drafters.{i}.model")
+        calibration = calibration_file(recipe, base)
+        if calibration is not None and calibration.is_file():
+            prints["calibration"] = file_sha256(calibration)
         tools = toolchain()
         key = inputs_key(recipe, prints, tools)
         s.detail = key[:12]

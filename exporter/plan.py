@@ -7,7 +7,9 @@ G·(1+D) should be a multiple of the tile, since a partly filled tile costs a fu
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from specexport.errors import BadInput
 
@@ -85,3 +87,27 @@ def plan_draft_len(
         reason=reason,
         warnings=warnings,
     )
+
+
+def calibration_file(recipe, base: Path) -> Path | None:
+    if recipe.draft.calibration is None:
+        return None
+    path = recipe.draft.calibration
+    return path if path.is_absolute() else base / path
+
+
+def plan_recipe_draft(recipe, base: Path, heads: int, kv_heads: int | None) -> DraftPlanResult:
+    """The recipe's plan, with a calibration file's measured D when the recipe names one."""
+    draft = recipe.draft
+    path = calibration_file(recipe, base)
+    if path is not None and path.is_file():
+        try:
+            measured = json.loads(path.read_text())
+            return plan_draft_len(heads, kv_heads, draft.tile, draft_len=int(measured["draft_len"]),
+                                  why=str(measured.get("why", f"calibrated ({path.name})")))
+        except (ValueError, KeyError, TypeError) as err:
+            raise BadInput(f"{path}: not a calibration file ({err}); rerun specexport plan --calibrate") from None
+    plan = plan_draft_len(heads, kv_heads, draft.tile, draft.max_draft, draft.draft_len, draft.why)
+    if path is not None:
+        plan.warnings.append(f"{path.name} not found: using max_draft; run specexport plan --calibrate to measure D")
+    return plan

@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from specexport.exporter.plan import plan_draft_len
+from specexport.exporter.plan import plan_recipe_draft
 from specexport.exporter.recipe import load_recipe
 from specexport.exporter.sources import load_config
 
@@ -17,8 +17,7 @@ def plan_recipe(path: Path) -> dict:
     config = load_config(recipe.target, base, "target")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    plan = plan_draft_len(heads, kv_heads, recipe.draft.tile, recipe.draft.max_draft, recipe.draft.draft_len,
-                          recipe.draft.why)
+    plan = plan_recipe_draft(recipe, base, heads, kv_heads)
     return {
         "recipe": recipe.name,
         "model_type": config.model_type,

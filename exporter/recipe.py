@@ -139,6 +139,9 @@ class DraftPlan(_Strict):
     draft_len: int | None = Field(None, ge=1)
     # Why the cap or override was chosen (measured costs, say); shown in `plan`'s reason.
     why: str | None = None
+    # A file written by `specexport plan --calibrate` (relative to the recipe): when it exists,
+    # its measured draft_len overrides max_draft.
+    calibration: Path | None = None
     # Verify-pass sizes besides 1 and 1+D to export (the bench's cost curve); each shares the
     # model's weights file, so they cost a small graph each.
     probe_tokens: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)

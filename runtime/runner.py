@@ -59,6 +59,19 @@ class ModelRunner:
         """Token count of the engine that runs ``tokens`` tokens in one call (or the largest)."""
         return self._pick(tokens)[0]
 
+    def time_engine(self, size: int, repeats: int) -> float:
+        """Median seconds of one run of the engine of ``size`` tokens over a half-full cache
+        (the cache is read, not written). Static shapes: the cost is the same at any length."""
+        engine = dict(self._engines)[size]
+        feeds = self._feeds[size]
+        feeds["cache_length"][0] = (self.cache.max_seq_len - size) // 2
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up
+            start = time.perf_counter()
+            engine.run(feeds, self._outputs)
+            times.append(time.perf_counter() - start)
+        return float(np.median(times[1:]))
+
     def rewind(self, length: int) -> None:
         self.cache.rewind(length)
 

@@ -37,10 +37,29 @@ def cli() -> None:
 @cli.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan(recipe: Path, as_json: bool) -> None:
+@click.option("--calibrate", is_flag=True,
+              help="Measure this machine's verify costs and the drafters' acceptance at the tile rule's depth, "
+                   "choose D, and write RECIPE's .calibration.json (builds a calibration engine directory).")
+@click.option("--prompts", type=click.Path(path_type=Path), default=Path("bench/prompts/dev.jsonl"),
+              show_default=True, help="With --calibrate: the prompt set.")
+@click.option("--max-new-tokens", type=click.IntRange(2), default=48, show_default=True,
+              help="With --calibrate: tokens per prompt.")
+@click.option("--threads", type=click.IntRange(1), default=2, show_default=True)
+def plan(recipe: Path, as_json: bool, calibrate: bool, prompts: Path, max_new_tokens: int, threads: int) -> None:
     """Show G, the tile arithmetic and the draft length a RECIPE builds for."""
     from specexport.exporter.plan_command import plan_recipe, render_plan
 
+    if calibrate:
+        from specexport.bench.calibrate import calibrate as run_calibration
+        from specexport.bench.render import print_calibration
+        from specexport.exporter.progress import Reporter
+
+        choice = run_calibration(recipe, prompts, max_new_tokens, threads, Reporter(quiet=as_json))
+        if as_json:
+            _print_json(choice)
+        else:
+            print_calibration(choice)
+        return
     result = plan_recipe(recipe)
     if as_json:
         _print_json(result)
@@ -167,6 +186,67 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
             f"draft {st.draft_s * 1e3:.0f} ms, verify {st.verify_s * 1e3:.0f} ms, host {st.host_s * 1e3:.0f} ms",
             err=True,
         )
+
+
+@cli.command()
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--prompts", type=click.Path(path_type=Path), default=Path("bench/prompts/dev.jsonl"),
+              show_default=True, help="JSONL prompts: {id, category, messages} (chat) or {id, category, prompt}.")
+@click.option("--max-new-tokens", "-n", type=click.IntRange(2), default=128, show_default=True)
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--drafters", default=None, help="Comma-separated drafter names (default: all in the manifest).")
+@click.option("--peers", default="", help="Comma-separated peers: transformers-greedy, transformers-prompt-lookup, "
+              "ort-genai, ort-genai-ngram, or 'all'.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--threads", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--draft-len", type=int, default=None, help="Maximum draft length (default: the plan's D).")
+@click.option("--adaptive/--fixed-depth", default=True, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench/out"), show_default=True)
+@click.option("--baseline", type=click.Path(path_type=Path), default=None,
+              help="Compare ratios with this baseline; exit 1 on a regression.")
+@click.option("--update-baseline", is_flag=True, help="Write the results as the new --baseline.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result JSON.")
+def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, drafters: str | None, peers: str,
+          temperature: float, threads: int, draft_len: int | None, adaptive: bool, out: Path,
+          baseline: Path | None, update_baseline: bool, as_json: bool) -> None:
+    """Benchmark every drafter against the target alone (and peers) on ENGINE_DIR."""
+    from specexport.bench.harness import BenchOptions, run_bench
+    from specexport.bench.render import print_checks, print_summary
+    from specexport.bench.report import write
+    from specexport.errors import BadInput
+    from specexport.exporter.progress import Reporter
+
+    peer_names = ["transformers-greedy", "transformers-prompt-lookup", "ort-genai", "ort-genai-ngram"]
+    chosen_peers = peer_names if peers == "all" else [p for p in peers.split(",") if p]
+    unknown = sorted(set(chosen_peers) - set(peer_names))
+    if unknown:
+        raise BadInput(f"--peers: unknown peer {unknown[0]!r}; choose from {', '.join(peer_names)} or all")
+    if update_baseline and baseline is None:
+        raise BadInput("--update-baseline needs --baseline FILE")
+    options = BenchOptions(prompts=prompts, max_new_tokens=max_new_tokens, repeats=repeats,
+                           drafters=drafters.split(",") if drafters else None, temperature=temperature,
+                           threads=threads, adaptive=adaptive, peers=chosen_peers, draft_len=draft_len)
+    result = run_bench(engine_dir, options, Reporter(quiet=as_json))
+    files = write(result, out)
+    if as_json:
+        _print_json(result)
+    else:
+        print_summary(result)
+        click.echo(f"wrote {', '.join(str(f) for f in files)}", err=True)
+    if baseline is not None:
+        from specexport.bench.gate import baseline_of, compare, load_baseline
+
+        if update_baseline:
+            baseline.parent.mkdir(parents=True, exist_ok=True)
+            baseline.write_text(json.dumps(baseline_of(result), indent=1) + "\n")
+            click.echo(f"baseline written to {baseline}", err=True)
+            return
+        if not baseline.is_file():
+            raise BadInput(f"{baseline}: baseline not found; create it with --update-baseline")
+        checks = compare(result, load_baseline(baseline))
+        print_checks(checks)
+        if not all(c.ok for c in checks):
+            sys.exit(1)
 
 
 from specexport.cli_trt import lint  # noqa: E402  (click only; onnx and TensorRT load lazily)

@@ -123,11 +123,12 @@ class TransformersPeer:
 
 
 class OrtGenaiPeer:
-    def __init__(self, name: str, og, model, threads: int, speculative: dict | None = None):
+    def __init__(self, name: str, og, model, eos_ids: list[int], threads: int, speculative: dict | None = None):
         self.name = name
         self.threads = threads
         self.og = og
         self.model = model
+        self.eos_ids = set(eos_ids)
         self.speculative = dict(speculative or {})
         self.settings = {"onnxruntime_genai": og.__version__, "precision": "fp32", "search": "greedy",
                          "intra_op_num_threads": threads, **self.speculative}
@@ -159,6 +160,11 @@ class OrtGenaiPeer:
             generator.generate_next_token()
         total_s = time.perf_counter() - start
         tokens = [int(t) for t in generator.get_sequence(0)[len(prompt_ids):]]
+        # onnxruntime-genai stops on EOS without appending it to the sequence; the step's
+        # token (get_next_tokens) is still the EOS. Include it, as the other peers do.
+        last = int(generator.get_next_tokens()[0])
+        if len(tokens) < max_new_tokens and last in self.eos_ids:
+            tokens.append(last)
         stats = _speculative_summary(generator.get_speculative_stats()) if self.speculative else {}
         return PeerRun(tokens, total_s, first_token_s, stats)
 
@@ -240,6 +246,11 @@ def _save_hf_dir(loaded, hf_dir: Path) -> None:
     with quiet_transformers():
         model.save_pretrained(str(hf_dir))
         loaded.tokenizer.save_pretrained(str(hf_dir))
+
+
+def _ort_genai_eos(model_dir: Path) -> list[int]:
+    eos = json.loads((model_dir / "genai_config.json").read_text())["model"]["eos_token_id"]
+    return [int(i) for i in (eos if isinstance(eos, list) else [eos])]
 
 
 def _load_ort_genai_model(og, model_dir: Path, threads: int):
@@ -374,8 +385,9 @@ def make_peers(target_source: dict, recipe_dir: Path, names: list[str], threads:
             og = _import_ort_genai()
             model_dir = _ort_genai_dir(og, src, recipe_dir, cache_dir, threads, loaded)
             og_model = _load_ort_genai_model(og, model_dir, threads)
+            eos = _ort_genai_eos(model_dir)
             for name in og_names:
-                made[name] = OrtGenaiPeer(name, og, og_model, threads,
+                made[name] = OrtGenaiPeer(name, og, og_model, eos, threads,
                                           ORT_GENAI_NGRAM if name.endswith("ngram") else None)
         except _Skip as why:
             skipped.update({n: str(why) for n in og_names})

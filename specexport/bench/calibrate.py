@@ -1,0 +1,120 @@
+"""`specexport plan RECIPE --calibrate`: pick D from this machine's costs and the drafters'
+acceptance, instead of from the 128-row tile.
+
+1. Build the recipe once at the tile rule's depth, with verify graphs at 1, 2, 4, 8, ... tokens
+   (cached under the engine root, reused while the recipe is unchanged).
+2. Measure the verify cost curve T(n), and run every drafter at full depth without adaptive
+   trimming on the prompts: the fraction of rounds that kept the first i drafts, c_i, gives
+   E(D) = 1 + sum_{i<=D} c_i for any shorter depth D.
+3. Predict speedup(D) = E(D) · T(1) / (T(1+D) + D · t_draft) for each drafter and category,
+   choose the D with the best geometric mean, print the table, and write
+   <recipe>.calibration.json, which the recipe's `draft.calibration` points `build` at.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+
+def _interpolate(curve: dict[int, float], tokens: int) -> float:
+    sizes = sorted(curve)
+    if tokens in curve:
+        return curve[tokens]
+    below = max((s for s in sizes if s < tokens), default=sizes[0])
+    above = min((s for s in sizes if s > tokens), default=sizes[-1])
+    if above == below:
+        return curve[below] * tokens / below
+    share = (tokens - below) / (above - below)
+    return curve[below] + share * (curve[above] - curve[below])
+
+
+def calibration_recipe(recipe, depth: int):
+    """The recipe at full depth, with the probe sizes of a cost curve."""
+    probes = sorted({2 ** i for i in range(1, int(math.log2(depth + 1)) + 1)} | {depth + 1})
+    draft = recipe.draft.model_copy(update={"draft_len": depth, "max_draft": None, "calibration": None,
+                                            "probe_tokens": probes})
+    return recipe.model_copy(update={"draft": draft, "name": f"{recipe.name}-calibration"})
+
+
+def predict(curve: dict[int, float], profiles: dict, draft_costs: dict[str, float], depth: int) -> list[dict]:
+    """One row per D: predicted speedup per drafter and category, and their geometric mean."""
+    base = curve[1]
+    rows = []
+    for d in range(1, depth + 1):
+        verify = _interpolate(curve, 1 + d)
+        cells = {}
+        for (drafter, category), cum in profiles.items():
+            expected = 1.0 + float(np.sum(cum[:d]))
+            cells[f"{drafter}/{category}"] = expected * base / (verify + d * draft_costs.get(drafter, 0.0))
+        geo = float(np.exp(np.mean(np.log(list(cells.values()))))) if cells else 0.0
+        rows.append({"draft_len": d, "verify_ms": round(verify * 1e3, 2), "geomean_speedup": round(geo, 3),
+                     **{k: round(v, 3) for k, v in cells.items()}})
+    return rows
+
+
+def calibrate(recipe_path: Path, prompts_path: Path, max_new_tokens: int, threads: int, reporter) -> dict:
+    from specexport.bench.harness import load_prompts
+    from specexport.exporter.builder import build_recipe
+    from specexport.exporter.plan import plan_draft_len
+    from specexport.exporter.recipe import load_recipe
+    from specexport.exporter.sources import load_config
+    from specexport.runtime import load
+
+    recipe, base = load_recipe(recipe_path)
+    config = load_config(recipe.target, base, "target")
+    tile = plan_draft_len(config.num_attention_heads, getattr(config, "num_key_value_heads", None),
+                          recipe.draft.tile)
+    depth = max(tile.tile_draft_len, 1)
+    full = calibration_recipe(recipe, depth)
+    out = Path("engines") / full.name
+    build_recipe(full, base, out, False, reporter, threads)
+
+    pipe = load(out, threads=threads)
+    prompts = load_prompts(prompts_path)
+    with reporter.step("calibrate", "verify cost curve") as step:
+        curve = {size: pipe.target.time_engine(size, 7) for size in pipe.target.sizes}
+        step.detail = ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in sorted(curve.items()))
+    draft_costs = {}
+    for name, entry in pipe.manifest.drafters.items():
+        if entry.model is not None:
+            draft_costs[name] = pipe.runner(entry.model).time_engine(1, 7)
+
+    profiles: dict[tuple[str, str], np.ndarray] = {}
+    for name in pipe.manifest.drafters:
+        with reporter.step("calibrate", f"acceptance of {name} at D={depth}"):
+            kept: dict[str, np.ndarray] = {}
+            rounds: dict[str, int] = {}
+            for prompt in prompts:
+                ids = pipe.prompt_ids(messages=prompt["messages"]) if "messages" in prompt else pipe.prompt_ids(
+                    prompt["prompt"])
+                result = pipe.generate(prompt_ids=ids, drafter=name, max_new_tokens=max_new_tokens, adaptive=False)
+                cat = prompt["category"]
+                kept[cat] = kept.get(cat, np.zeros(depth)) + np.array(result.stats.accepted_at, dtype=float)
+                rounds[cat] = rounds.get(cat, 0) + result.stats.rounds
+            for cat in kept:
+                profiles[(name, cat)] = kept[cat] / max(rounds[cat], 1)  # c_i: rounds keeping the first i drafts
+
+    table = predict(curve, profiles, draft_costs, depth)
+    best = max(table, key=lambda row: row["geomean_speedup"])
+    choice = {
+        "draft_len": best["draft_len"],
+        "why": (f"calibrated on this machine: D={best['draft_len']} maximises the predicted speedup "
+                f"(geometric mean {best['geomean_speedup']:.2f}x over drafters and categories); "
+                f"the tile rule's D={depth} would give {table[-1]['geomean_speedup']:.2f}x"),
+        "tile_draft_len": depth,
+        "cost_curve_ms": {str(k): round(v * 1e3, 3) for k, v in sorted(curve.items())},
+        "draft_cost_ms": {k: round(v * 1e3, 3) for k, v in draft_costs.items()},
+        "table": table,
+        "prompts": str(prompts_path),
+        "max_new_tokens": max_new_tokens,
+        "threads": threads,
+        "device": pipe.manifest.raw.get("toolchain", {}).get("device"),
+    }
+    path = recipe_path.with_name(f"{recipe_path.stem}.calibration.json")
+    path.write_text(json.dumps(choice, indent=1) + "\n")
+    choice["written_to"] = str(path)
+    return choice

@@ -1,0 +1,59 @@
+"""The `make bench` regression gate: compare ratios (never absolute times) with a baseline.
+
+A regression is a category whose median speedup fell more than ``speedup_tolerance`` below
+the baseline's, whose E[L] fell more than ``acceptance_tolerance``, or a greedy run whose
+output differs from the target alone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SPEEDUP_TOLERANCE = 0.15  # relative: timing ratios move a little between runs and machines
+ACCEPTANCE_TOLERANCE = 0.10  # relative: E[L] is nearly deterministic for greedy runs
+
+
+@dataclass
+class Check:
+    drafter: str
+    category: str
+    metric: str
+    baseline: float
+    measured: float | None
+    ok: bool
+
+
+def baseline_of(result: dict) -> dict:
+    """What a baseline file keeps: the ratios per drafter and category, and the settings."""
+    return {
+        "settings": {k: result["settings"][k] for k in ("max_new_tokens", "temperature", "adaptive", "draft_len")},
+        "tolerances": {"speedup": SPEEDUP_TOLERANCE, "acceptance_length": ACCEPTANCE_TOLERANCE},
+        "categories": [
+            {k: row[k] for k in ("drafter", "category", "speedup", "acceptance_length")}
+            for row in result["categories"]
+            if row["drafter"] != "none"
+        ],
+    }
+
+
+def compare(result: dict, baseline: dict) -> list[Check]:
+    tolerances = baseline.get("tolerances", {})
+    speed_tol = tolerances.get("speedup", SPEEDUP_TOLERANCE)
+    accept_tol = tolerances.get("acceptance_length", ACCEPTANCE_TOLERANCE)
+    measured = {(r["drafter"], r["category"]): r for r in result["categories"]}
+    checks = []
+    for row in baseline["categories"]:
+        got = measured.get((row["drafter"], row["category"]))
+        for metric, tol in (("speedup", speed_tol), ("acceptance_length", accept_tol)):
+            value = None if got is None else got[metric]
+            ok = value is not None and value >= row[metric] * (1 - tol)
+            checks.append(Check(row["drafter"], row["category"], metric, row[metric], value, ok))
+        if got is not None and got["matches_baseline"] is False:
+            checks.append(Check(row["drafter"], row["category"], "lossless", 1.0, 0.0, False))
+    return checks
+
+
+def load_baseline(path: Path) -> dict:
+    return json.loads(path.read_text())

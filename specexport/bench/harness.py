@@ -1,0 +1,135 @@
+"""`specexport bench`: every drafter against the target alone, on one machine, interleaved.
+
+For each repeat, each prompt runs the baseline (the target alone through the same engines),
+then each drafter, then each installed peer, so slow drifts of the machine hit all alike.
+Speedups are ratios within this run; absolute times are reported, never compared.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specexport.errors import BadInput
+
+
+@dataclass
+class BenchOptions:
+    prompts: Path
+    max_new_tokens: int = 128
+    repeats: int = 3
+    drafters: list[str] | None = None  # None: every drafter in the manifest
+    temperature: float = 0.0
+    threads: int = 2
+    adaptive: bool = True
+    peers: list[str] = field(default_factory=list)
+    cost_repeats: int = 9
+    draft_len: int | None = None
+
+
+def load_prompts(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise BadInput(f"{path}: prompt file not found")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as err:
+            raise BadInput(f"{path}:{number}: not JSON ({err})") from None
+        if not isinstance(item, dict) or "messages" not in item and "prompt" not in item:
+            raise BadInput(f"{path}:{number}: each line needs 'messages' (chat) or 'prompt' (text)")
+        prompts.append({"id": str(item.get("id", f"line{number}")), "category": str(item.get("category", "all")),
+                        **item})
+    if not prompts:
+        raise BadInput(f"{path}: no prompts")
+    return prompts
+
+
+def _median(values):
+    return statistics.median(values) if values else None
+
+
+def cost_curve(pipe, repeats: int) -> list[dict]:
+    """Time of one target pass against the number of tokens it verifies."""
+    runner = pipe.target
+    base = runner.time_engine(1, repeats)
+    curve = []
+    for size in runner.sizes:
+        ms = (base if size == 1 else runner.time_engine(size, repeats)) * 1e3
+        curve.append({"tokens": size, "ms": round(ms, 3), "relative": round(ms / (base * 1e3), 3)})
+    return curve
+
+
+def _record(drafter: str, prompt: dict, repeat: int, result) -> dict:
+    st = result.stats
+    return {
+        "drafter": drafter,
+        "prompt_id": prompt["id"],
+        "category": prompt["category"],
+        "repeat": repeat,
+        "token_ids": result.token_ids,
+        "tokens": st.tokens,
+        "rounds": st.rounds,
+        "total_s": st.total_s,
+        "draft_s": st.draft_s,
+        "verify_s": st.verify_s,
+        "host_s": st.host_s,
+        "accepted_at": list(st.accepted_at),
+        "proposed_at": list(st.proposed_at),
+    }
+
+
+def run_bench(engine_dir: Path, options: BenchOptions, reporter) -> dict:
+    from specexport.runtime import load
+
+    pipe = load(engine_dir, threads=options.threads)
+    prompts = load_prompts(options.prompts)
+    drafters = ["none", *(options.drafters if options.drafters is not None else pipe.manifest.drafters)]
+    for name in drafters:
+        pipe.drafter(name)  # unknown names fail here, before any timing
+    ids = {
+        p["id"]: pipe.prompt_ids(messages=p["messages"]) if "messages" in p else pipe.prompt_ids(p["prompt"])
+        for p in prompts
+    }
+    peers, skipped = [], []
+    if options.peers:
+        from specexport.bench.peers import make_peers
+
+        target = pipe.manifest.raw["recipe"]["target"]
+        peers, skipped = make_peers(target, Path(pipe.manifest.raw.get("recipe_dir", ".")), options.peers,
+                                    options.threads, engine_dir.parent / ".peer-cache")
+    sampling = dict(temperature=options.temperature)
+    depth = dict(adaptive=options.adaptive, draft_len=options.draft_len)
+
+    with reporter.step("bench", "warm-up"):
+        first = ids[prompts[0]["id"]]
+        for name in drafters:
+            pipe.generate(prompt_ids=first, drafter=name, max_new_tokens=8, **sampling, **depth)
+
+    records: list[dict] = []
+    peer_records: list[dict] = []
+    for repeat in range(options.repeats):
+        with reporter.step("bench", f"repeat {repeat + 1}/{options.repeats}") as step:
+            for prompt in prompts:
+                prompt_ids = ids[prompt["id"]]
+                for name in drafters:
+                    result = pipe.generate(prompt_ids=prompt_ids, drafter=name, max_new_tokens=options.max_new_tokens,
+                                           seed=repeat, **sampling, **depth)
+                    records.append(_record(name, prompt, repeat, result))
+                for peer in peers:
+                    run = peer.run(prompt_ids, options.max_new_tokens)
+                    peer_records.append({"peer": peer.name, "threads": peer.threads, "prompt_id": prompt["id"],
+                                         "category": prompt["category"], "repeat": repeat, "token_ids": run.token_ids,
+                                         "total_s": run.total_s, "first_token_s": run.first_token_s})
+            step.detail = f"{len(prompts)} prompts × {len(drafters) + len(peers)} runs"
+
+    with reporter.step("bench", "cost curve"):
+        curve = cost_curve(pipe, options.cost_repeats)
+
+    from specexport.bench.summary import summarize
+
+    return summarize(pipe, options, prompts, drafters, records, peer_records, skipped, curve)

@@ -1,0 +1,134 @@
+"""Write a bench result as JSON, a markdown report and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _fmt(value, spec=".2f", none="–"):
+    return none if value is None else format(value, spec)
+
+
+def markdown(result: dict) -> str:
+    s = result["settings"]
+    lines = [
+        f"# specexport bench: {result['name']}",
+        "",
+        f"{s['max_new_tokens']} new tokens, {s['repeats']} repeats (median), {s['threads']} threads, "
+        f"temperature {s['temperature']}, draft length ≤ {s['draft_len']}"
+        f"{' (adaptive)' if s['adaptive'] else ' (fixed)'}; tokens/s exclude the prefill.",
+        "",
+        "## By category (medians over prompts)",
+        "",
+        "| drafter | category | tok/s | speedup | predicted | E[L] | lossless |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in result["categories"]:
+        lossless = {True: "yes", False: "**NO**", None: "n/a"}[row["matches_baseline"]]
+        lines.append(
+            f"| {row['drafter']} | {row['category']} | {_fmt(row['tokens_per_s'], '.1f')} | "
+            f"{_fmt(row['speedup'])}× | {_fmt(row['predicted_speedup'])}× | {_fmt(row['acceptance_length'])} | {lossless} |"
+        )
+    lines += ["", "## Per prompt", "", "| drafter | prompt | tok/s | speedup | predicted | E[L] | draft/verify/host |",
+              "|---|---|---|---|---|---|---|"]
+    for r in sorted(result["results"], key=lambda r: (r["prompt_id"], r["drafter"])):
+        split = "/".join(_fmt(r[k], ".0%") for k in ("draft_fraction", "verify_fraction", "host_fraction"))
+        lines.append(f"| {r['drafter']} | {r['prompt_id']} | {_fmt(r['tokens_per_s'], '.1f')} | "
+                     f"{_fmt(r['speedup'])}× | {_fmt(r['predicted_speedup'])}× | {_fmt(r['acceptance_length'])} | {split} |")
+    tile = result["tile_point"]
+    lines += ["", f"## Verify cost curve (tile rule: 1+D = {tile['tokens']} for G = {tile['group_size']})", "",
+              "| tokens | ms | relative to 1 |", "|---|---|---|"]
+    for point in result["cost_curve"]:
+        mark = " ← tile rule" if point["tokens"] == tile["tokens"] else ""
+        lines.append(f"| {point['tokens']}{mark} | {point['ms']:.2f} | {point['relative']:.2f}× |")
+    if result["peers"] or result["peers_skipped"]:
+        lines += ["", "## Peers (same model, fp32)", "", "| peer | threads | prompt | tok/s | vs our baseline | same greedy output |",
+                  "|---|---|---|---|---|---|"]
+        for p in result["peers"]:
+            same = {True: "yes", False: "no", None: "n/a"}[p["matches_baseline"]]
+            lines.append(f"| {p['peer']} | {p['threads']} | {p['prompt_id']} | {_fmt(p['tokens_per_s'], '.1f')} | "
+                         f"{_fmt(p['relative_to_baseline'])}× | {same} |")
+        for skipped in result["peers_skipped"]:
+            lines.append(f"\n- {skipped['peer']}: skipped ({skipped['skipped']})")
+    return "\n".join(lines) + "\n"
+
+
+def plots(result: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    written = []
+    curve = result["cost_curve"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([c["tokens"] for c in curve], [c["ms"] for c in curve], "o-", label="verify pass")
+    tile = result["tile_point"]
+    ax.axvline(tile["tokens"], color="grey", linestyle="--", label=f"tile rule 1+D = {tile['tokens']}")
+    ax.set_xlabel("tokens per verify pass (1+D)")
+    ax.set_ylabel("ms per pass")
+    ax.set_xscale("log", base=2)
+    ax.set_title("verify cost on this device")
+    ax.legend()
+    fig.tight_layout()
+    written.append(out / "cost_curve.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for drafter in result["settings"]["drafters"][1:]:
+        rows = [r for r in result["results"] if r["drafter"] == drafter]
+        depth = max((len(r["acceptance_by_position"]) for r in rows), default=0)
+        rates = []
+        for i in range(depth):
+            values = [r["acceptance_by_position"][i] for r in rows if r["acceptance_by_position"][i] is not None]
+            rates.append(sum(values) / len(values) if values else None)
+        xs = [i + 1 for i, v in enumerate(rates) if v is not None]
+        ax.plot(xs, [v for v in rates if v is not None], "o-", label=drafter)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted when proposed")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    ax.set_title("acceptance by position")
+    fig.tight_layout()
+    written.append(out / "acceptance.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    categories = sorted({r["category"] for r in result["categories"]})
+    runners = result["settings"]["drafters"] + sorted({p["peer"] for p in result["peers"]})
+    fig, ax = plt.subplots(figsize=(max(6, len(categories) * 1.5), 4))
+    width = 0.8 / max(len(runners), 1)
+    for j, name in enumerate(runners):
+        values = []
+        for category in categories:
+            rows = [r for r in result["categories"] if r["drafter"] == name and r["category"] == category]
+            if rows:
+                values.append(rows[0]["tokens_per_s"] or 0)
+            else:
+                peer = [p["tokens_per_s"] for p in result["peers"] if p["peer"] == name and p["category"] == category
+                        and p["tokens_per_s"]]
+                values.append(sorted(peer)[len(peer) // 2] if peer else 0)
+        ax.bar([i + j * width for i in range(len(categories))], values, width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(categories))], categories, rotation=20)
+    ax.set_ylabel("tokens/s")
+    ax.set_title("decode tokens/s by drafter and category")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    written.append(out / "tokens_per_s.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+    return written
+
+
+def write(result: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    (out / "bench.md").write_text(markdown(result))
+    files = [out / "bench.json", out / "bench.md"]
+    try:
+        files += plots(result, out)
+    except ImportError:
+        pass  # matplotlib is the `bench` extra; the JSON and markdown are complete without it
+    return files

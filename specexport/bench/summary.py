@@ -1,0 +1,143 @@
+"""Turn the bench's raw runs into results: per prompt, per category, with predictions.
+
+Per (drafter, prompt): tokens/s is the median over repeats of tokens / decode seconds (the
+prefill is excluded, for every runner alike); E[L] is tokens per verify round over all repeats;
+the predicted speedup is E[L] · T_target / (T_draft + T_verify), with T_target the baseline's
+seconds per token and T_draft, T_verify the drafter's seconds per round, all from this run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _per_prompt(records: list[dict], baseline: dict[str, dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for record in records:
+        groups[(record["drafter"], record["prompt_id"])].append(record)
+    results = []
+    for (drafter, prompt_id), runs in groups.items():
+        tokens = sum(r["tokens"] for r in runs)
+        rounds = sum(r["rounds"] for r in runs)
+        tps = _median([r["tokens"] / r["total_s"] for r in runs if r["total_s"]])
+        base = baseline[prompt_id]
+        el = tokens / rounds if rounds else 0.0
+        t_target = base["verify_s"] / base["tokens"] if base["tokens"] else None  # one target step
+        per_round = (sum(r["draft_s"] for r in runs) + sum(r["verify_s"] for r in runs)) / rounds if rounds else None
+        predicted = el * t_target / per_round if t_target and per_round else None
+        depth = len(runs[0]["accepted_at"])
+        accepted = [sum(r["accepted_at"][i] for r in runs) for i in range(depth)]
+        proposed = [sum(r["proposed_at"][i] for r in runs) for i in range(depth)]
+        seconds = sum(r["total_s"] for r in runs)
+        results.append({
+            "drafter": drafter,
+            "prompt_id": prompt_id,
+            "category": runs[0]["category"],
+            "tokens": tokens // len(runs),
+            "tokens_per_s": round(tps, 2) if tps else None,
+            "speedup": round(tps / base["tokens_per_s"], 3) if tps and base["tokens_per_s"] else None,
+            "acceptance_length": round(el, 3),
+            "predicted_speedup": round(predicted, 3) if predicted else None,
+            "acceptance_by_position": [round(a / p, 3) if p else None for a, p in zip(accepted, proposed)],
+            "draft_fraction": round(sum(r["draft_s"] for r in runs) / seconds, 3) if seconds else None,
+            "verify_fraction": round(sum(r["verify_s"] for r in runs) / seconds, 3) if seconds else None,
+            "host_fraction": round(sum(r["host_s"] for r in runs) / seconds, 3) if seconds else None,
+            "matches_baseline": all(r["token_ids"] == base["token_ids"] for r in runs) if base.get("greedy") else None,
+        })
+    return results
+
+
+def _baseline(records: list[dict], greedy: bool) -> dict[str, dict]:
+    by_prompt: dict[str, list[dict]] = defaultdict(list)
+    for record in records:
+        if record["drafter"] == "none":
+            by_prompt[record["prompt_id"]].append(record)
+    return {
+        prompt_id: {
+            "tokens_per_s": _median([r["tokens"] / r["total_s"] for r in runs if r["total_s"]]),
+            "tokens": sum(r["tokens"] for r in runs),
+            "verify_s": sum(r["verify_s"] for r in runs),
+            "token_ids": runs[0]["token_ids"],
+            "greedy": greedy,
+        }
+        for prompt_id, runs in by_prompt.items()
+    }
+
+
+def _by_category(results: list[dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in results:
+        groups[(r["drafter"], r["category"])].append(r)
+    rows = []
+    for (drafter, category), items in sorted(groups.items()):
+        rows.append({
+            "drafter": drafter,
+            "category": category,
+            "prompts": len(items),
+            "tokens_per_s": _median([r["tokens_per_s"] for r in items]),
+            "speedup": _median([r["speedup"] for r in items]),
+            "acceptance_length": _median([r["acceptance_length"] for r in items]),
+            "predicted_speedup": _median([r["predicted_speedup"] for r in items]),
+            "matches_baseline": None if items[0]["matches_baseline"] is None
+            else all(r["matches_baseline"] for r in items),
+        })
+    return rows
+
+
+def _peers(peer_records: list[dict], baseline: dict[str, dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for record in peer_records:
+        groups[(record["peer"], record["prompt_id"])].append(record)
+    rows = []
+    for (peer, prompt_id), runs in groups.items():
+        decode = [(len(r["token_ids"]) - 1) / (r["total_s"] - r["first_token_s"])
+                  for r in runs if len(r["token_ids"]) > 1 and r["total_s"] > r["first_token_s"]]
+        tps = _median(decode)
+        base = baseline[prompt_id]
+        rows.append({
+            "peer": peer,
+            "threads": runs[0]["threads"],
+            "prompt_id": prompt_id,
+            "category": runs[0]["category"],
+            "tokens_per_s": round(tps, 2) if tps else None,
+            "relative_to_baseline": round(tps / base["tokens_per_s"], 3) if tps and base["tokens_per_s"] else None,
+            "matches_baseline": runs[0]["token_ids"] == base["token_ids"] if base.get("greedy") else None,
+        })
+    return rows
+
+
+def summarize(pipe, options, prompts, drafters, records, peer_records, skipped, curve) -> dict:
+    greedy = options.temperature == 0.0
+    baseline = _baseline(records, greedy)
+    results = _per_prompt(records, baseline)
+    plan = pipe.manifest.plan
+    tile_tokens = plan["tile_draft_len"] + 1
+    return {
+        "engine_dir": str(pipe.manifest.root),
+        "name": pipe.manifest.name,
+        "toolchain": pipe.manifest.raw.get("toolchain", {}),
+        "settings": {
+            "threads": options.threads,
+            "max_new_tokens": options.max_new_tokens,
+            "repeats": options.repeats,
+            "temperature": options.temperature,
+            "adaptive": options.adaptive,
+            "draft_len": options.draft_len or pipe.manifest.draft_len,
+            "prompts": str(options.prompts),
+            "drafters": drafters,
+        },
+        "plan": plan,
+        "results": results,
+        "categories": _by_category(results),
+        "cost_curve": curve,
+        "tile_point": {"tokens": tile_tokens, "group_size": plan["group_size"],
+                       "measured": any(c["tokens"] == tile_tokens for c in curve)},
+        "peers": _peers(peer_records, baseline),
+        "peers_skipped": skipped,
+    }
