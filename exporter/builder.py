@@ -24,7 +24,7 @@ from specexport.exporter.onnx_export import WeightStore, export_graph, tensor_sp
 from specexport.exporter.outdir import AtomicDir, existing_manifest
 from specexport.exporter.plan import DraftPlanResult, calibration_file, plan_recipe_draft
 from specexport.exporter.progress import Reporter
-from specexport.exporter.quantize import count_quantized, quantize_int4
+from specexport.exporter.quantize import count_quantized, gemm_heads_to_matmul, quantize_int4
 from specexport.exporter.recipe import ModelDrafter, QuantizedSelfDrafter, Recipe, TinySource, load_recipe
 from specexport.exporter.sources import LoadedModel, eos_token_ids, file_sha256, fingerprint, load_source
 from specexport.exporter.validate import GraphUnderTest, reference_ids, reference_logits, validate_model
@@ -175,6 +175,8 @@ class Builder:
                     with self.rep.step("quantize", q_graph) as s:
                         copy = onnx.ModelProto()
                         copy.CopyFrom(proto)
+                        if q_spec.quantize_head:
+                            gemm_heads_to_matmul(copy)
                         quantized = quantize_int4(copy, q_spec.block_size, q_spec.symmetric, q_spec.accuracy_level)
                         s.detail = f"{count_quantized(quantized)} MatMulNBits, block {q_spec.block_size}"
                     self._save(tmp, q_name, q_graph, tokens, "quantized-self", quantized, stores[q_name], q_graphs)
@@ -195,6 +197,7 @@ class Builder:
             self.models[q_name] = {
                 "kind": "quantized-self", **parts.summary(), "kv": kv, "weights": f"{q_name}.weights",
                 "bits": q_spec.bits, "block_size": q_spec.block_size, "symmetric": q_spec.symmetric,
+                "accuracy_level": q_spec.accuracy_level, "quantized_head": q_spec.quantize_head,
             }
 
     def _save(self, tmp: Path, model: str, graph_name: str, tokens: int, kind: str, proto: onnx.ModelProto,

@@ -1,8 +1,9 @@
 """int4 weight-only copies of a graph through onnxruntime's MatMulNBits quantizer.
 
 Every MatMul whose weight is an initializer becomes a MatMulNBits node (blockwise int4 with
-per-block scales). The embedding Gather and the Gemm of the output head stay fp32: the head
-decides which token the drafter proposes, and its error would cost acceptance.
+per-block scales). The embedding Gather stays fp32 (a lookup reads one row per token); the
+output head, a Gemm in the exported graph, is quantized only when rewritten as a MatMul first
+(``gemm_heads_to_matmul``).
 """
 
 from __future__ import annotations
