@@ -18,7 +18,7 @@ from specexport.runtime.acceptance import Sampling
 from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.decode import DecodeStats, decode
 from specexport.runtime.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
-from specexport.runtime.engine import EngineOptions, open_engine
+from specexport.runtime.engine import EngineOptions, LazyEngine
 from specexport.runtime.kv_cache import KVCache
 from specexport.runtime.manifest import DrafterEntry, Manifest
 from specexport.runtime.runner import ModelRunner
@@ -86,7 +86,13 @@ class Pipeline:
             entries = self.manifest.engines_of(model, self.backend)
             if not entries:
                 raise BadInput(f"{self.manifest.root}: no {self.backend} engines for model '{model}'")
-            engines = [open_engine(e, self.manifest.root, self.options) for e in entries]
+            engines = [LazyEngine(e, self.manifest.root, self.options) for e in entries]
+            # Open now what decoding can use (up to 1+D tokens, and the prefill chunk), so no
+            # session is created inside a timed round; larger probe graphs open on demand.
+            largest = max(e.tokens for e in entries)
+            for entry, engine in zip(entries, engines):
+                if entry.tokens <= self.manifest.draft_len + 1 or entry.tokens == largest:
+                    engine.open()
             cache = KVCache(info.num_layers, 1, info.num_kv_heads, info.max_seq_len, info.head_dim, info.kv_dtype)
             self._runners[model] = ModelRunner(model, engines, cache, {e.name: e.tokens for e in entries})
         return self._runners[model]

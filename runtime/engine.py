@@ -51,6 +51,30 @@ def open_engine(entry: EngineEntry, root: Path, options: EngineOptions) -> Engin
     return getattr(importlib.import_module(module_name), factory)(entry, root, options)
 
 
+class LazyEngine:
+    """Opens its backend engine on first use. Every session holds its own (prepacked) copy of
+    the weights, so graphs a run never needs (probe sizes, say) should cost no memory."""
+
+    def __init__(self, entry: EngineEntry, root: Path, options: EngineOptions):
+        self.name = entry.name
+        self.inputs = entry.inputs
+        self.outputs = entry.outputs
+        self._open = lambda: open_engine(entry, root, options)
+        self._engine: Engine | None = None
+
+    @property
+    def opened(self) -> bool:
+        return self._engine is not None
+
+    def open(self) -> Engine:
+        if self._engine is None:
+            self._engine = self._open()
+        return self._engine
+
+    def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        return self.open().run(feeds, outputs)
+
+
 def check_feeds(engine: Engine, feeds: dict[str, np.ndarray]) -> None:
     """Compare feeds with the recorded input specs; raise one clear line on a mismatch."""
     missing = set(engine.inputs) - set(feeds)
