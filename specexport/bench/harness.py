@@ -101,7 +101,7 @@ def run_bench(engine_dir: Path, options: BenchOptions, reporter) -> dict:
 
         target = pipe.manifest.raw["recipe"]["target"]
         peers, skipped = make_peers(target, Path(pipe.manifest.raw.get("recipe_dir", ".")), options.peers,
-                                    options.threads, engine_dir.parent / ".peer-cache")
+                                    options.threads, engine_dir.parent / f".{engine_dir.name}.peers")
     sampling = dict(temperature=options.temperature)
     depth = dict(adaptive=options.adaptive, draft_len=options.draft_len)
 
@@ -109,6 +109,8 @@ def run_bench(engine_dir: Path, options: BenchOptions, reporter) -> dict:
         first = ids[prompts[0]["id"]]
         for name in drafters:
             pipe.generate(prompt_ids=first, drafter=name, max_new_tokens=8, **sampling, **depth)
+        for peer in peers:
+            peer.run(first, 8)
 
     records: list[dict] = []
     peer_records: list[dict] = []
@@ -124,7 +126,8 @@ def run_bench(engine_dir: Path, options: BenchOptions, reporter) -> dict:
                     run = peer.run(prompt_ids, options.max_new_tokens)
                     peer_records.append({"peer": peer.name, "threads": peer.threads, "prompt_id": prompt["id"],
                                          "category": prompt["category"], "repeat": repeat, "token_ids": run.token_ids,
-                                         "total_s": run.total_s, "first_token_s": run.first_token_s})
+                                         "total_s": run.total_s, "first_token_s": run.first_token_s,
+                                         "settings": getattr(peer, "settings", {}), "stats": run.stats})
             step.detail = f"{len(prompts)} prompts × {len(drafters) + len(peers)} runs"
 
     with reporter.step("bench", "cost curve"):

