@@ -93,9 +93,18 @@ def toolchain() -> dict:
     }
 
 
+def exporter_digest() -> str:
+    """The exporter's own code is an input of the build too."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def inputs_key(recipe: Recipe, fingerprints: dict, tools: dict) -> str:
     blob = json.dumps(
-        {"recipe": recipe.model_dump(mode="json"), "sources": fingerprints, "toolchain": tools},
+        {"recipe": recipe.model_dump(mode="json"), "sources": fingerprints, "toolchain": tools,
+         "exporter": exporter_digest()},
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()

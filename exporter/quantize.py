@@ -13,6 +13,11 @@ import logging
 import onnx
 
 
+# Weights that stay fp32: the rotary rotate-half matrix (entries 0 and ±1 must stay exact, and
+# it is tiny).
+KEEP_FP32 = ("rope_rotate",)
+
+
 def quantize_int4(model: onnx.ModelProto, block_size: int, symmetric: bool, accuracy_level: int | None) -> onnx.ModelProto:
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,
@@ -26,12 +31,14 @@ def quantize_int4(model: onnx.ModelProto, block_size: int, symmetric: bool, accu
         op_types_to_quantize=("MatMul",),
         bits=4,
     )
+    keep = [n.name for n in model.graph.node if n.op_type == "MatMul" and any(w in KEEP_FP32 for w in n.input)]
     quantizer = MatMulNBitsQuantizer(
         model,
         bits=4,
         block_size=block_size,
         is_symmetric=symmetric,
         accuracy_level=accuracy_level,
+        nodes_to_exclude=keep,
         algo_config=config,
     )
     logger = logging.getLogger("onnxruntime.quantization")

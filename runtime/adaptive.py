@@ -45,8 +45,8 @@ class DepthPolicy:
     max_depth: int
     verify_cost: Callable[[int], float | None]  # tokens -> seconds of that verify (None: unknown)
     draft_cost: float = 0.0  # seconds per draft token
-    decay: float = 0.9  # weight of the past in the moving averages
-    prior: float = 0.7  # optimistic start: draft until measured otherwise
+    decay: float = 0.8  # weight of the past in the moving averages
+    prior: float = 0.8  # optimistic start: draft until measured otherwise
     probe_every: int = 8
     _tags: dict[str, _TagStats] = field(default_factory=dict)
 
@@ -83,9 +83,12 @@ class DepthPolicy:
             stats.skipped = 0
         return best_k
 
-    def trim(self, draft: Draft, default_tag: str) -> Draft:
-        """Keep the best prefix of a draft that already exists (cheap drafters draft deep)."""
-        keep = self.best_depth(draft.tag or default_tag, draft.size, sunk=True)
+    def trim(self, draft: Draft, planned_tag: str) -> Draft:
+        """Keep the best prefix of a draft that already exists, when its tag says more than
+        the one its depth was planned with (prompt lookup: the match length it found)."""
+        if not draft.tag or draft.tag == planned_tag:
+            return draft
+        keep = self.best_depth(draft.tag, draft.size, sunk=True)
         if keep >= draft.size:
             return draft
         return Draft(draft.tokens[:keep], None if draft.probs is None else draft.probs[:keep], draft.tag)
@@ -97,4 +100,6 @@ class DepthPolicy:
         reached = min(accepted + 1, proposed)  # positions whose fate was decided
         kept = (np.arange(reached) < accepted).astype(float)  # [reached] 1 for the accepted ones
         seen = stats.alpha[:reached]
-        stats.alpha[:reached] = np.where(np.isnan(seen), kept, self.decay * seen + (1 - self.decay) * kept)
+        # a first observation moves the prior like any other: one rejection is not a verdict
+        start = np.where(np.isnan(seen), self.prior, seen)
+        stats.alpha[:reached] = self.decay * start + (1 - self.decay) * kept

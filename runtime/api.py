@@ -87,14 +87,17 @@ class Pipeline:
             if not entries:
                 raise BadInput(f"{self.manifest.root}: no {self.backend} engines for model '{model}'")
             engines = [LazyEngine(e, self.manifest.root, self.options) for e in entries]
-            # Open now what decoding can use (up to 1+D tokens, and the prefill chunk), so no
-            # session is created inside a timed round; larger probe graphs open on demand.
+            # Decoding uses the sizes up to 1+D and the prefill chunk: open those now, so no
+            # session is created inside a timed round. Probe graphs (the bench's cost curve)
+            # open on demand and are left out of the runner's choice of engines.
             largest = max(e.tokens for e in entries)
+            used = {e.tokens for e in entries if e.tokens <= self.manifest.draft_len + 1 or e.tokens == largest}
             for entry, engine in zip(entries, engines):
-                if entry.tokens <= self.manifest.draft_len + 1 or entry.tokens == largest:
+                if entry.tokens in used:
                     engine.open()
             cache = KVCache(info.num_layers, 1, info.num_kv_heads, info.max_seq_len, info.head_dim, info.kv_dtype)
-            self._runners[model] = ModelRunner(model, engines, cache, {e.name: e.tokens for e in entries})
+            self._runners[model] = ModelRunner(model, engines, cache, {e.name: e.tokens for e in entries},
+                                               {e.tokens: e.cost_ms for e in entries if e.tokens in used})
         return self._runners[model]
 
     def drafter(self, name: str) -> Drafter:

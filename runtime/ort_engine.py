@@ -46,6 +46,10 @@ class OrtEngine:
         if options.threads:
             so.intra_op_num_threads = options.threads
         so.inter_op_num_threads = 1
+        # A decode loop alternates between sessions (draft, verify, decode). Threads left
+        # spinning by the last session steal the cores from the next one: measured 2.4x
+        # slower steps on 2 cores. Stop spinning when a run ends.
+        so.add_session_config_entry("session.force_spinning_stop", "1")
         self.name = name
         self.inputs = inputs
         self.outputs = outputs

@@ -27,13 +27,15 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, name: str, engines: Sequence[Engine], cache: KVCache, tokens_of: dict[str, int]):
+    def __init__(self, name: str, engines: Sequence[Engine], cache: KVCache, tokens_of: dict[str, int],
+                 cost_ms: dict[int, float] | None = None):
         self.name = name
         self.cache = cache
         # token count -> engine, smallest first
         self._engines = sorted(((tokens_of[e.name], e) for e in engines), key=lambda pair: pair[0])
         if not self._engines:
             raise ValueError(f"model {name} has no engines")
+        self._first_piece = self._plan_pieces(cost_ms or {}, cache.max_seq_len)
         self._feeds: dict[int, dict[str, np.ndarray]] = {}
         for tokens, _ in self._engines:
             feeds = dict(cache.view())
@@ -75,7 +77,24 @@ class ModelRunner:
     def rewind(self, length: int) -> None:
         self.cache.rewind(length)
 
+    def _plan_pieces(self, cost_ms: dict[int, float], longest: int) -> list[int] | None:
+        """For every input length, the engine size to run first so that the whole input
+        costs least, over the engines with a measured cost (from the build). None: no costs,
+        use the fit rule."""
+        sizes = [t for t, _ in self._engines if cost_ms.get(t)]
+        if not sizes:
+            return None
+        total = [0.0] * (longest + 1)  # total[r]: cheapest cost of r tokens
+        first = [sizes[0]] * (longest + 1)
+        for r in range(1, longest + 1):
+            total[r], first[r] = min((cost_ms[t] + total[max(r - t, 0)], -t) for t in sizes)
+            first[r] = -first[r]
+        return first
+
     def _pick(self, remaining: int) -> tuple[int, Engine]:
+        if self._first_piece is not None:
+            size = self._first_piece[min(remaining, len(self._first_piece) - 1)]
+            return size, dict(self._engines)[size]
         for tokens, engine in self._engines:
             if tokens >= remaining:
                 return tokens, engine

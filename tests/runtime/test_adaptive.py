@@ -67,9 +67,9 @@ def test_adaptive_loop_keeps_drafting_when_it_pays():
     policy = DepthPolicy(4, verify_cost)
     out, stats = run(MarkovRunner(table), OracleDrafter(table), [0], draft_len=4, max_new=40, policy=policy)
     assert out == greedy_reference(table, [0], 40)
-    # the optimistic prior starts one short of full depth, then every round drafts 4
-    assert stats.accepted == stats.proposed and stats.proposed_at[3] >= stats.rounds - 2
-    assert stats.acceptance_length > 4.3
+    # the prior starts short of full depth; accepted drafts soon make every round draft 4
+    assert stats.accepted == stats.proposed and stats.proposed_at[3] >= stats.rounds // 2
+    assert stats.acceptance_length > 4.0
 
 
 def test_ngram_drafts_are_tagged_by_match_length():
