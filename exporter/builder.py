@@ -169,7 +169,7 @@ class Builder:
                      int4: tuple[str, QuantizedSelfDrafter, GraphSet] | None = None) -> None:
         shapes = self.recipe.shapes
         parts = read_decoder(loaded.model, shapes.max_seq_len, loaded.origin)
-        decoder = StaticDecoder(parts, shapes.max_seq_len).eval()
+        decoder = StaticDecoder(parts, shapes.max_seq_len, self.recipe.attention).eval()
         stores = {name: WeightStore(tmp / f"{name}.weights")}
         if int4 is not None:
             stores[int4[0]] = WeightStore(tmp / f"{int4[0]}.weights")
@@ -200,11 +200,13 @@ class Builder:
             "max_seq_len": shapes.max_seq_len,
             "dtype": "float32",
         }
-        self.models[name] = {"kind": kind, **parts.summary(), "kv": kv, "weights": f"{name}.weights"}
+        self.models[name] = {"kind": kind, **parts.summary(), "kv": kv, "weights": f"{name}.weights",
+                             "attention": self.recipe.attention}
         if int4 is not None:
             q_name, q_spec, _ = int4
             self.models[q_name] = {
                 "kind": "quantized-self", **parts.summary(), "kv": kv, "weights": f"{q_name}.weights",
+                "attention": self.recipe.attention,
                 "bits": q_spec.bits, "block_size": q_spec.block_size, "symmetric": q_spec.symmetric,
                 "accuracy_level": q_spec.accuracy_level, "quantized_head": q_spec.quantize_head,
             }
@@ -231,6 +233,9 @@ class Builder:
             "tokens": tokens,
             "inputs": inputs,
             "outputs": outputs,
+            # append: present.* hold the T new positions for the runtime to copy in;
+            # in_place: present.* are the whole cache, bound to the past buffers
+            "kv_update": "in_place" if self.recipe.attention == "ort-gqa" else "append",
         })
 
     def validate(self, model: str, reference: LoadedModel, enforce: bool) -> None:
@@ -244,6 +249,7 @@ class Builder:
             results = validate_model(
                 self.graph_files[model], self.specs, info["num_layers"], info["num_kv_heads"],
                 info["head_dim"], shapes.max_seq_len, ids, ref, self.threads,
+                in_place=self.recipe.attention == "ort-gqa",
             )
             worst = max(r["max_abs_logit_diff"] for r in results.values())
             agree = min(r["argmax_agreement"] for r in results.values())

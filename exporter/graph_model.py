@@ -15,6 +15,12 @@ The mask is built in the graph from cache_length: past slot j is visible when j 
 length may hold anything, so padding a short chunk is safe. Attention never concatenates the
 cache with the new keys (that would copy the whole cache every step): scores against the past
 and against the new tokens are computed apart and joined only after the matmul.
+
+``attention="ort-gqa"`` is the onnxruntime-only variant: each layer's attention is one
+com.microsoft GroupQueryAttention node (rotary, mask and the cache append fused, attending
+only to the filled part of the cache). Its present.* outputs are the whole cache
+[B, n_kv, S_max, hd] with the T new positions written at cache_length: the runtime binds them
+to the same buffers as the past inputs, so the cache is updated in place.
 """
 
 from __future__ import annotations
@@ -75,9 +81,15 @@ class _Layer(nn.Module):
         self.rope_table = w.rope_table
 
 
+ATTENTION_KINDS = ("standard", "ort-gqa")
+
+
 class StaticDecoder(nn.Module):
-    def __init__(self, parts: DecoderParts, max_seq_len: int):
+    def __init__(self, parts: DecoderParts, max_seq_len: int, attention: str = "standard"):
         super().__init__()
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}")
+        self.attention = attention
         self.parts_summary = parts.summary()
         self.max_seq_len = max_seq_len
         self.n_heads = parts.num_attention_heads
@@ -101,6 +113,10 @@ class StaticDecoder(nn.Module):
         for name, (cos, sin) in parts.rope_tables.items():
             self.register_buffer(f"rope_cos_{name}", cos[:max_seq_len].contiguous(), persistent=False)
             self.register_buffer(f"rope_sin_{name}", sin[:max_seq_len].contiguous(), persistent=False)
+            if attention == "ort-gqa":  # the op's tables hold one half: transformers' repeat it
+                half = cos.shape[-1] // 2
+                self.register_buffer(f"rope_cos_half_{name}", cos[:max_seq_len, :half].contiguous(), persistent=False)
+                self.register_buffer(f"rope_sin_half_{name}", sin[:max_seq_len, :half].contiguous(), persistent=False)
 
     @property
     def num_layers(self) -> int:
@@ -145,11 +161,19 @@ class StaticDecoder(nn.Module):
             zero = torch.zeros((), dtype=hidden.dtype)
             masks[window] = torch.where(visible, zero, float("-inf")).view(batch, 1, 1, tokens, s_max + tokens)
 
+        if self.attention == "ort-gqa":
+            total = cache_length + tokens  # [B] filled length after this step
+            gqa_lengths = ((total - 1).to(torch.int32), total.max().to(torch.int32))  # seqlens_k, total
+
         presents: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             cos, sin = rope[layer.rope_table]  # [B, T, 1, rot]
             past_k, past_v = past[2 * i], past[2 * i + 1]  # [B, n_kv, S_max, hd]
-            attn_out, k_new, v_new = self._attention(layer, hidden, cos, sin, past_k, past_v, masks[layer.sliding_window])
+            if self.attention == "ort-gqa":
+                attn_out, k_new, v_new = self._attention_gqa(layer, hidden, cos, sin, past_k, past_v, gqa_lengths)
+            else:
+                attn_out, k_new, v_new = self._attention(layer, hidden, cos, sin, past_k, past_v,
+                                                         masks[layer.sliding_window])
             presents += [k_new, v_new]
             if layer.attn_out_norm is not None:
                 attn_out = _rms_norm(attn_out, layer.attn_out_norm, self.eps)
@@ -205,6 +229,46 @@ class StaticDecoder(nn.Module):
         if layer.o_b is not None:
             out = out + layer.o_b
         return out, k_new, v_new
+
+    def _attention_gqa(self, layer: _Layer, hidden, cos, sin, past_k, past_v, lengths):
+        """One com.microsoft GroupQueryAttention node; present K/V are the updated caches."""
+        batch, tokens, _ = hidden.shape
+        hd = self.head_dim
+        x = _rms_norm(hidden, layer.attn_norm, self.eps)  # [B, T, hidden]
+        qkv = x @ layer.qkv_w  # [B, T, (H+2·n_kv)·hd]
+        if layer.qkv_b is not None:
+            qkv = qkv + layer.qkv_b
+        q, k, v = torch.split(qkv, layer.qkv_sizes, dim=-1)
+        full_rotary = cos.shape[-1] == hd
+        if layer.q_norm is not None or not full_rotary:
+            q = q.view(batch, tokens, self.n_heads, hd)
+            k = k.view(batch, tokens, self.n_kv, hd)
+            if layer.q_norm is not None:  # before RoPE, as transformers does
+                q = _rms_norm(q, layer.q_norm, self.eps)
+                k = _rms_norm(k, layer.k_norm, self.eps)
+            if not full_rotary:  # partial rotary: rotate here, the op's rotary takes whole heads
+                q = _apply_rope(q, cos, sin, self.rope_rotate)
+                k = _apply_rope(k, cos, sin, self.rope_rotate)
+            q = q.reshape(batch, tokens, -1)
+            k = k.reshape(batch, tokens, -1)
+        attrs = dict(num_heads=self.n_heads, kv_num_heads=self.n_kv, scale=self.attn_scale, do_rotary=int(full_rotary))
+        if self.attn_softcap is not None:
+            attrs["softcap"] = float(self.attn_softcap)
+        if layer.sliding_window is not None:
+            attrs["local_window_size"] = int(layer.sliding_window)
+        tables = (getattr(self, f"rope_cos_half_{layer.rope_table}"), getattr(self, f"rope_sin_half_{layer.rope_table}"))
+        out, present_k, present_v = torch.onnx.ops.symbolic_multi_out(
+            "com.microsoft::GroupQueryAttention",
+            (q, k, v, past_k, past_v, *lengths, *tables),
+            attrs,
+            dtypes=(hidden.dtype, past_k.dtype, past_v.dtype),
+            shapes=((batch, tokens, self.n_heads * hd), past_k.shape, past_v.shape),
+            version=1,
+        )
+        out = out @ layer.o_w  # [B, T, hidden]
+        if layer.o_b is not None:
+            out = out + layer.o_b
+        return out, present_k, present_v
 
     def _mlp(self, layer: _Layer, x):
         gate, up = torch.split(x @ layer.gate_up_w, layer.intermediate, dim=-1)  # [B, T, intermediate] ×2

@@ -143,7 +143,7 @@ def _shape_problem(value: onnx.ValueInfoProto) -> str | None:
     return f"has a dynamic shape [{', '.join(dims)}]"
 
 
-def _types(model: onnx.ModelProto) -> dict[str, int]:
+def tensor_types(model: onnx.ModelProto) -> dict[str, int]:
     """tensor name -> element type, from graph I/O, initializers, value_info and Constant nodes."""
     g = model.graph
     types = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.output, *g.value_info]
@@ -182,7 +182,7 @@ def lint_model(model: onnx.ModelProto, name: str) -> GraphReport:
         model = onnx.shape_inference.infer_shapes(model)
     except Exception as err:  # noqa: BLE001 - a lint reports, it does not crash
         report.notes.append(f"shape inference failed ({type(err).__name__}); dtypes checked from what the graph declares")
-    types = _types(model)
+    types = tensor_types(model)
 
     dynamic = sum(1 for v in model.graph.value_info if v.name not in io_names and _shape_problem(v))
     if dynamic:

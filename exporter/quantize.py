@@ -12,7 +12,6 @@ import logging
 
 import onnx
 
-
 # Weights that stay fp32: the rotary rotate-half matrix (entries 0 and ±1 must stay exact, and
 # it is tiny).
 KEEP_FP32 = ("rope_rotate",)

@@ -169,6 +169,10 @@ class Recipe(_Strict):
         default_factory=lambda: ["onnxruntime"], min_length=1
     )
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    # standard: portable ONNX ops (TensorRT, any runtime). ort-gqa: onnxruntime's fused
+    # GroupQueryAttention, attending only to the filled cache and updating it in place (faster
+    # on onnxruntime; not for TensorRT).
+    attention: Literal["standard", "ort-gqa"] = "standard"
     opset: int = Field(18, ge=17, le=21)
     validation: Validation = Validation()
 

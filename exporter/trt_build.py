@@ -27,7 +27,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from specexport.errors import BadInput, SpecexportError
-from specexport.exporter.lint import lint_model
+from specexport.exporter.lint import lint_model, tensor_types
 from specexport.exporter.progress import Reporter
 from specexport.runtime import trt_engine
 
@@ -129,13 +129,7 @@ def cast_precision(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
     low = _LOW[precision]
     model = onnx.shape_inference.infer_shapes(model)
     g = model.graph
-    types = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.output, *g.value_info]}
-    types.update({t.name: t.data_type for t in g.initializer})
-    for node in g.node:
-        if node.op_type == "Constant":
-            for a in node.attribute:
-                if a.name == "value":
-                    types[node.output[0]] = a.t.data_type
+    types = tensor_types(model)
     float_tensors = {name for name, code in types.items() if code == _FLOAT}
     initializers = {t.name for t in g.initializer}
     constant_nodes = {n.output[0] for n in g.node if n.op_type == "Constant"}

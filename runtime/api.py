@@ -97,7 +97,8 @@ class Pipeline:
                     engine.open()
             cache = KVCache(info.num_layers, 1, info.num_kv_heads, info.max_seq_len, info.head_dim, info.kv_dtype)
             self._runners[model] = ModelRunner(model, engines, cache, {e.name: e.tokens for e in entries},
-                                               {e.tokens: e.cost_ms for e in entries if e.tokens in used})
+                                               {e.tokens: e.cost_ms for e in entries if e.tokens in used},
+                                               frozenset(e.name for e in entries if e.kv_update == "in_place"))
         return self._runners[model]
 
     def drafter(self, name: str) -> Drafter:

@@ -114,6 +114,7 @@ class ModelDrafter:
     def accept(self, n_accepted: int, next_token: int) -> None:
         # The cache holds the context and drafts 1..k-1; keep those the target accepted.
         if self._k == 0:
-            return  # nothing was drafted; the cache is a prefix of the context as it was
+            return  # nothing was drafted since the last accept: the cache is still a prefix
         self.runner.rewind(self._base + min(n_accepted, self._k - 1))
+        self._k = 0
 

@@ -31,8 +31,10 @@ class Engine(Protocol):
     inputs: dict[str, TensorSpec]
     outputs: dict[str, TensorSpec]
 
-    def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        """Run once; return the requested outputs (all when None) as host arrays."""
+    def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None,
+            bound: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Run once; return the requested outputs (all when None) as host arrays. ``bound``
+        maps outputs to arrays the engine writes into directly (an in-place KV cache)."""
         ...
 
 
@@ -71,7 +73,10 @@ class LazyEngine:
             self._engine = self._open()
         return self._engine
 
-    def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None,
+            bound: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        if bound:
+            return self.open().run(feeds, outputs, bound)
         return self.open().run(feeds, outputs)
 
 

@@ -42,6 +42,16 @@ class KVCache:
             self._tensors[past_name][:, :, at : at + count] = new[:, :, :count]
         self.length += count
 
+    def in_place_outputs(self) -> dict[str, np.ndarray]:
+        """present.* -> the past buffer it updates, for graphs that write the cache in place."""
+        return {present: self._tensors[past] for past, present in self._present_names.items()}
+
+    def advance(self, count: int) -> None:
+        """An in-place graph already wrote ``count`` new positions at ``length``."""
+        if count > self.free:
+            raise ValueError(f"KV cache overflow: {count} tokens with {self.free} slots free")
+        self.length += count
+
     def rewind(self, length: int) -> None:
         """Forget every position at or after ``length``."""
         if not 0 <= length <= self.length:

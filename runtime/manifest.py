@@ -41,6 +41,7 @@ class EngineEntry:
     parity: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # backend-specific facts (TensorRT version, GPU)
     cost_ms: float | None = None  # one run, measured at build time (adaptive depth reads it)
+    kv_update: str = "append"  # append: present.* are the new positions; in_place: the whole cache
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ class Manifest:
                 parity=dict(e.get("parity", {})),
                 extra=dict(e.get("extra", {})),
                 cost_ms=e.get("cost_ms"),
+                kv_update=e.get("kv_update", "append"),
             )
             for e in raw["engines"]
         ]

@@ -54,15 +54,42 @@ class OrtEngine:
         self.inputs = inputs
         self.outputs = outputs
         self._session = ort.InferenceSession(str(path), so, providers=providers)
+        self._ortvalue = ort.OrtValue.ortvalue_from_numpy
         self._checked = False
+        self._bindings: dict[tuple, tuple] = {}  # outputs -> (feeds, bound, binding)
 
-    def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None,
+            bound: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         if not self._checked:  # shapes are static: checking the first call checks them all
             check_feeds(self, feeds)
             self._checked = True
         names = list(outputs) if outputs is not None else list(self.outputs)
-        values = self._session.run(names, feeds)
-        return dict(zip(names, values))
+        if not bound:
+            values = self._session.run(names, feeds)
+            return dict(zip(names, values))
+        binding = self._binding(feeds, names, bound)
+        self._session.run_with_iobinding(binding)
+        values = binding.get_outputs()[: len(names)]  # not the bound cache: it is already in place
+        return {name: value.numpy() for name, value in zip(names, values)}
+
+    def _binding(self, feeds: dict[str, np.ndarray], names: list[str], bound: dict[str, np.ndarray]):
+        """An I/O binding over the caller's arrays, made once per feeds dict: the runner keeps
+        one dict per engine and updates its arrays in place, so the same binding serves every
+        call (the dict and arrays must not be replaced). Bound outputs (the in-place KV cache)
+        are written straight into the caller's buffers."""
+        key = tuple(names)
+        cached = self._bindings.get(key)
+        if cached is not None and cached[0] is feeds and cached[1] is bound:
+            return cached[2]
+        binding = self._session.io_binding()
+        for name in self.inputs:
+            binding.bind_ortvalue_input(name, self._ortvalue(feeds[name]))  # shares the memory
+        for name in names:
+            binding.bind_output(name)
+        for name, array in bound.items():
+            binding.bind_ortvalue_output(name, self._ortvalue(array))
+        self._bindings[key] = (feeds, bound, binding)
+        return binding
 
 
 def open_ort_engine(entry: EngineEntry, root: Path, options: EngineOptions) -> OrtEngine:

@@ -28,7 +28,7 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, name: str, engines: Sequence[Engine], cache: KVCache, tokens_of: dict[str, int],
-                 cost_ms: dict[int, float] | None = None):
+                 cost_ms: dict[int, float] | None = None, in_place: frozenset[str] = frozenset()):
         self.name = name
         self.cache = cache
         # token count -> engine, smallest first
@@ -45,6 +45,9 @@ class ModelRunner:
         presents = [f"present.{i}.{kind}" for i in range(cache.num_layers) for kind in ("key", "value")]
         self._outputs = ["next_tokens", *presents]
         self._outputs_with_logits = ["next_tokens", "logits", *presents]
+        # engines that update the cache in place (attention: ort-gqa) write into these buffers
+        self._in_place = in_place
+        self._cache_outputs = cache.in_place_outputs()
         self.seconds = 0.0  # time inside engines, for the stats
         self.calls = 0
 
@@ -67,11 +70,17 @@ class ModelRunner:
         engine = dict(self._engines)[size]
         feeds = self._feeds[size]
         feeds["cache_length"][0] = (self.cache.max_seq_len - size) // 2
+        in_place = engine.name in self._in_place
         times = []
         for _ in range(repeats + 1):  # the first run warms up
             start = time.perf_counter()
-            engine.run(feeds, self._outputs)
+            if in_place:  # writes the cache in place: its content is clobbered (see the rewind)
+                engine.run(feeds, self._outputs[:1], self._cache_outputs)
+            else:
+                engine.run(feeds, self._outputs)
             times.append(time.perf_counter() - start)
+        if in_place:
+            self.cache.rewind(0)
         return float(np.median(times[1:]))
 
     def rewind(self, length: int) -> None:
@@ -94,11 +103,13 @@ class ModelRunner:
     def _pick(self, remaining: int) -> tuple[int, Engine]:
         if self._first_piece is not None:
             size = self._first_piece[min(remaining, len(self._first_piece) - 1)]
-            return size, dict(self._engines)[size]
-        for tokens, engine in self._engines:
-            if tokens >= remaining:
-                return tokens, engine
-        return self._engines[-1]
+            choice = size, dict(self._engines)[size]
+        else:
+            choice = next(((t, e) for t, e in self._engines if t >= remaining), self._engines[-1])
+        if choice[1].name in self._in_place and choice[0] > self.cache.free:
+            # an in-place graph writes all its positions, padding too: take one that fits
+            choice = max(((t, e) for t, e in self._engines if t <= self.cache.free), key=lambda te: te[0])
+        return choice
 
     def forward(self, tokens: Sequence[int], want_logits: bool = False) -> StepOutput:
         n = len(tokens)
@@ -116,10 +127,15 @@ class ModelRunner:
             ids[0, count:] = PAD_ID
             feeds["cache_length"][0] = self.cache.length
             start = time.perf_counter()
-            result = engine.run(feeds, outputs)
-            self.seconds += time.perf_counter() - start
+            if engine.name in self._in_place:
+                result = engine.run(feeds, outputs[: 2 if want_logits else 1], self._cache_outputs)
+                self.seconds += time.perf_counter() - start
+                self.cache.advance(count)
+            else:
+                result = engine.run(feeds, outputs)
+                self.seconds += time.perf_counter() - start
+                self.cache.write(result, count)
             self.calls += 1
-            self.cache.write(result, count)
             next_parts.append(result["next_tokens"][0, :count])
             if want_logits:
                 logit_parts.append(result["logits"][0, :count])

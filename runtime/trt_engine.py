@@ -357,7 +357,10 @@ class TrtEngine:
         self._graph_exec = cuda_call(cudart, "cudaGraphInstantiate", graph, 0)
         cuda_call(cudart, "cudaGraphDestroy", graph)
 
-    def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None,
+            bound: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        if bound:
+            raise BadInput(f"engine {self.name}: in-place KV graphs (attention: ort-gqa) are onnxruntime-only")
         if not self._checked:  # shapes are static: checking the first call checks them all
             self._check_feeds(feeds)
             self._checked = True

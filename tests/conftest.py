@@ -33,7 +33,8 @@ def run_cli(*args: str) -> tuple[int, str, str]:
 
 
 def tiny_recipe(path: Path, arch: str = "llama", *, drafters=None, name: str | None = None, seed: int = 0,
-                max_seq_len: int = 96, prefill_chunk: int = 16, max_draft: int = 4, **target) -> Path:
+                max_seq_len: int = 96, prefill_chunk: int = 16, max_draft: int = 4, attention: str = "standard",
+                **target) -> Path:
     """Write a recipe for a tiny random model; returns its path."""
     recipe = {
         "name": name or f"tiny-{arch}",
@@ -41,6 +42,7 @@ def tiny_recipe(path: Path, arch: str = "llama", *, drafters=None, name: str | N
         "drafters": drafters if drafters is not None else [],
         "shapes": {"batch": 1, "max_seq_len": max_seq_len, "prefill_chunk": prefill_chunk},
         "draft": {"tile": 128, "max_draft": max_draft},
+        "attention": attention,
     }
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
@@ -62,6 +64,7 @@ class TinyEngines:
         self._built: dict[tuple, Path] = {}
 
     def get(self, arch: str = "llama", *, drafters: bool = True, **shape) -> Path:
+        """``shape`` holds tiny_recipe's keyword arguments (max_seq_len, attention, ...)."""
         key = (arch, drafters, tuple(sorted(shape.items())))
         if key not in self._built:
             from specexport.exporter.builder import build

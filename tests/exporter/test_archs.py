@@ -24,12 +24,13 @@ def test_every_supported_architecture_has_a_parity_test():
     assert set(ARCHITECTURES) == set(TESTED.values()), "add the new architecture to TESTED"
 
 
+@pytest.mark.parametrize("attention", ["standard", "ort-gqa"])
 @pytest.mark.parametrize("arch", sorted(TESTED))
-def test_tiny_parity(arch, tmp_path):
+def test_tiny_parity(arch, attention, tmp_path):
     # Long enough (48) that the Gemma sliding window (16) matters, a partial last prefill
     # chunk, and qwen2 with biases, qwen3/gemma3 with q/k norms, phi3 with fused projections.
     recipe = tiny_recipe(tmp_path / "r.yaml", arch, max_seq_len=48, prefill_chunk=8, max_draft=3,
-                         head_dim=16 if arch.startswith("gemma") else None)
+                         head_dim=16 if arch.startswith("gemma") else None, attention=attention)
     code, out, err = run_cli("build", recipe, "-o", tmp_path / "engines", "--json")
     assert code == 0, err
     result = json.loads(out)

@@ -19,9 +19,10 @@ PROMPTS = [
 SHAPE = dict(max_seq_len=160, prefill_chunk=16)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "phi3"])
-def test_greedy_lossless_for_every_drafter(tiny_engines, arch):
-    pipe = load(tiny_engines.get(arch, **SHAPE))
+@pytest.mark.parametrize("arch, attention", [("llama", "standard"), ("qwen3", "standard"), ("gemma2", "standard"),
+                                             ("phi3", "standard"), ("llama", "ort-gqa"), ("gemma2", "ort-gqa")])
+def test_greedy_lossless_for_every_drafter(tiny_engines, arch, attention):
+    pipe = load(tiny_engines.get(arch, attention=attention, **SHAPE))
     assert set(pipe.drafter_names) == {"none", "ngram", "quantized-self", "draft-model"}
     for prompt in PROMPTS:
         ids = pipe.prompt_ids(prompt)
@@ -29,7 +30,8 @@ def test_greedy_lossless_for_every_drafter(tiny_engines, arch):
         assert baseline.stats.acceptance_length == 1.0
         for drafter in ("ngram", "quantized-self", "draft-model"):
             result = pipe.generate(prompt_ids=ids, drafter=drafter, max_new_tokens=64)
-            assert_lossless(pipe, ids, baseline.token_ids, result.token_ids, f"{arch}/{drafter}/{prompt[:12]!r}")
+            assert_lossless(pipe, ids, baseline.token_ids, result.token_ids,
+                            f"{arch}/{attention}/{drafter}/{prompt[:12]!r}")
 
 
 def test_speculation_actually_happens(tiny_engines):
@@ -66,8 +68,9 @@ def test_stop_strings_cut_the_text(tiny_engines):
         assert streamed == cut.text
 
 
-def test_eos_and_max_new_tokens_and_kv_full(tiny_engines):
-    pipe = load(tiny_engines.get("llama", **SHAPE))
+@pytest.mark.parametrize("attention", ["standard", "ort-gqa"])
+def test_eos_and_max_new_tokens_and_kv_full(tiny_engines, attention):
+    pipe = load(tiny_engines.get("llama", attention=attention, **SHAPE))
     result = pipe.generate(PROMPTS[3], max_new_tokens=5, drafter="draft-model")
     assert len(result.token_ids) == 5 and result.stop_reason == "max_new_tokens"
     ids = pipe.prompt_ids("x" * 150)
@@ -88,7 +91,7 @@ def _warped(pipe, ids, sampling):
 
 @pytest.mark.parametrize("drafter", ["none", "ngram", "quantized-self", "draft-model"])
 def test_sampled_tokens_follow_the_target_with_real_engines(tiny_engines, drafter):
-    pipe = load(tiny_engines.get("llama", **SHAPE))
+    pipe = load(tiny_engines.get("llama", attention="ort-gqa", **SHAPE))
     sampling = Sampling(temperature=1.5, top_k=3, top_p=0.95)
     ids = pipe.prompt_ids("1, 2, 1, 2, 1, 2, 1,")
     p1 = _warped(pipe, ids, sampling)
