@@ -47,6 +47,7 @@ def plan_draft_len(
     max_draft: int | None = None,
     draft_len: int | None = None,
     why: str | None = None,
+    override_label: str = "draft.draft_len",
 ) -> DraftPlanResult:
     g = group_size(num_attention_heads, num_key_value_heads)
     tile_d = tile // g - 1
@@ -55,7 +56,7 @@ def plan_draft_len(
 
     if draft_len is not None:
         d = draft_len
-        reason = f"{rule}; overridden by draft.draft_len = {d}"
+        reason = f"{rule}; overridden by {override_label} = {d}"
     elif tile_d < 1:
         d = 1
         reason = f"{rule}; G fills a whole tile with one token, so D = 1 (the smallest useful draft)"
@@ -104,7 +105,7 @@ def plan_recipe_draft(recipe, base: Path, heads: int, kv_heads: int | None) -> D
         try:
             measured = json.loads(path.read_text())
             return plan_draft_len(heads, kv_heads, draft.tile, draft_len=int(measured["draft_len"]),
-                                  why=str(measured.get("why", f"calibrated ({path.name})")))
+                                  why=str(measured.get("why", "")) or None, override_label=path.name)
         except (ValueError, KeyError, TypeError) as err:
             raise BadInput(f"{path}: not a calibration file ({err}); rerun specexport plan --calibrate") from None
     plan = plan_draft_len(heads, kv_heads, draft.tile, draft.max_draft, draft.draft_len, draft.why)

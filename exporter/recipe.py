@@ -63,6 +63,14 @@ class TinySource(_Strict):
     # logits have clear margins and argmax comparisons are meaningful.
     init_std: float = Field(0.5, gt=0)
 
+    @model_validator(mode="after")
+    def _heads_fit(self) -> "TinySource":
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be a multiple of num_attention_heads (or set head_dim)")
+        return self
+
 
 ModelSource = Annotated[HfSource | GgufSource | TinySource, Field(discriminator="source")]
 

@@ -48,14 +48,18 @@ def print_checks(checks) -> None:
 def print_calibration(choice: dict) -> None:
     console = Console()
     rows = choice["table"]
-    cells = [k for k in rows[0] if k not in ("draft_len", "verify_ms", "geomean_speedup")]
+    drafters = sorted({k.split("/")[0] for k in rows[0] if "/" in k})
     table = Table(title=f"predicted speedup by draft length (tile rule: D = {choice['tile_draft_len']})")
-    for column in ("D", "verify ms", "geomean", *cells):
+    for column in ("D", "verify ms", "fixed depth", "adaptive ≤ D", *(f"{d} (median)" for d in drafters)):
         table.add_column(column)
     for row in rows:
+        per_drafter = []
+        for drafter in drafters:
+            values = sorted(v for k, v in row.items() if k.startswith(f"{drafter}/"))
+            per_drafter.append(_x(values[len(values) // 2]))
         style = "bold green" if row["draft_len"] == choice["draft_len"] else None
         table.add_row(str(row["draft_len"]), f"{row['verify_ms']:.1f}", _x(row["geomean_speedup"]),
-                      *(_x(row[c]) for c in cells), style=style)
+                      _x(row["geomean_adaptive"]), *per_drafter, style=style)
     console.print(table)
     console.print(choice["why"], soft_wrap=True)
     console.print(f"written to {choice['written_to']}; a recipe uses it with draft: {{calibration: "

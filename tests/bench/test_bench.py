@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from specexport.bench.calibrate import _interpolate, predict
+from specexport.bench.calibrate import _interpolate, choose, predict
 from specexport.bench.gate import baseline_of, compare
 from tests.conftest import run_cli
 
@@ -112,3 +112,6 @@ def test_calibration_prediction_arithmetic():
     cheap = predict(curve, geometric, {}, depth=7)
     best = lambda rows: max(rows, key=lambda r: r["geomean_speedup"])["draft_len"]  # noqa: E731
     assert best(costly) < best(cheap)
+    # adaptive depth: a deeper ceiling never predicts worse, and the choice is the knee
+    assert all(a["geomean_adaptive"] <= b["geomean_adaptive"] for a, b in zip(rows, rows[1:]))
+    assert choose(rows)["draft_len"] == 3

@@ -72,6 +72,11 @@ def test_unknown_drafter_field_names_the_drafter(tmp_path):
     _check_one_line(code, err, "drafters.0.bits")
 
 
+def test_tiny_heads_must_divide_hidden(tmp_path):
+    code, _, err = run_cli("plan", _edit(tmp_path, target__num_attention_heads=6))
+    _check_one_line(code, err, "target", "hidden_size must be a multiple of num_attention_heads")
+
+
 def test_max_seq_len_not_larger_than_chunk(tmp_path):
     code, _, err = run_cli("plan", _edit(tmp_path, shapes={"max_seq_len": 64, "prefill_chunk": 64}))
     _check_one_line(code, err, "max_seq_len (64) must be larger than prefill_chunk (64)")

@@ -71,8 +71,26 @@ def test_default_recipe_plan():
     assert code == 0, err
     plan = json.loads(out)
     assert (plan["group_size"], plan["tile"], plan["tile_draft_len"]) == (3, 128, 41)
-    assert plan["draft_len"] == 7 and plan["tokens_per_verify"] == 8
-    assert "max_draft" in plan["reason"]
+    # the recipe takes D from its committed calibration file (max_draft = 7 without it)
+    calibrated = json.loads((REPO / "recipes" / "smollm2-135m.calibration.json").read_text())["draft_len"]
+    assert plan["draft_len"] == calibrated and plan["tokens_per_verify"] == calibrated + 1
+    assert "smollm2-135m.calibration.json" in plan["reason"] and "calibrated on this machine" in plan["reason"]
+
+
+def test_missing_calibration_file_falls_back_to_max_draft(tmp_path):
+    import yaml
+
+    recipe = yaml.safe_load((REPO / "recipes" / "smollm2-135m.yaml").read_text())
+    recipe["target"] = {"source": "tiny", "arch": "llama", "hidden_size": 96, "num_attention_heads": 6,
+                        "num_key_value_heads": 2}
+    recipe["draft"]["calibration"] = "missing.calibration.json"
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    code, out, err = run_cli("plan", path, "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["draft_len"] == 7 and "max_draft" in plan["reason"]
+    assert any("missing.calibration.json not found" in w for w in plan["warnings"])
 
 
 def test_plan_human_output(tmp_path):
