@@ -64,7 +64,7 @@ class TinySource(_Strict):
     init_std: float = Field(0.5, gt=0)
 
     @model_validator(mode="after")
-    def _heads_fit(self) -> "TinySource":
+    def _heads_fit(self) -> TinySource:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:

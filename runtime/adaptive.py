@@ -1,13 +1,14 @@
 """Adaptive draft depth: draft only as deep as the measured costs and acceptance pay for.
 
 For each draft tag (the drafter's name, or the n-gram match length for prompt lookup) the
-policy keeps the acceptance rate at each draft position, alpha_i = P(draft i kept | drafts
-before it kept), as an exponential moving average. Depth k is then worth
+policy estimates alpha = P(a draft is kept | the drafts before it were), with exponential
+forgetting. Depth k is then worth
 
-    E(k) / (T_verify(1+k) + k · t_draft),   E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j,
+    E(k) / (T_verify(1+k) + k · t_draft),   E(k) = 1 + alpha + alpha² + ... + alpha^k,
 
 with T_verify the time of the verify engine that holds 1+k tokens and t_draft the time per
-draft token, both measured at build time and recorded in the manifest (so a seeded run makes
+draft token (k = 0 pays the drafter's catch-up of the skipped token instead), all measured at
+build time and recorded in the manifest (so a seeded run makes
 the same choices every time). k = 0 (plain decoding) wins when drafts are too often wrong for
 what they cost, so a poor drafter never makes decoding much slower than the target alone;
 every ``probe_every`` rounds that chose 0 for a tag, the full draft is verified anyway so the
@@ -26,18 +27,17 @@ from specexport.runtime.acceptance import Draft
 
 @dataclass
 class _TagStats:
-    alpha: np.ndarray  # [D] conditional acceptance per position; NaN where never drafted
+    """Acceptance of one tag's drafts: each position a draft reaches is a trial; a geometric
+    model (every draft kept with the same probability alpha) turns it into E(k). Every round
+    updates it whatever its depth, so a depth it stopped trying is not stuck with an old
+    estimate."""
+
+    kept: float = 0.0  # exponentially forgotten counts
+    trials: float = 0.0
     skipped: int = 0  # rounds in a row that chose depth 0
 
-    def estimate(self, prior: float) -> np.ndarray:
-        """Per-position acceptance; a position never drafted borrows its predecessor's."""
-        filled = self.alpha.copy()
-        previous = prior
-        for i, value in enumerate(filled):
-            if np.isnan(value):
-                filled[i] = previous
-            previous = filled[i]
-        return filled
+    def alpha(self, prior: float, prior_weight: float = 1.0) -> float:
+        return (self.kept + prior * prior_weight) / (self.trials + prior_weight)
 
 
 @dataclass
@@ -45,14 +45,17 @@ class DepthPolicy:
     max_depth: int
     verify_cost: Callable[[int], float | None]  # tokens -> seconds of that verify (None: unknown)
     draft_cost: float = 0.0  # seconds per draft token
-    decay: float = 0.8  # weight of the past in the moving averages
+    # seconds per committed token that a drafter with its own cache must still process when it
+    # skips a round (it catches up before its next draft): skipping is not free for it
+    sync_cost: float = 0.0
+    decay: float = 0.9  # per round: the last ten rounds or so count
     prior: float = 0.8  # optimistic start: draft until measured otherwise
     probe_every: int = 8
     _tags: dict[str, _TagStats] = field(default_factory=dict)
 
     def _stats(self, tag: str) -> _TagStats:
         if tag not in self._tags:
-            self._tags[tag] = _TagStats(np.full(self.max_depth, np.nan))
+            self._tags[tag] = _TagStats()
         return self._tags[tag]
 
     def best_depth(self, tag: str, limit: int, sunk: bool = False) -> int:
@@ -64,8 +67,8 @@ class DepthPolicy:
         if not base:
             return limit
         stats = self._stats(tag)
-        expected = 1.0 + np.cumsum(np.cumprod(stats.estimate(self.prior)[:limit]))  # E(k), k = 1..limit
-        best_k, best_rate = 0, 1.0 / base
+        expected = 1.0 + np.cumsum(stats.alpha(self.prior) ** np.arange(1, limit + 1))  # E(k), k = 1..limit
+        best_k, best_rate = 0, 1.0 / (base + (0.0 if sunk else self.sync_cost))
         for k in range(1, limit + 1):
             cost = self.verify_cost(1 + k)
             if not cost:
@@ -98,8 +101,5 @@ class DepthPolicy:
             return
         stats = self._stats(tag)
         reached = min(accepted + 1, proposed)  # positions whose fate was decided
-        kept = (np.arange(reached) < accepted).astype(float)  # [reached] 1 for the accepted ones
-        seen = stats.alpha[:reached]
-        # a first observation moves the prior like any other: one rejection is not a verdict
-        start = np.where(np.isnan(seen), self.prior, seen)
-        stats.alpha[:reached] = self.decay * start + (1 - self.decay) * kept
+        stats.kept = self.decay * stats.kept + accepted
+        stats.trials = self.decay * stats.trials + reached

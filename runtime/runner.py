@@ -64,24 +64,32 @@ class ModelRunner:
         """Token count of the engine that runs ``tokens`` tokens in one call (or the largest)."""
         return self._pick(tokens)[0]
 
-    def time_engine(self, size: int, repeats: int) -> float:
-        """Median seconds of one run of the engine of ``size`` tokens over a half-full cache
-        (the cache is read, not written). Static shapes: the cost is the same at any length."""
-        engine = dict(self._engines)[size]
-        feeds = self._feeds[size]
-        feeds["cache_length"][0] = (self.cache.max_seq_len - size) // 2
-        in_place = engine.name in self._in_place
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
-            start = time.perf_counter()
-            if in_place:  # writes the cache in place: its content is clobbered (see the rewind)
-                engine.run(feeds, self._outputs[:1], self._cache_outputs)
-            else:
-                engine.run(feeds, self._outputs)
-            times.append(time.perf_counter() - start)
-        if in_place:
+    def time_engines(self, sizes: Sequence[int], rounds: int) -> dict[int, float]:
+        """Median seconds of one run of each engine, the sizes taken in turn round after round
+        (so a drift of the machine hits them all alike), over a half-full cache. The cache is
+        read, not written, except by in-place engines, after which it is rewound to empty."""
+        engines = dict(self._engines)
+        times: dict[int, list[float]] = {size: [] for size in sizes}
+        clobbered = False
+        for round_ in range(rounds + 1):  # round 0 warms up
+            for size in sizes:
+                feeds = self._feeds[size]
+                feeds["cache_length"][0] = (self.cache.max_seq_len - size) // 2
+                engine = engines[size]
+                start = time.perf_counter()
+                if engine.name in self._in_place:
+                    engine.run(feeds, self._outputs[:1], self._cache_outputs)
+                    clobbered = True
+                else:
+                    engine.run(feeds, self._outputs)
+                if round_:
+                    times[size].append(time.perf_counter() - start)
+        if clobbered:
             self.cache.rewind(0)
-        return float(np.median(times[1:]))
+        return {size: float(np.median(values)) for size, values in times.items()}
+
+    def time_engine(self, size: int, repeats: int) -> float:
+        return self.time_engines([size], repeats)[size]
 
     def rewind(self, length: int) -> None:
         self.cache.rewind(length)

@@ -91,7 +91,7 @@ def calibrate(recipe_path: Path, prompts_path: Path, max_new_tokens: int, thread
     pipe = load(out, threads=threads)
     prompts = load_prompts(prompts_path)
     with reporter.step("calibrate", "verify cost curve") as step:
-        curve = {size: pipe.target.time_engine(size, 7) for size in pipe.target.sizes}
+        curve = pipe.target.time_engines(pipe.target.sizes, 9)
         step.detail = ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in sorted(curve.items()))
     draft_costs = {}
     for name, entry in pipe.manifest.drafters.items():

@@ -55,13 +55,9 @@ def _median(values):
 
 def cost_curve(pipe, repeats: int) -> list[dict]:
     """Time of one target pass against the number of tokens it verifies."""
-    runner = pipe.target
-    base = runner.time_engine(1, repeats)
-    curve = []
-    for size in runner.sizes:
-        ms = (base if size == 1 else runner.time_engine(size, repeats)) * 1e3
-        curve.append({"tokens": size, "ms": round(ms, 3), "relative": round(ms / (base * 1e3), 3)})
-    return curve
+    times = pipe.target.time_engines(pipe.target.sizes, repeats)
+    return [{"tokens": size, "ms": round(t * 1e3, 3), "relative": round(t / times[1], 3)}
+            for size, t in sorted(times.items())]
 
 
 def _record(drafter: str, prompt: dict, repeat: int, result) -> dict:
