@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SPEEDUP_TOLERANCE = 0.15  # relative: timing ratios move a little between runs and machines
-ACCEPTANCE_TOLERANCE = 0.10  # relative: E[L] is nearly deterministic for greedy runs
+SPEEDUP_TOLERANCE = 0.25  # relative: on a shared 2-core VM the ratios of one run move by ~15%
+ACCEPTANCE_TOLERANCE = 0.15  # relative: greedy E[L] moves only with adaptive choices (build-time costs)
 
 
 @dataclass
