@@ -34,10 +34,13 @@ engines: $(STAMP)
 
 demo: engines
 	$(BIN)/specexport plan recipes/smollm2-135m.yaml
-	$(BIN)/specexport generate $(ENGINES) --chat --threads $(THREADS) --drafter ngram --max-new-tokens 96 \
-		--prompt "Rewrite in the passive voice: The committee approved the budget, and the mayor signed the bill the next morning."
-	$(BIN)/specexport generate $(ENGINES) --chat --threads $(THREADS) --drafter none --max-new-tokens 96 \
-		--prompt "Rewrite in the passive voice: The committee approved the budget, and the mayor signed the bill the next morning."
+	# a grounded code edit: the same output three ways, the speed and E[L] on stderr
+	$(BIN)/specexport generate $(ENGINES) --chat --threads $(THREADS) --drafter none --max-new-tokens 128 \
+		--prompt-file bench/prompts/demo.txt
+	$(BIN)/specexport generate $(ENGINES) --chat --threads $(THREADS) --drafter ngram --max-new-tokens 128 \
+		--prompt-file bench/prompts/demo.txt
+	$(BIN)/specexport generate $(ENGINES) --chat --threads $(THREADS) --drafter quantized-self --max-new-tokens 128 \
+		--prompt-file bench/prompts/demo.txt
 
 test: $(STAMP)
 	$(BIN)/pytest -q
