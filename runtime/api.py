@@ -230,5 +230,6 @@ def load(engine_dir: str | Path, *, threads: int | None = None, device: str = "c
     available = manifest.backends()
     chosen = backend or ("onnxruntime" if "onnxruntime" in available else available[0])
     if chosen not in available:
-        raise BadInput(f"{engine_dir}: no engines for backend '{chosen}' (it has: {', '.join(available)})")
+        hint = f"; build them on this machine with: specexport build --from-onnx {engine_dir}" if chosen == "tensorrt" else ""
+        raise BadInput(f"{engine_dir}: no engines for backend '{chosen}' (it has: {', '.join(available)}){hint}")
     return Pipeline(manifest, EngineOptions(threads=threads, device=device), chosen)

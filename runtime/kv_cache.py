@@ -10,23 +10,45 @@ from __future__ import annotations
 import numpy as np
 
 
-class KVCache:
+class CacheLength:
+    """The bookkeeping every cache shares, wherever its tensors live: how many positions are
+    filled. Rewinding moves the length back; nothing is copied or cleared."""
+
+    def __init__(self, num_layers: int, max_seq_len: int):
+        self.num_layers = num_layers
+        self.max_seq_len = max_seq_len
+        self.length = 0
+
+    @property
+    def free(self) -> int:
+        return self.max_seq_len - self.length
+
+    def advance(self, count: int) -> None:
+        """``count`` new positions were written at ``length`` (by an in-place graph, say)."""
+        if count > self.free:
+            raise ValueError(f"KV cache overflow: {count} tokens with {self.free} slots free")
+        self.length += count
+
+    def rewind(self, length: int) -> None:
+        """Forget every position at or after ``length``."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot rewind a cache of length {self.length} to {length}")
+        self.length = length
+
+
+class KVCache(CacheLength):
+    """The cache in host memory, one [B, n_kv, S_max, hd] array per past input."""
+
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
                  dtype: str = "float32"):
+        super().__init__(num_layers, max_seq_len)
         shape = (batch, num_kv_heads, max_seq_len, head_dim)  # [B, n_kv, S_max, hd]
-        self.max_seq_len = max_seq_len
-        self.num_layers = num_layers
-        self.length = 0
         self._tensors = {
             f"past_key_values.{i}.{kind}": np.zeros(shape, dtype=dtype)
             for i in range(num_layers)
             for kind in ("key", "value")
         }
         self._present_names = {name: name.replace("past_key_values", "present") for name in self._tensors}
-
-    @property
-    def free(self) -> int:
-        return self.max_seq_len - self.length
 
     def view(self) -> dict[str, np.ndarray]:
         """The feeds for a graph's past inputs: the cache arrays themselves, not copies."""
@@ -40,20 +62,9 @@ class KVCache:
         for past_name, present_name in self._present_names.items():
             new = presents[present_name]  # [B, n_kv, T, hd]
             self._tensors[past_name][:, :, at : at + count] = new[:, :, :count]
-        self.length += count
+        self.advance(count)
 
     def in_place_outputs(self) -> dict[str, np.ndarray]:
         """present.* -> the past buffer it updates, for graphs that write the cache in place."""
         return {present: self._tensors[past] for past, present in self._present_names.items()}
 
-    def advance(self, count: int) -> None:
-        """An in-place graph already wrote ``count`` new positions at ``length``."""
-        if count > self.free:
-            raise ValueError(f"KV cache overflow: {count} tokens with {self.free} slots free")
-        self.length += count
-
-    def rewind(self, length: int) -> None:
-        """Forget every position at or after ``length``."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot rewind a cache of length {self.length} to {length}")
-        self.length = length

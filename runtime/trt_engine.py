@@ -26,6 +26,7 @@ import numpy as np
 
 from specexport.errors import BadInput, SpecexportError, missing_extra
 from specexport.runtime.engine import EngineOptions
+from specexport.runtime.kv_cache import CacheLength
 from specexport.runtime.manifest import EngineEntry, TensorSpec
 
 if TYPE_CHECKING:  # for annotations only: the package is imported lazily
@@ -165,7 +166,7 @@ def append_copies(present_shape: tuple[int, ...], itemsize: int, max_seq_len: in
     return copies
 
 
-class DeviceKVCache:
+class DeviceKVCache(CacheLength):
     """The KVCache interface with its tensors on the GPU (one buffer per past input).
 
     Engines bound to it (``TrtEngine.bind_kv_cache``) read past K/V in place and append their
@@ -177,11 +178,9 @@ class DeviceKVCache:
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
                  dtype: str = "float32", device: int = 0):
+        super().__init__(num_layers, max_seq_len)
         self._cudart = import_cudart()
         cuda_call(self._cudart, "cudaSetDevice", device)
-        self.max_seq_len = max_seq_len
-        self.num_layers = num_layers
-        self.length = 0
         self.shape = (batch, num_kv_heads, max_seq_len, head_dim)  # [B, n_kv, S_max, hd]
         self.dtype = np.dtype(dtype)
         nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
@@ -192,23 +191,15 @@ class DeviceKVCache:
                 cuda_call(self._cudart, "cudaMemset", ptr, 0, nbytes)
                 self.pointers[f"{PAST}{i}.{kind}"] = int(ptr)
 
-    @property
-    def free(self) -> int:
-        return self.max_seq_len - self.length
-
     def view(self) -> dict[str, np.ndarray]:
         return {}  # the past inputs are bound on the device
 
+    def in_place_outputs(self) -> dict[str, np.ndarray]:
+        return {}  # bound engines append on the device themselves
+
     def write(self, presents: dict[str, np.ndarray], count: int) -> None:
         """The bound engine already appended on the device; record the new length."""
-        if count > self.free:
-            raise ValueError(f"KV cache overflow: {count} tokens with {self.free} slots free")
-        self.length += count
-
-    def rewind(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot rewind a cache of length {self.length} to {length}")
-        self.length = length
+        self.advance(count)
 
     def close(self) -> None:
         for ptr in self.pointers.values():
