@@ -357,9 +357,7 @@ class Builder:
 
 
 def _json_default(value):
-    if isinstance(value, float):
-        return value
-    if isinstance(value, Path):
+    if isinstance(value, Path):  # recipe paths
         return str(value)
     raise TypeError(f"cannot write {type(value).__name__} to the manifest")
 

@@ -8,7 +8,6 @@ Speedups are ratios within this run; absolute times are reported, never compared
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,10 +46,6 @@ def load_prompts(path: Path) -> list[dict]:
     if not prompts:
         raise BadInput(f"{path}: no prompts")
     return prompts
-
-
-def _median(values):
-    return statistics.median(values) if values else None
 
 
 def cost_curve(pipe, repeats: int) -> list[dict]:
