@@ -221,7 +221,7 @@ class Builder:
             {k: TensorSpec.parse(v) for k, v in inputs.items()},
             {k: TensorSpec.parse(v) for k, v in outputs.items()},
         )
-        self.graph_files.setdefault(model, []).append(GraphUnderTest(graph_name, path, tokens, proto))
+        self.graph_files.setdefault(model, []).append(GraphUnderTest(graph_name, path, tokens))
         self.engines.append({
             "name": graph_name,
             "model": model,

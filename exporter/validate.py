@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnx
 import torch
 
 from specexport.runtime.engine import EngineOptions
@@ -49,7 +48,6 @@ class GraphUnderTest:
     name: str
     path: Path
     tokens: int
-    model_proto: onnx.ModelProto  # for the recorded input/output specs
 
 
 def reference_ids(tokenizer, length: int) -> np.ndarray:

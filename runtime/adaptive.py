@@ -42,7 +42,6 @@ class _TagStats:
 
 @dataclass
 class DepthPolicy:
-    max_depth: int
     verify_cost: Callable[[int], float | None]  # tokens -> seconds of that verify (None: unknown)
     draft_cost: float = 0.0  # seconds per draft token
     # seconds per committed token that a drafter with its own cache must still process when it

@@ -126,7 +126,7 @@ class Pipeline:
             costs = {e.tokens: e.cost_ms or 0.0 for e in self.manifest.engines_of(entry.model, self.backend)}
             draft_ms = costs.get(1, 0.0)
             sync_ms = costs.get(2, draft_ms * 2) / 2  # skipped tokens are caught up two at a time
-        return DepthPolicy(self.manifest.draft_len, verify_cost, draft_cost=draft_ms / 1e3, sync_cost=sync_ms / 1e3)
+        return DepthPolicy(verify_cost, draft_cost=draft_ms / 1e3, sync_cost=sync_ms / 1e3)
 
     def prompt_ids(self, prompt: str | None = None, *, chat: bool = False, messages: list[dict] | None = None,
                    ids: Sequence[int] | None = None) -> list[int]:

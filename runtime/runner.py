@@ -1,9 +1,11 @@
 """ModelRunner: one neural model's engines (one per token count) over its own KV cache.
 
-``forward(tokens)`` feeds tokens at the cache's current length through the smallest engine
-that holds them (padding the rest), appends their K/V to the cache and returns the model's
-outputs for each real token. Longer inputs run in pieces of the largest engine (the prefill
-chunk). Feed buffers are allocated once per engine and updated in place.
+``forward(tokens)`` feeds tokens at the cache's current length through engines (padding a
+short piece), appends their K/V to the cache and returns the model's outputs for each real
+token. Which engines: the sequence of pieces that costs least by the build's measured costs
+(a long prompt: prefill chunks; a verify: the one engine that holds it), or without costs the
+smallest engine that holds the input. Feed buffers are allocated once per engine and updated
+in place.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class ModelRunner:
         self._engines = sorted(((tokens_of[e.name], e) for e in engines), key=lambda pair: pair[0])
         if not self._engines:
             raise ValueError(f"model {name} has no engines")
+        self._by_size = dict(self._engines)
         self._first_piece = self._plan_pieces(cost_ms or {}, cache.max_seq_len)
         self._feeds: dict[int, dict[str, np.ndarray]] = {}
         for tokens, _ in self._engines:
@@ -43,14 +46,18 @@ class ModelRunner:
             feeds["cache_length"] = np.zeros(1, dtype=np.int64)  # [B]
             self._feeds[tokens] = feeds
         presents = [f"present.{i}.{kind}" for i in range(cache.num_layers) for kind in ("key", "value")]
-        self._outputs = ["next_tokens", *presents]
-        self._outputs_with_logits = ["next_tokens", "logits", *presents]
-        # engines that update the cache in place (attention: ort-gqa) write into these buffers
+        # engines that update the cache in place (attention: ort-gqa) get it bound as their
+        # present outputs and return only tokens (and logits); the others return the new K/V
         self._in_place = in_place
         self._cache_outputs = cache.in_place_outputs()
+        self._outputs = {  # (in place?, want logits?) -> outputs to ask for
+            (False, False): ["next_tokens", *presents],
+            (False, True): ["next_tokens", "logits", *presents],
+            (True, False): ["next_tokens"],
+            (True, True): ["next_tokens", "logits"],
+        }
         self.seconds = 0.0  # time inside engines, for the stats
         self.calls = 0
-
 
     @property
     def length(self) -> int:
@@ -68,23 +75,15 @@ class ModelRunner:
         """Median seconds of one run of each engine, the sizes taken in turn round after round
         (so a drift of the machine hits them all alike), over a half-full cache. The cache is
         read, not written, except by in-place engines, after which it is rewound to empty."""
-        engines = dict(self._engines)
         times: dict[int, list[float]] = {size: [] for size in sizes}
-        clobbered = False
         for round_ in range(rounds + 1):  # round 0 warms up
             for size in sizes:
-                feeds = self._feeds[size]
-                feeds["cache_length"][0] = (self.cache.max_seq_len - size) // 2
-                engine = engines[size]
+                self._feeds[size]["cache_length"][0] = (self.cache.max_seq_len - size) // 2
                 start = time.perf_counter()
-                if engine.name in self._in_place:
-                    engine.run(feeds, self._outputs[:1], self._cache_outputs)
-                    clobbered = True
-                else:
-                    engine.run(feeds, self._outputs)
+                self._run(size, want_logits=False)
                 if round_:
                     times[size].append(time.perf_counter() - start)
-        if clobbered:
+        if any(self._by_size[size].name in self._in_place for size in sizes):
             self.cache.rewind(0)
         return {size: float(np.median(values)) for size, values in times.items()}
 
@@ -111,7 +110,7 @@ class ModelRunner:
     def _pick(self, remaining: int) -> tuple[int, Engine]:
         if self._first_piece is not None:
             size = self._first_piece[min(remaining, len(self._first_piece) - 1)]
-            choice = size, dict(self._engines)[size]
+            choice = size, self._by_size[size]
         else:
             choice = next(((t, e) for t, e in self._engines if t >= remaining), self._engines[-1])
         if choice[1].name in self._in_place and choice[0] > self.cache.free:
@@ -119,11 +118,19 @@ class ModelRunner:
             choice = max(((t, e) for t, e in self._engines if t <= self.cache.free), key=lambda te: te[0])
         return choice
 
+    def _run(self, size: int, want_logits: bool) -> dict[str, np.ndarray]:
+        """One run of the engine of ``size`` tokens on its feeds; returns its outputs."""
+        engine = self._by_size[size]
+        in_place = engine.name in self._in_place
+        outputs = self._outputs[(in_place, want_logits)]
+        if in_place:
+            return engine.run(self._feeds[size], outputs, self._cache_outputs)
+        return engine.run(self._feeds[size], outputs)
+
     def forward(self, tokens: Sequence[int], want_logits: bool = False) -> StepOutput:
         n = len(tokens)
         if n > self.cache.free:
             raise ValueError(f"{self.name}: {n} tokens do not fit in the {self.cache.free} free cache slots")
-        outputs = self._outputs_with_logits if want_logits else self._outputs
         next_parts, logit_parts = [], []
         done = 0
         while done < n:
@@ -135,13 +142,11 @@ class ModelRunner:
             ids[0, count:] = PAD_ID
             feeds["cache_length"][0] = self.cache.length
             start = time.perf_counter()
+            result = self._run(size, want_logits)
+            self.seconds += time.perf_counter() - start
             if engine.name in self._in_place:
-                result = engine.run(feeds, outputs[: 2 if want_logits else 1], self._cache_outputs)
-                self.seconds += time.perf_counter() - start
-                self.cache.advance(count)
+                self.cache.advance(count)  # the engine wrote its positions into the cache
             else:
-                result = engine.run(feeds, outputs)
-                self.seconds += time.perf_counter() - start
                 self.cache.write(result, count)
             self.calls += 1
             next_parts.append(result["next_tokens"][0, :count])

@@ -110,22 +110,17 @@ def test_unsupported_architecture_tiny(tmp_path):
     _check_one_line(code, err, "'gpt2' is not supported", "llama")
 
 
-def test_unsupported_architecture_hf_dir(tmp_path):
-    model_dir = tmp_path / "gpt2"
+@pytest.mark.parametrize("model_type, weights, needles", [
+    ("gpt2", "model.safetensors", ("architecture 'gpt2' is not supported", "supported:")),
+    ("llama", "pytorch_model.bin", ("safetensors", "pytorch_model.bin")),
+])
+def test_unusable_hf_directory(tmp_path, model_type, weights, needles):
+    model_dir = tmp_path / "model"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text('{"model_type": "gpt2"}')
-    (model_dir / "model.safetensors").write_bytes(b"")
+    (model_dir / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+    (model_dir / weights).write_bytes(b"")
     code, _, err = run_cli("plan", _edit(tmp_path, target={"source": "hf", "path": str(model_dir)}))
-    _check_one_line(code, err, "architecture 'gpt2' is not supported", "supported:")
-
-
-def test_hf_dir_without_safetensors(tmp_path):
-    model_dir = tmp_path / "m"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text('{"model_type": "llama"}')
-    (model_dir / "pytorch_model.bin").write_bytes(b"")
-    code, _, err = run_cli("plan", _edit(tmp_path, target={"source": "hf", "path": str(model_dir)}))
-    _check_one_line(code, err, "safetensors", "pytorch_model.bin")
+    _check_one_line(code, err, *needles)
 
 
 def test_output_path_is_a_file(tmp_path):

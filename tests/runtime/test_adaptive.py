@@ -17,7 +17,7 @@ def verify_cost(tokens):
 
 
 def test_depth_zero_when_drafts_keep_failing():
-    policy = DepthPolicy(7, verify_cost)
+    policy = DepthPolicy(verify_cost)
     for _ in range(30):
         policy.update("bad", proposed=7, accepted=0)
     depths = [policy.best_depth("bad", 7) for _ in range(16)]
@@ -26,15 +26,15 @@ def test_depth_zero_when_drafts_keep_failing():
 
 
 def test_full_depth_when_drafts_are_kept():
-    policy = DepthPolicy(7, verify_cost)
+    policy = DepthPolicy(verify_cost)
     for _ in range(30):
         policy.update("good", proposed=7, accepted=7)
     assert policy.best_depth("good", 7) == 7
 
 
 def test_drafting_cost_shortens_the_draft():
-    cheap = DepthPolicy(7, verify_cost, draft_cost=0.0)
-    dear = DepthPolicy(7, verify_cost, draft_cost=0.012)
+    cheap = DepthPolicy(verify_cost, draft_cost=0.0)
+    dear = DepthPolicy(verify_cost, draft_cost=0.012)
     for policy in (cheap, dear):
         for accepted in [7, 5, 3, 6, 2, 7, 4, 6, 5, 7] * 3:  # about 0.8 per position
             policy.update("m", proposed=7, accepted=accepted)
@@ -42,7 +42,7 @@ def test_drafting_cost_shortens_the_draft():
 
 
 def test_trim_keeps_a_prefix_and_its_probabilities():
-    policy = DepthPolicy(4, verify_cost)
+    policy = DepthPolicy(verify_cost)
     for _ in range(40):
         policy.update("t", proposed=4, accepted=1)
     draft = Draft(np.array([1, 2, 3, 4]), np.full((4, 5), 0.2), "t")
@@ -56,7 +56,7 @@ def test_adaptive_loop_is_lossless_and_stops_wasting_verifies():
     prompt = [1, 2, 3]
     wrong = FixedDrafter([5, 5, 5, 5, 5, 5, 5])
     fixed_out, fixed = run(MarkovRunner(table), wrong, prompt, draft_len=7, max_new=60)
-    policy = DepthPolicy(7, verify_cost)
+    policy = DepthPolicy(verify_cost)
     adaptive_out, adaptive = run(MarkovRunner(table), wrong, prompt, draft_len=7, max_new=60, policy=policy)
     assert adaptive_out == fixed_out == greedy_reference(table, prompt, 60)
     assert adaptive.proposed < fixed.proposed / 3
@@ -64,7 +64,7 @@ def test_adaptive_loop_is_lossless_and_stops_wasting_verifies():
 
 def test_adaptive_loop_keeps_drafting_when_it_pays():
     table = random_table(6, seed=1)
-    policy = DepthPolicy(4, verify_cost)
+    policy = DepthPolicy(verify_cost)
     out, stats = run(MarkovRunner(table), OracleDrafter(table), [0], draft_len=4, max_new=40, policy=policy)
     assert out == greedy_reference(table, [0], 40)
     # the prior starts short of full depth; accepted drafts soon make every round draft 4
