@@ -6,7 +6,8 @@ PY     := $(BIN)/python
 STAMP  := $(VENV)/.installed
 ENGINES ?= engines/smollm2-135m
 THREADS ?= 2
-# Two cores on CI: say so explicitly for every engine and peer.
+# onnxruntime ignores OMP_NUM_THREADS: its one shared pool is sized by --threads (below). This
+# bounds torch only (tracing in `build`, the transformers peers).
 export OMP_NUM_THREADS ?= $(THREADS)
 
 BENCH_ARGS ?= --prompts bench/prompts/dev.jsonl --max-new-tokens 96 --repeats 3 --threads $(THREADS)

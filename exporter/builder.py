@@ -10,14 +10,29 @@ import datetime as _dt
 import hashlib
 import json
 import platform
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
 import onnx
 
 from specexport import __version__
-from specexport.errors import BadInput, SpecexportError
+from specexport.contract import (
+    KV_UPDATE_OF_ATTENTION,
+    ROLE_PRIORITY,
+    DrafterEntry,
+    EngineEntry,
+    KVLayout,
+    Manifest,
+    ModelEntry,
+    Role,
+    engine_from_json,
+    engine_name,
+    engine_to_json,
+    sha256_of,
+    write_manifest,
+)
+from specexport.errors import BadInput
 from specexport.exporter.archs import read_decoder
 from specexport.exporter.graph_model import StaticDecoder
 from specexport.exporter.onnx_export import WeightStore, export_graph, tensor_specs
@@ -25,15 +40,21 @@ from specexport.exporter.outdir import AtomicDir, existing_manifest
 from specexport.exporter.plan import DraftPlanResult, calibration_file, plan_recipe_draft
 from specexport.exporter.progress import Reporter
 from specexport.exporter.quantize import count_quantized, gemm_heads_to_matmul, quantize_int4
-from specexport.exporter.recipe import ModelDrafter, QuantizedSelfDrafter, Recipe, TinySource, load_recipe
+from specexport.exporter.recipe import ModelDrafter, QuantizedSelfDrafter, Recipe, load_recipe
 from specexport.exporter.sources import LoadedModel, eos_token_ids, file_sha256, fingerprint, load_source
-from specexport.exporter.validate import GraphUnderTest, reference_ids, reference_logits, validate_model
-from specexport.runtime.manifest import FORMAT, MANIFEST, Manifest, TensorSpec, sha256_of
+from specexport.exporter.validate import (
+    GraphUnderTest,
+    check_parity,
+    reference_ids,
+    reference_logits,
+    validate_model,
+)
+from specexport.runtime.integrity import ensure_verified
+from specexport.runtime.runner import ModelRunner, time_interleaved
 
 # Token counts a drafter model needs: one token per draft step, two to catch up after a
 # round where every draft was accepted (the last draft and the bonus token).
 DRAFTER_DECODE_SIZES = (1, 2)
-ROLE_PRIORITY = ("decode", "verify", "catchup", "prefill", "probe")
 
 
 @dataclass
@@ -41,34 +62,35 @@ class GraphSet:
     """The graphs of one model: token count -> role."""
 
     model: str
-    sizes: dict[int, str] = field(default_factory=dict)
+    sizes: dict[int, Role] = field(default_factory=dict)
 
-    def add(self, tokens: int, role: str) -> None:
+    def add(self, tokens: int, role: Role) -> None:
+        # one graph per size: the role first in ROLE_PRIORITY names it
         current = self.sizes.get(tokens)
         if current is None or ROLE_PRIORITY.index(role) < ROLE_PRIORITY.index(current):
             self.sizes[tokens] = role
 
     def names(self, batch: int) -> dict[int, str]:
-        return {t: f"{self.model}.{role}.b{batch}.t{t}" for t, role in sorted(self.sizes.items())}
+        return {t: engine_name(self.model, role, batch, t) for t, role in sorted(self.sizes.items())}
 
 
 def target_graphs(recipe: Recipe, plan: DraftPlanResult) -> GraphSet:
     graphs = GraphSet("target")
-    graphs.add(1, "decode")
-    graphs.add(plan.tokens_per_verify, "verify")
-    graphs.add(recipe.shapes.prefill_chunk, "prefill")
+    graphs.add(1, Role.DECODE)
+    graphs.add(plan.tokens_per_verify, Role.VERIFY)
+    graphs.add(recipe.shapes.prefill_chunk, Role.PREFILL)
     for tokens in recipe.draft.probe_tokens:
-        graphs.add(tokens, "probe")
+        graphs.add(tokens, Role.PROBE)
     if any(isinstance(d, QuantizedSelfDrafter) for d in recipe.drafters):
-        graphs.add(2, "catchup")  # the int4 copy is made from these fp32 graphs
+        graphs.add(2, Role.CATCHUP)  # the int4 copy is made from these fp32 graphs
     return graphs
 
 
 def drafter_graphs(name: str, recipe: Recipe) -> GraphSet:
     graphs = GraphSet(name)
-    graphs.add(1, "decode")
-    graphs.add(2, "catchup")
-    graphs.add(recipe.shapes.prefill_chunk, "prefill")
+    graphs.add(1, Role.DECODE)
+    graphs.add(2, Role.CATCHUP)
+    graphs.add(recipe.shapes.prefill_chunk, Role.PREFILL)
     return graphs
 
 
@@ -134,10 +156,11 @@ class Builder:
         self.out = out
         self.rep = reporter
         self.threads = threads
-        self.engines: list[dict] = []
-        self.models: dict[str, dict] = {}
+        self.engines: list[EngineEntry] = []
+        self.models: dict[str, ModelEntry] = {}
         self.graph_files: dict[str, list[GraphUnderTest]] = {}
         self.specs: dict[str, tuple] = {}
+        self.timing: dict[str, ModelRunner] = {}  # model -> its validated graphs, timed together at the end
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -186,30 +209,24 @@ class Builder:
                         copy.CopyFrom(proto)
                         if q_spec.quantize_head:
                             gemm_heads_to_matmul(copy)
-                        quantized = quantize_int4(copy, q_spec.block_size, q_spec.symmetric, q_spec.accuracy_level)
+                        quantized = quantize_int4(copy, q_spec.block_size, q_spec.symmetric, q_spec.accuracy_level,
+                                                  keep_head=not q_spec.quantize_head)
                         s.detail = f"{count_quantized(quantized)} MatMulNBits, block {q_spec.block_size}"
                     self._save(tmp, q_name, q_graph, tokens, "quantized-self", quantized, stores[q_name], q_graphs)
                 self._save(tmp, name, graph_name, tokens, kind, proto, stores[name], graphs)
         finally:
             for store in stores.values():
                 store.close()
-        kv = {
-            "num_layers": len(parts.layers),
-            "num_kv_heads": parts.num_key_value_heads,
-            "head_dim": parts.head_dim,
-            "max_seq_len": shapes.max_seq_len,
-            "dtype": "float32",
-        }
-        self.models[name] = {"kind": kind, **parts.summary(), "kv": kv, "weights": f"{name}.weights",
-                             "attention": self.recipe.attention}
+        kv = KVLayout(len(parts.layers), parts.num_key_value_heads, parts.head_dim, shapes.max_seq_len, "float32")
+        summary = parts.summary()
+        vocab = int(summary.pop("vocab_size"))
+        self.models[name] = ModelEntry(name, kind, kv, vocab, f"{name}.weights", self.recipe.attention, summary)
         if int4 is not None:
             q_name, q_spec, _ = int4
-            self.models[q_name] = {
-                "kind": "quantized-self", **parts.summary(), "kv": kv, "weights": f"{q_name}.weights",
-                "attention": self.recipe.attention,
-                "bits": q_spec.bits, "block_size": q_spec.block_size, "symmetric": q_spec.symmetric,
-                "accuracy_level": q_spec.accuracy_level, "quantized_head": q_spec.quantize_head,
-            }
+            quant = {"bits": q_spec.bits, "block_size": q_spec.block_size, "symmetric": q_spec.symmetric,
+                     "accuracy_level": q_spec.accuracy_level, "quantized_head": q_spec.quantize_head}
+            self.models[q_name] = ModelEntry(q_name, "quantized-self", kv, vocab, f"{q_name}.weights",
+                                             self.recipe.attention, {**summary, **quant})
 
     def _save(self, tmp: Path, model: str, graph_name: str, tokens: int, kind: str, proto: onnx.ModelProto,
               store: WeightStore, graphs: GraphSet) -> None:
@@ -217,56 +234,58 @@ class Builder:
         inputs, outputs = tensor_specs(proto, "inputs"), tensor_specs(proto, "outputs")
         store.save(proto, path)
         onnx.checker.check_model(str(path))
-        self.specs[graph_name] = (
-            {k: TensorSpec.parse(v) for k, v in inputs.items()},
-            {k: TensorSpec.parse(v) for k, v in outputs.items()},
-        )
+        self.specs[graph_name] = (inputs, outputs)
         self.graph_files.setdefault(model, []).append(GraphUnderTest(graph_name, path, tokens))
-        self.engines.append({
-            "name": graph_name,
-            "model": model,
-            "role": graphs.sizes[tokens],
-            "backend": "onnxruntime",
-            "path": path.name,
-            "weights": store.location,
-            "batch": self.recipe.shapes.batch,
-            "tokens": tokens,
-            "inputs": inputs,
-            "outputs": outputs,
-            # append: present.* hold the T new positions for the runtime to copy in;
-            # in_place: present.* are the whole cache, bound to the past buffers
-            "kv_update": "in_place" if self.recipe.attention == "ort-gqa" else "append",
-        })
+        self.engines.append(EngineEntry(
+            name=graph_name, model=model, role=graphs.sizes[tokens], backend="onnxruntime", path=path.name,
+            batch=self.recipe.shapes.batch, tokens=tokens, inputs=inputs, outputs=outputs,
+            kv_update=KV_UPDATE_OF_ATTENTION[self.recipe.attention], weights=store.location,
+        ))
 
-    def validate(self, model: str, reference: LoadedModel, enforce: bool) -> None:
+    def validate(self, model: str, reference: LoadedModel, precision: str) -> None:
+        """Run ``model``'s graphs against transformers and record the figures; fail the build on
+        a graph outside the limits for ``precision`` (exporter/validate.py TOLERANCES)."""
         shapes = self.recipe.shapes
-        info = self.models[model]["kv"]
+        info = self.models[model].kv
         with self.rep.step("validate", f"{model} reference") as s:
             ids = reference_ids(reference.tokenizer, shapes.max_seq_len)
             ref = reference_logits(reference.model, ids)
             s.detail = f"transformers, {len(ids)} tokens"
         with self.rep.step("validate", f"{model} graphs") as s:
+            kept: list[ModelRunner] = []
             results = validate_model(
-                self.graph_files[model], self.specs, info["num_layers"], info["num_kv_heads"],
-                info["head_dim"], shapes.max_seq_len, ids, ref, self.threads,
-                in_place=self.recipe.attention == "ort-gqa",
+                self.graph_files[model], self.specs, info.num_layers, info.num_kv_heads,
+                info.head_dim, shapes.max_seq_len, ids, ref, self.threads,
+                in_place=self.recipe.attention == "ort-gqa", keep=kept,
             )
+            self.timing[model] = kept[0]
             worst = max(r["max_abs_logit_diff"] for r in results.values())
             agree = min(r["argmax_agreement"] for r in results.values())
             s.detail = f"max |Δlogit| {worst:.2e}, argmax agreement {agree:.1%}"
         limits = self.recipe.validation
-        for entry in self.engines:
-            if entry["name"] in results:
-                r = dict(results[entry["name"]])
-                entry["cost_ms"] = r.pop("cost_ms")
-                entry["parity"] = {**r, "reference": "transformers fp32"}
-                if enforce and (r["max_abs_logit_diff"] > limits.max_abs_logit_diff
-                                or r["argmax_agreement"] < limits.min_argmax_agreement):
-                    raise SpecexportError(
-                        f"validation failed for {entry['name']}: max |Δlogit| {r['max_abs_logit_diff']:.3g} "
-                        f"(limit {limits.max_abs_logit_diff:g}), argmax agreement {r['argmax_agreement']:.2%} "
-                        f"(limit {limits.min_argmax_agreement:.0%}) against transformers"
-                    )
+        for i, entry in enumerate(self.engines):
+            if entry.name in results:
+                r = dict(results[entry.name])
+                if limits.enforce == "never":
+                    applied = {"precision": precision, "enforced": False}
+                else:  # raises on a graph out of limits: the temporary directory is dropped
+                    applied = check_parity(entry.name, r, precision, limits.max_abs_logit_diff,
+                                           limits.min_argmax_agreement)
+                self.engines[i] = replace(entry, parity={**r, **applied, "reference": "transformers fp32"})
+
+    def measure_costs(self, rounds: int = 9) -> None:
+        """One run's cost of every graph of every model, all taken in one interleaved schedule
+        (round after round, each graph once), so a drift of the machine during the build hits
+        every model alike: the costs the runtime compares across models (draft step against
+        verify) come from the same minutes."""
+        with self.rep.step("validate", "costs (all graphs, interleaved)") as s:
+            runners = {model: (runner, runner.sizes) for model, runner in self.timing.items()}
+            times = time_interleaved(runners, rounds)
+            for i, entry in enumerate(self.engines):
+                if entry.model in times and entry.backend == "onnxruntime":
+                    self.engines[i] = replace(entry, cost_ms=round(times[entry.model][entry.tokens] * 1e3, 3))
+            s.detail = f"{sum(len(sizes) for _, sizes in runners.values())} graphs × {rounds} rounds"
+        self.timing.clear()  # close the sessions
 
     def write_tokenizer(self, tmp: Path, target: LoadedModel) -> dict:
         tok = target.tokenizer
@@ -298,68 +317,56 @@ class Builder:
         for name, loaded in drafter_models.items():
             self.export_model(tmp, name, "model", loaded, drafter_graphs(name, recipe))
 
-        strict = self._enforce(recipe.target)
-        self.validate("target", target, strict)
+        # every exported graph is fp32; the int4 copy is judged by its own (recorded) row
+        self.validate("target", target, "fp32")
         if int4:
-            self.validate(int4.name, target, enforce=False)  # int4 differs by design
+            self.validate(int4.name, target, "int4")
         for spec in recipe.drafters:
             if isinstance(spec, ModelDrafter):
-                self.validate(spec.name, drafter_models[spec.name], self._enforce(spec.model))
+                self.validate(spec.name, drafter_models[spec.name], "fp32")
+        self.measure_costs()
 
         if "tensorrt" in recipe.backends:
             from specexport.exporter.trt_build import compile_engines
 
             # one serialized engine per ONNX graph, appended as backend "tensorrt" entries
-            self.engines += compile_engines(tmp, self.engines, recipe, self.rep, timing_cache_dir=self.out.parent)
+            # (compile_engines speaks the manifest's JSON entries)
+            compiled = compile_engines(tmp, [engine_to_json(e) for e in self.engines], recipe, self.rep,
+                                       timing_cache_dir=self.out.parent)
+            self.engines += [engine_from_json(e) for e in compiled]
 
         with self.rep.step("write", "manifest") as s:
             tokenizer = self.write_tokenizer(tmp, target)
             files = {p.name: sha256_of(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-            for entry in self.engines:
-                entry["sha256"] = files[entry["path"]]
-            manifest = {
-                "format": FORMAT,
-                "specexport": __version__,
-                "name": recipe.name,
-                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                "inputs_sha256": key,
-                "recipe": recipe.model_dump(mode="json"),
-                "recipe_dir": str(self.base),  # where relative model paths in the recipe point
-                "plan": plan.to_dict(),
-                "tokenizer": {**tokenizer, "sha256": files["tokenizer.json"]},
-                "models": self.models,
-                "drafters": [self._drafter_entry(d) for d in recipe.drafters],
-                "engines": self.engines,
-                "files": files,
-                "toolchain": tools,
-                "build": {
-                    "steps": [
-                        {"kind": t.kind, "what": t.what, "seconds": round(t.seconds, 2)} for t in self.rep.timings
-                    ],
-                },
-            }
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, default=_json_default))
+            self.engines = [replace(e, sha256=files[e.path]) for e in self.engines]
+            drafters = [self._drafter_entry(d) for d in recipe.drafters]
+            manifest = write_manifest(tmp, Manifest(
+                root=tmp,
+                name=recipe.name,
+                plan=plan.to_dict(),
+                tokenizer={**tokenizer, "sha256": files["tokenizer.json"]},
+                models=self.models,
+                drafters={d.name: d for d in drafters},
+                engines=self.engines,
+                files=files,
+                specexport=__version__,
+                created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                inputs_sha256=key,
+                recipe=recipe.model_dump(mode="json"),
+                recipe_dir=str(self.base),  # where relative model paths in the recipe point
+                toolchain=tools,
+                build={"steps": [{"kind": t.kind, "what": t.what, "seconds": round(t.seconds, 2)}
+                                 for t in self.rep.timings]},
+            ))
             size = sum(p.stat().st_size for p in tmp.iterdir())
             s.detail = f"{len(self.engines)} engines, {size / 1e6:.1f} MB"
         return manifest
 
-    def _enforce(self, source) -> bool:
-        mode = self.recipe.validation.enforce
-        if mode == "auto":
-            return isinstance(source, TinySource)
-        return mode == "always"
-
     @staticmethod
-    def _drafter_entry(spec) -> dict:
+    def _drafter_entry(spec) -> DrafterEntry:
         params = spec.model_dump(mode="json", exclude={"kind", "name", "model"})
         model = spec.name if spec.kind in ("model", "quantized-self") else None
-        return {"name": spec.name, "kind": spec.kind, "model": model, "params": params}
-
-
-def _json_default(value):
-    if isinstance(value, Path):  # recipe paths
-        return str(value)
-    raise TypeError(f"cannot write {type(value).__name__} to the manifest")
+        return DrafterEntry(spec.name, spec.kind, model, params)
 
 
 @dataclass
@@ -401,8 +408,8 @@ def build_recipe(recipe: Recipe, base: Path, out: str | Path | None, force: bool
         s.detail = key[:12]
 
     if previous is not None and not force and previous.get("inputs_sha256") == key:
-        try:
-            Manifest.load(out_dir).verify_files()
+        try:  # hashes only what changed since the last check (runtime/integrity.py)
+            ensure_verified(Manifest.load(out_dir))
         except BadInput as err:
             reporter.warn(f"existing engines cannot be reused ({err}); rebuilding")
         else:

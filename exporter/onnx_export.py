@@ -19,6 +19,8 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from specexport.contract import TensorSpec, graph_inputs, graph_outputs
+from specexport.errors import SpecexportError
 from specexport.exporter.graph_model import StaticDecoder
 
 # Tensors at least this large go to the shared file; smaller ones stay inside the graph.
@@ -27,14 +29,9 @@ _EXTERNAL_MIN_BYTES = 1024
 _ALIGN = 4096
 
 
-def kv_names(num_layers: int, prefix: str) -> list[str]:
-    return [f"{prefix}.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
-
-
 def graph_io(num_layers: int) -> tuple[list[str], list[str]]:
-    inputs = ["input_ids", "cache_length", *kv_names(num_layers, "past_key_values")]
-    outputs = ["logits", "next_tokens", *kv_names(num_layers, "present")]
-    return inputs, outputs
+    """Input and output names, in the order StaticDecoder.forward takes and returns them."""
+    return graph_inputs(num_layers), graph_outputs(num_layers)
 
 
 def example_inputs(decoder: StaticDecoder, batch: int, tokens: int) -> tuple[torch.Tensor, ...]:
@@ -71,7 +68,24 @@ def export_graph(decoder: StaticDecoder, batch: int, tokens: int, opset: int) ->
     finally:
         for lg, level in zip(quiet_loggers, levels):
             lg.setLevel(level)
-    return program.model_proto
+    model = program.model_proto
+    _drop_unused_optional_outputs(model)
+    return model
+
+
+# Fused onnxruntime kernels whose optional outputs we never read: (domain, op) -> output indices.
+_OPTIONAL_OUTPUTS = {("com.microsoft", "SkipSimplifiedLayerNormalization"): (1, 2)}  # mean, 1/std
+
+
+def _drop_unused_optional_outputs(model: onnx.ModelProto) -> None:
+    """Blank the names of optional outputs nothing reads, so the kernel does not produce them
+    (torch.onnx.ops.symbolic_multi_out names every output it declares)."""
+    used = {name for node in model.graph.node for name in node.input}
+    used |= {value.name for value in model.graph.output}
+    for node in model.graph.node:
+        for index in _OPTIONAL_OUTPUTS.get((node.domain, node.op_type), ()):
+            if index < len(node.output) and node.output[index] not in used:
+                node.output[index] = ""
 
 
 class WeightStore:
@@ -123,13 +137,14 @@ class WeightStore:
             tensor.data_location = onnx.TensorProto.EXTERNAL
 
 
-def tensor_specs(model: onnx.ModelProto, which: str) -> dict[str, list]:
-    """name -> [dtype, shape] of graph inputs or outputs, for the manifest."""
+def tensor_specs(model: onnx.ModelProto, which: str) -> dict[str, TensorSpec]:
+    """name -> dtype and static shape of the graph's inputs or outputs, for the manifest."""
     values = model.graph.input if which == "inputs" else model.graph.output
     specs = {}
     for value in values:
         ttype = value.type.tensor_type
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type)).name
-        shape = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in ttype.shape.dim]
-        specs[value.name] = [dtype, shape]
+        if not all(d.HasField("dim_value") for d in ttype.shape.dim):  # the runtime's buffers are static
+            raise SpecexportError(f"graph {which[:-1]} {value.name} has a dynamic shape; every dimension must be static")
+        specs[value.name] = TensorSpec(dtype, tuple(d.dim_value for d in ttype.shape.dim))
     return specs

@@ -1,21 +1,21 @@
-"""Write an engine directory atomically: build beside it, then swap it in with renames.
+"""Write an engine directory atomically: build beside it, then swap it in.
 
-A build goes into ``.NAME.partial-PID`` next to the destination. On success the old engine
-directory (if any) is renamed away, the new one renamed into place, the old one removed. On
-any failure, interrupt included, the partial directory is deleted; partial directories left
-by a killed build (their process is gone) are swept at the next build.
+A build goes into ``.NAME.partial-PID`` next to the destination. On success it is exchanged
+with the old engine directory in one step (specexport.atomic.replace_dir: Linux
+renameat2 RENAME_EXCHANGE, so the destination never disappears), and the old one removed. On
+any failure, interrupt included, the partial directory is deleted; what a killed build left
+(``.NAME.partial-PID``, ``.NAME.old-PID`` whose process is gone) is swept at the next build.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
+from specexport import atomic
+from specexport.contract import MANIFEST
 from specexport.errors import BadInput
-
-MANIFEST = "manifest.json"
 
 
 def existing_manifest(out: Path) -> dict | None:
@@ -44,21 +44,9 @@ def existing_manifest(out: Path) -> dict | None:
     return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale(out: Path) -> None:
-    for leftover in out.parent.glob(f".{out.name}.partial-*"):
-        pid = leftover.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(leftover, ignore_errors=True)
+    """Remove what killed builds left beside ``out`` (``.NAME.partial-PID``, ``.NAME.old-PID``)."""
+    atomic.sweep(out)
 
 
 class AtomicDir:
@@ -66,7 +54,7 @@ class AtomicDir:
 
     def __init__(self, out: Path):
         self.out = out
-        self.tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+        self.tmp = atomic.temp_name(out)
 
     def __enter__(self) -> Path:
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -80,9 +68,9 @@ class AtomicDir:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return False
-        old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
-        if self.out.exists():
-            os.rename(self.out, old)
-        os.rename(self.tmp, self.out)
-        shutil.rmtree(old, ignore_errors=True)
+        try:
+            atomic.replace_dir(self.tmp, self.out)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
         return False

@@ -7,46 +7,8 @@ line "✓ kind  what  12.3 s". Every step's time is kept for the JSON result and
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+# moved to specexport.progress (bench and tune use it on installs without the exporter);
+# this import path stays for the exporter's modules
+from specexport.progress import Reporter, StepTiming
 
-from rich.console import Console
-
-
-@dataclass
-class StepTiming:
-    kind: str  # load | plan | export | quantize | validate | write | ...
-    what: str
-    seconds: float
-    detail: str = ""
-
-
-@dataclass
-class Reporter:
-    quiet: bool = False
-    console: Console = field(default_factory=lambda: Console(stderr=True, highlight=False))
-    timings: list[StepTiming] = field(default_factory=list)
-
-    @contextmanager
-    def step(self, kind: str, what: str):
-        record = StepTiming(kind, what, 0.0)
-        start = time.perf_counter()
-        if self.quiet:
-            yield record
-        else:
-            with self.console.status(f"[bold]{kind}[/] {what}", spinner="dots"):
-                yield record
-        record.seconds = time.perf_counter() - start
-        self.timings.append(record)
-        if not self.quiet:
-            detail = f"  [dim]{record.detail}[/]" if record.detail else ""
-            self.console.print(f"[green]✓[/] {kind:<9} {what:<34} {record.seconds:6.1f} s{detail}", soft_wrap=True)
-
-    def note(self, message: str) -> None:
-        if not self.quiet:
-            self.console.print(f"  {message}", soft_wrap=True)
-
-    def warn(self, message: str) -> None:
-        if not self.quiet:
-            self.console.print(f"[yellow]![/] {message}", soft_wrap=True)
+__all__ = ["Reporter", "StepTiming"]

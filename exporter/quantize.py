@@ -1,9 +1,10 @@
 """int4 weight-only copies of a graph through onnxruntime's MatMulNBits quantizer.
 
 Every MatMul whose weight is an initializer becomes a MatMulNBits node (blockwise int4 with
-per-block scales). The embedding Gather stays fp32 (a lookup reads one row per token); the
-output head, a Gemm in the exported graph, is quantized only when rewritten as a MatMul first
-(``gemm_heads_to_matmul``).
+per-block scales). The embedding Gather stays fp32 (a lookup reads one row per token). The
+output head is quantized only when asked: in the standard graph it is a Gemm, rewritten as a
+MatMul first (``gemm_heads_to_matmul``); in the ort-gqa graph it is already a MatMul, kept fp32
+with ``keep_head``.
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ import logging
 
 import onnx
 
+from specexport.exporter.graph_model import HEAD_WEIGHT
+
 # Weights that stay fp32: the rotary rotate-half matrix (entries 0 and ±1 must stay exact, and
 # it is tiny).
 KEEP_FP32 = ("rope_rotate",)
 
 
-def quantize_int4(model: onnx.ModelProto, block_size: int, symmetric: bool, accuracy_level: int | None) -> onnx.ModelProto:
+def quantize_int4(model: onnx.ModelProto, block_size: int, symmetric: bool, accuracy_level: int | None,
+                  keep_head: bool = False) -> onnx.ModelProto:
+    """``keep_head``: leave a MatMul output head (graph_model.HEAD_WEIGHT) in fp32."""
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,
         MatMulNBitsQuantizer,
@@ -30,7 +35,8 @@ def quantize_int4(model: onnx.ModelProto, block_size: int, symmetric: bool, accu
         op_types_to_quantize=("MatMul",),
         bits=4,
     )
-    keep = [n.name for n in model.graph.node if n.op_type == "MatMul" and any(w in KEEP_FP32 for w in n.input)]
+    kept = (*KEEP_FP32, HEAD_WEIGHT) if keep_head else KEEP_FP32
+    keep = [n.name for n in model.graph.node if n.op_type == "MatMul" and any(w in kept for w in n.input)]
     quantizer = MatMulNBitsQuantizer(
         model,
         bits=4,

@@ -9,13 +9,13 @@ cast copy (``cast_precision``) whose inputs and outputs keep their fp32 types, s
 specs and the runtime's buffers do not change with the precision.
 
 One timing cache per TensorRT version and GPU is kept beside the engine directory and reused
-by every build. Graphs with onnxruntime contrib operators (the quantized-self drafter's
+by every build. Each engine is run beside its ONNX graph right after it is built
+(exporter/trt_parity.py); the figures go into its manifest entry's ``parity``. Graphs with onnxruntime contrib operators (the quantized-self drafter's
 MatMulNBits) are left out with a warning; the lint says why.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -26,9 +26,12 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from specexport import atomic
+from specexport.contract import engine_from_json, engine_to_json
 from specexport.errors import BadInput, SpecexportError
 from specexport.exporter.lint import lint_model, tensor_types
 from specexport.exporter.progress import Reporter
+from specexport.exporter.trt_parity import engine_parity
 from specexport.runtime import trt_engine
 
 if TYPE_CHECKING:
@@ -50,22 +53,34 @@ class TrtBuildOptions:
     precision: str = "fp32"  # fp32 | fp16 | bf16 (weights and activations)
     workspace_mb: int = DEFAULT_WORKSPACE_MB  # MemoryPoolType.WORKSPACE limit
     optimization_level: int = 3  # builder_optimization_level, 0-5 (TensorRT's default is 3)
+    timing_cache_dir: Path | None = None  # None: beside the engine directory; relative: from there
+    enforce_parity: bool = True  # fail the build when an engine differs from its ONNX graph
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, precision: str | None = None, workspace_mb: int | None = None) -> TrtBuildOptions:
-        # A recipe may carry `tensorrt: {workspace_mb, optimization_level}` (see docs/tensorrt.md).
-        section = getattr(recipe, "tensorrt", None)
+        """The recipe's `precision` and `tensorrt:` section; arguments (the command line's
+        --precision, say) win over the recipe."""
+        section = recipe.tensorrt
         return cls(
             precision=precision or recipe.precision,
-            workspace_mb=workspace_mb or getattr(section, "workspace_mb", None) or DEFAULT_WORKSPACE_MB,
-            optimization_level=getattr(section, "optimization_level", None) or 3,
+            workspace_mb=workspace_mb or section.workspace_mb,
+            optimization_level=section.builder_optimization_level,
+            timing_cache_dir=section.timing_cache_dir,
+            enforce_parity=section.parity == "enforce",
         )
+
+    def timing_cache_folder(self, default: Path) -> Path:
+        """Where the timing caches go: ``default`` (beside the engine directory), or the
+        recipe's folder, relative to ``default`` (an absolute one stands alone)."""
+        return default / self.timing_cache_dir if self.timing_cache_dir is not None else default
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise BadInput(f"precision must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")
         if self.workspace_mb < 1:
             raise BadInput(f"the TensorRT workspace must be at least 1 MB (got {self.workspace_mb})")
+        if not 0 <= self.optimization_level <= 5:
+            raise BadInput(f"tensorrt.builder_optimization_level must be 0 to 5 (got {self.optimization_level})")
 
 
 # -- precision: a cast copy of the graph ----------------------------------------------------
@@ -282,7 +297,7 @@ def compile_engines(tmp: Path, engines: list[dict], recipe: Recipe, reporter: Re
     messages: list[str] = []
     logger = _make_logger(reporter, messages)
     builder = trt.Builder(logger)
-    cache_file = timing_cache_path(timing_cache_dir, trt.__version__, device)
+    cache_file = timing_cache_path(opts.timing_cache_folder(timing_cache_dir), trt.__version__, device)
     cache_config = builder.create_builder_config()
     cache = cache_config.create_timing_cache(cache_file.read_bytes() if cache_file.is_file() else b"")
     scratch = tmp / ".tensorrt-scratch"
@@ -318,7 +333,13 @@ def compile_engines(tmp: Path, engines: list[dict], recipe: Recipe, reporter: Re
                 with open(plan, "wb") as fh:
                     fh.write(serialized)
                 s.detail = f"{opts.precision}, {plan.stat().st_size / 1e6:.1f} MB"
-            entries.append(_entry(onnx_entry, plan, trt.__version__, device, opts))
+            entry = _entry(onnx_entry, plan, trt.__version__, device, opts)
+            with reporter.step("tensorrt", f"{onnx_entry['name']} parity") as s:
+                # the plan against its fp32 ONNX graph on onnxruntime; out of tolerance fails here
+                entry["parity"] = p = engine_parity(entry, tmp, source, opts.precision, device, opts.enforce_parity)
+                s.detail = (f"max |Δlogit| {p['max_abs_logit_diff']:.2e} (scale {p['logit_scale']:.3g}), "
+                            f"argmax agreement {p['argmax_agreement']:.1%}")
+            entries.append(entry)
             shutil.rmtree(scratch, ignore_errors=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -340,28 +361,21 @@ def _write_cast_copy(source: Path, scratch: Path, precision: str) -> Path:
 
 def _save_cache(path: Path, data: object) -> None:
     """Write the timing cache atomically: concurrent builds on one machine share it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    with open(part, "wb") as fh:
-        fh.write(memoryview(data))  # type: ignore[arg-type]
-    os.replace(part, path)
+    atomic.write_bytes(path, memoryview(data))  # type: ignore[arg-type]
 
 
 def _entry(onnx_entry: dict, plan: Path, trt_version: str, device: trt_engine.CudaDevice,
            opts: TrtBuildOptions) -> dict:
-    keep = ("name", "model", "role", "batch", "tokens", "inputs", "outputs")
-    return {
-        **{k: onnx_entry[k] for k in keep},
-        "backend": "tensorrt",
-        "path": plan.name,
-        "extra": {
-            "tensorrt_version": trt_version,
-            "device_name": device.name,
-            "compute_capability": device.compute_capability,
-            "precision": opts.precision,
-            "strongly_typed": True,
-            "workspace_mb": opts.workspace_mb,
-            "optimization_level": opts.optimization_level,
-            "onnx": onnx_entry["path"],
-        },
+    """The manifest entry of ``plan``: its ONNX graph's entry compiled for TensorRT (the
+    contract keeps name, role, shapes and KV update; this adds what the engine was built with)."""
+    extra = {
+        "tensorrt_version": trt_version,
+        "device_name": device.name,
+        "compute_capability": device.compute_capability,
+        "precision": opts.precision,
+        "strongly_typed": True,
+        "workspace_mb": opts.workspace_mb,
+        "optimization_level": opts.optimization_level,
+        "onnx": onnx_entry["path"],
     }
+    return engine_to_json(engine_from_json(onnx_entry).compiled("tensorrt", plan.name, extra))

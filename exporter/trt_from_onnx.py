@@ -10,17 +10,26 @@ TensorRT engines are replaced; the directory is swapped in atomically like any b
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
+from specexport.contract import (
+    MANIFEST,
+    EngineEntry,
+    Manifest,
+    engine_from_json,
+    engine_to_json,
+    read_manifest,
+    sha256_of,
+    write_manifest,
+)
 from specexport.errors import BadInput
 from specexport.exporter.outdir import AtomicDir
 from specexport.exporter.progress import Reporter
 from specexport.exporter.recipe import parse_recipe
 from specexport.exporter.trt_build import TrtBuildOptions, compile_engines, require_tensorrt
-from specexport.runtime.manifest import MANIFEST, Manifest, sha256_of
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -30,50 +39,54 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
+def with_tensorrt_engines(manifest: Manifest, compiled: list[EngineEntry], directory: Path,
+                          options: TrtBuildOptions, created: str) -> Manifest:
+    """``manifest`` with its TensorRT engines replaced by ``compiled`` (whose files, hashed,
+    lie in ``directory``), and the toolchain and build facts that go with them."""
+    old_plans = {e.path for e in manifest.engines if e.backend == "tensorrt"}
+    files = {rel: sha for rel, sha in manifest.files.items() if rel not in old_plans}
+    hashes = {e.path: sha256_of(directory / e.path) for e in compiled}
+    new = [replace(e, sha256=hashes[e.path]) for e in compiled]
+    files.update(hashes)
+    first = new[0].extra if new else {}
+    return replace(
+        manifest,
+        engines=[e for e in manifest.engines if e.backend == "onnxruntime"] + new,
+        files=dict(sorted(files.items())),
+        toolchain={**manifest.toolchain, "tensorrt": first.get("tensorrt_version"), "device": first.get("device_name"),
+                   "compute_capability": first.get("compute_capability")},
+        extra={**manifest.extra, "tensorrt_build": {"from_onnx": True, "created": created,
+                                                    "precision": options.precision,
+                                                    "workspace_mb": options.workspace_mb}},
+    )
+
+
 def rebuild_from_onnx(directory: str | Path, reporter: Reporter, precision: str | None = None,
                       workspace_mb: int | None = None) -> dict:
     """Rebuild the TensorRT engines of ``directory`` from its ONNX graphs; return the manifest."""
     directory = Path(directory)
-    manifest = Manifest.load(directory)
+    manifest = read_manifest(directory)
     with reporter.step("inputs", "verify ONNX graphs") as s:
         manifest.verify_files()
         s.detail = f"{len(manifest.files)} files"
-    raw = manifest.raw
-    recipe = parse_recipe(raw.get("recipe"), f"{directory / MANIFEST} (its recipe)")
+    recipe = parse_recipe(manifest.recipe, f"{directory / MANIFEST} (its recipe)")
     options = TrtBuildOptions.from_recipe(recipe, precision, workspace_mb)
     require_tensorrt()
-    onnx_entries = [e for e in raw["engines"] if e["backend"] == "onnxruntime"]
+    onnx_entries = [e for e in manifest.engines if e.backend == "onnxruntime"]
     if not onnx_entries:
         raise BadInput(f"{directory}: no ONNX graphs to compile (the manifest lists none)")
-    old_plans = {e["path"] for e in raw["engines"] if e["backend"] == "tensorrt"}
+    old_plans = {e.path for e in manifest.engines if e.backend == "tensorrt"}
 
     with AtomicDir(directory) as tmp:
-        kept = {rel: sha for rel, sha in raw["files"].items() if rel not in old_plans}
-        for rel in kept:
-            _link_or_copy(directory / rel, tmp / rel)
-        new = compile_engines(tmp, onnx_entries, recipe, reporter, timing_cache_dir=directory.resolve().parent,
-                              options=options)
+        for rel in manifest.files:
+            if rel not in old_plans:
+                _link_or_copy(directory / rel, tmp / rel)
+        # compile_engines speaks the manifest's JSON entries
+        new = compile_engines(tmp, [engine_to_json(e) for e in onnx_entries], recipe, reporter,
+                              timing_cache_dir=directory.resolve().parent, options=options)
         with reporter.step("write", "manifest") as s:
-            for entry in new:
-                entry["sha256"] = kept[entry["path"]] = sha256_of(tmp / entry["path"])
-            first = new[0]["extra"] if new else {}
-            raw = {
-                **raw,
-                "engines": onnx_entries + new,
-                "files": dict(sorted(kept.items())),
-                "toolchain": {
-                    **raw.get("toolchain", {}),
-                    "tensorrt": first.get("tensorrt_version"),
-                    "device": first.get("device_name"),
-                    "compute_capability": first.get("compute_capability"),
-                },
-                "tensorrt_build": {
-                    "from_onnx": True,
-                    "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                    "precision": options.precision,
-                    "workspace_mb": options.workspace_mb,
-                },
-            }
-            (tmp / MANIFEST).write_text(json.dumps(raw, indent=1))
+            created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+            updated = with_tensorrt_engines(manifest, [engine_from_json(e) for e in new], tmp, options, created)
+            raw = write_manifest(tmp, replace(updated, root=tmp))
             s.detail = f"{len(new)} TensorRT engines"
     return raw

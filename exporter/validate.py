@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specexport.contract import CACHE_LENGTH, INPUT_IDS, LOGITS, NEXT_TOKENS
+from specexport.errors import SpecexportError
 from specexport.runtime.engine import EngineOptions
 from specexport.runtime.kv_cache import KVCache
 from specexport.runtime.ort_engine import OrtEngine
@@ -50,6 +52,110 @@ class GraphUnderTest:
     tokens: int
 
 
+@dataclass(frozen=True)
+class Tolerance:
+    """What a graph of one precision may differ from transformers. Both limits scale with the
+    logit scale (the largest |reference logit|, at least 1): rounding error grows with the
+    magnitudes a model computes, so one relative figure fits tiny and large models alike."""
+
+    logit_rtol: float | None  # max |Δlogit| <= logit_rtol · scale; None: recorded, not enforced
+    near_tie_rtol: float = 0.0  # an argmax may differ only where the reference's top-2 margin < this · scale
+
+
+# The one table of validation limits, keyed by the precision of the graph under test.
+# fp32: measured max |Δlogit| 2e-5..8e-5 on tiny models (logit scale ~17: under 5e-6 relative)
+# and 5e-5..1.2e-4 on SmolLM2-135M (scale ~43: under 3e-6); 1e-4 leaves 20x headroom, while
+# one corrupt weight misses it by orders of magnitude. The near-tie limit is about the README's
+# losslessness rule (1e-3 at scale 20). fp16/bf16 (TensorRT casts) keep 10 and 7 mantissa bits.
+# int4 differs from the fp32 target by design: its figures are recorded only.
+TOLERANCES: dict[str, Tolerance] = {
+    "fp32": Tolerance(logit_rtol=1e-4, near_tie_rtol=5e-5),
+    "fp16": Tolerance(logit_rtol=1e-2, near_tie_rtol=5e-3),
+    "bf16": Tolerance(logit_rtol=4e-2, near_tie_rtol=2e-2),
+    "int4": Tolerance(logit_rtol=None),
+}
+
+
+@dataclass
+class Parity:
+    """One graph's figures against the reference, accumulated over the positions it ran."""
+
+    max_abs_logit_diff: float = 0.0
+    logit_scale: float = 1.0
+    agree: int = 0
+    positions: int = 0
+    max_margin_at_disagreement: float = 0.0  # the reference's top-2 gap where the argmax differs
+    next_tokens_match: bool = True  # the in-graph argmax equals the graph's own logits' argmax
+
+    def add(self, got: np.ndarray, want: np.ndarray, next_tokens: np.ndarray | None = None) -> None:
+        """``got``/``want``: [T, V] logits of the graph and the reference; ``next_tokens`` [T]."""
+        diff = float(np.abs(got - want).max())  # NaN when either side has one
+        self.max_abs_logit_diff = diff if not diff <= self.max_abs_logit_diff else self.max_abs_logit_diff
+        self.logit_scale = max(self.logit_scale, float(np.abs(want).max()))
+        same = got.argmax(-1) == want.argmax(-1)  # [T]
+        self.agree += int(same.sum())
+        self.positions += len(same)
+        if not same.all():
+            top2 = np.sort(want[~same], axis=-1)[:, -2:]  # [n_differ, 2]
+            self.max_margin_at_disagreement = max(self.max_margin_at_disagreement,
+                                                  float((top2[:, 1] - top2[:, 0]).max()))
+        if next_tokens is not None and not np.array_equal(next_tokens, got.argmax(-1)):
+            self.next_tokens_match = False
+
+    def to_dict(self) -> dict:
+        return {
+            "max_abs_logit_diff": self.max_abs_logit_diff,
+            "logit_scale": self.logit_scale,
+            "max_rel_logit_diff": self.max_abs_logit_diff / self.logit_scale,
+            "argmax_agreement": self.agree / self.positions if self.positions else 0.0,
+            "positions": self.positions,
+            "max_margin_at_disagreement": self.max_margin_at_disagreement,
+            "next_tokens_match": self.next_tokens_match,
+        }
+
+
+def check_parity(graph: str, parity: dict, precision: str, max_abs_logit_diff: float | None = None,
+                 min_argmax_agreement: float | None = None, reference: str = "transformers") -> dict:
+    """Raise a one-line error when ``graph``'s figures (Parity.to_dict) break the limits for
+    ``precision``; return the limits applied (recorded in the manifest). The recipe's
+    ``max_abs_logit_diff`` (absolute) and ``min_argmax_agreement`` replace the table's where set."""
+    if precision not in TOLERANCES:
+        raise SpecexportError(f"no validation limits for precision {precision!r}; known: {', '.join(TOLERANCES)}")
+    tol = TOLERANCES[precision]
+    if tol.logit_rtol is None:
+        return {"precision": precision, "enforced": False}
+    scale = parity["logit_scale"]
+    logit_limit = max_abs_logit_diff if max_abs_logit_diff is not None else tol.logit_rtol * scale
+    tie_limit = tol.near_tie_rtol * scale
+    where = f"validation failed for {graph} ({precision}, against {reference})"
+    if not parity["max_abs_logit_diff"] <= logit_limit:  # `not <=`: a NaN difference fails too
+        raise SpecexportError(
+            f"{where}: max |Δlogit| {parity['max_abs_logit_diff']:.3g} exceeds the limit {logit_limit:.3g} "
+            f"({_limit_source(max_abs_logit_diff, tol.logit_rtol, scale)}); the export does not match the model"
+        )
+    if not parity["next_tokens_match"]:
+        raise SpecexportError(f"{where}: the in-graph argmax (next_tokens) differs from the graph's own logits")
+    if parity["max_margin_at_disagreement"] >= tie_limit:  # 0 when every argmax agrees
+        raise SpecexportError(
+            f"{where}: argmax differs where the reference's top-2 margin is "
+            f"{parity['max_margin_at_disagreement']:.3g}, above the near-tie limit {tie_limit:.3g} "
+            f"({tol.near_tie_rtol:g} x logit scale {scale:.3g}); argmax agreement {parity['argmax_agreement']:.2%}"
+        )
+    if min_argmax_agreement is not None and parity["argmax_agreement"] < min_argmax_agreement:
+        raise SpecexportError(
+            f"{where}: argmax agreement {parity['argmax_agreement']:.2%} is below the recipe's "
+            f"validation.min_argmax_agreement {min_argmax_agreement:.2%}"
+        )
+    return {"precision": precision, "enforced": True, "max_abs_logit_diff_limit": logit_limit,
+            "near_tie_margin_limit": tie_limit}
+
+
+def _limit_source(override: float | None, rtol: float, scale: float) -> str:
+    if override is not None:
+        return "the recipe's validation.max_abs_logit_diff"
+    return f"{rtol:g} x logit scale {scale:.3g}"
+
+
 def reference_ids(tokenizer, length: int) -> np.ndarray:
     ids = tokenizer(CORPUS, add_special_tokens=False)["input_ids"]
     reps = -(-length // len(ids))
@@ -71,9 +177,12 @@ def cache_lengths(max_seq_len: int, tokens: int) -> list[int]:
 
 def validate_model(graphs: list[GraphUnderTest], specs, num_layers: int, num_kv_heads: int, head_dim: int,
                    max_seq_len: int, ref_ids: np.ndarray, ref_logits: np.ndarray,
-                   threads: int | None, in_place: bool = False) -> dict[str, dict]:
+                   threads: int | None, in_place: bool = False,
+                   keep: list[ModelRunner] | None = None) -> dict[str, dict]:
     """Return graph name -> parity figures and the cost of one run (ms). ``specs`` gives
-    (inputs, outputs) per graph name; ``in_place``: the graphs update the cache in place."""
+    (inputs, outputs) per graph name; ``in_place``: the graphs update the cache in place.
+    ``keep``: no timing here; the runner is appended to it for the caller, which times every
+    model's graphs in one interleaved schedule (the builder)."""
     options = EngineOptions(threads=threads)
     engines = [OrtEngine(g.name, g.path, *specs[g.name], options) for g in graphs]
     cache = KVCache(num_layers, 1, num_kv_heads, max_seq_len, head_dim)
@@ -87,42 +196,29 @@ def validate_model(graphs: list[GraphUnderTest], specs, num_layers: int, num_kv_
     results: dict[str, dict] = {}
     for graph in graphs:
         engine = by_name[graph.name]
-        worst, agree, total, worst_margin = 0.0, 0, 0, 0.0
+        parity = Parity()
         tested: list[int] = []
         for length in cache_lengths(max_seq_len, graph.tokens):
             # Tests only read the cache, so every slot still holds the filled data; the
             # length alone decides what the graph may see.
             cache.length = length
             feeds = dict(cache.view())
-            feeds["input_ids"] = ref_ids[length : length + graph.tokens][None, :]  # [1, T]
-            feeds["cache_length"] = np.array([length], dtype=np.int64)  # [1]
+            feeds[INPUT_IDS] = ref_ids[length : length + graph.tokens][None, :]  # [1, T]
+            feeds[CACHE_LENGTH] = np.array([length], dtype=np.int64)  # [1]
             # an in-place graph must see its cache bound as its present outputs (otherwise it
             # reads the whole buffer as past); it rewrites these positions with the same K/V
             bound = cache.in_place_outputs() if in_place else None
-            out = engine.run(feeds, ["logits", "next_tokens"], bound)
-            got = out["logits"][0]  # [T, V]
+            out = engine.run(feeds, [LOGITS, NEXT_TOKENS], bound)
             want = ref_logits[length : length + graph.tokens]  # [T, V]
-            worst = max(worst, float(np.abs(got - want).max()))
-            same = got.argmax(-1) == want.argmax(-1)  # [T]
-            agree += int(same.sum())
-            if not same.all():
-                # the reference's top-2 gap where they disagree: tiny means a near-tie
-                top2 = np.sort(want[~same], axis=-1)[:, -2:]
-                worst_margin = max(worst_margin, float((top2[:, 1] - top2[:, 0]).max()))
-            total += graph.tokens
-            if not np.array_equal(out["next_tokens"][0], got.argmax(-1)):
-                worst = float("inf")  # in-graph argmax disagrees with its own logits: broken
+            parity.add(out[LOGITS][0], want, out[NEXT_TOKENS][0])  # [T, V], [T, V], [T]
             tested.append(length)
-        results[graph.name] = {
-            "max_abs_logit_diff": worst,
-            "argmax_agreement": agree / total,
-            "positions": total,
-            "max_margin_at_disagreement": worst_margin,
-            "cache_lengths": sorted(tested),
-        }
+        results[graph.name] = {**parity.to_dict(), "cache_lengths": sorted(tested)}
     # Timing last: an in-place graph writes into the cache it is timed on. Shapes are static,
     # so the cost is the same at any length for standard graphs; an in-place (GQA) graph
     # attends to the filled part only and is timed half full.
+    if keep is not None:
+        keep.append(runner)
+        return results
     costs = runner.time_engines([g.tokens for g in graphs], rounds=9)
     for graph in graphs:
         results[graph.name]["cost_ms"] = round(costs[graph.tokens] * 1e3, 3)

@@ -9,17 +9,26 @@
   distributed exactly as the target's p. A drafter without probabilities (n-gram) is a point
   mass: q = one-hot(x).
 
-p and q are the *warped* distributions (temperature, top-k, top-p applied by ``warp``): the
-output follows the target's distribution under those settings.
+p and q are the *warped* distributions (temperature, top-k, top-p): the output follows the
+target's distribution under those settings. ``warp_reference`` states the warp in a few dense
+lines; ``warp_row`` computes the same distribution as a ``Kept`` (the tokens that can be drawn
+and their probabilities) without float64 or sorting work over the whole vocabulary, and the
+sampler works on those kept tokens only. Ties, in both: top-k keeps every token tied with the
+k-th largest logit; top-p ranks tokens by logit, equal logits by token id, and keeps the
+shortest such prefix whose mass reaches top_p, where a mass within ``TOP_P_SLACK`` (relative)
+of top_p counts as reaching it, so float rounding never decides a case like p = 0.5 at top_p 0.5.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from specexport.errors import BadInput
+
+TOP_P_SLACK = 1e-6  # relative; far above float32 rounding of the mass, far below any real choice
 
 
 @dataclass(frozen=True)
@@ -42,11 +51,54 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class Kept:
+    """One warped distribution as the tokens it can draw; every other token has p = 0."""
+
+    ids: np.ndarray | None  # [m] int64 ascending; None: the whole vocabulary, in order
+    probs: np.ndarray  # [m] (or [V]) summing to 1
+
+    def index(self, token: int) -> int | None:
+        if self.ids is None:
+            return token
+        i = int(np.searchsorted(self.ids, token))
+        return i if i < len(self.ids) and self.ids[i] == token else None
+
+    def prob(self, token: int) -> float:
+        i = self.index(token)
+        return 0.0 if i is None else float(self.probs[i])
+
+    def at(self, ids: np.ndarray | None, vocab: int) -> np.ndarray:
+        """p at ``ids`` [m] (None: at every token of the vocabulary, [V])."""
+        if self.ids is None:
+            return self.probs if ids is None else self.probs[ids]
+        if ids is None:
+            return self.dense(vocab)
+        i = np.minimum(np.searchsorted(self.ids, ids), len(self.ids) - 1)  # [m]
+        return np.where(self.ids[i] == ids, self.probs[i], 0.0)
+
+    def token(self, i: int) -> int:
+        return i if self.ids is None else int(self.ids[i])
+
+    def draw(self, rng: np.random.Generator) -> int:
+        return self.token(_inverse_cdf(self.probs, rng))
+
+    def dense(self, vocab: int) -> np.ndarray:
+        out = np.zeros(vocab)  # [V]
+        out[slice(None) if self.ids is None else self.ids] = self.probs
+        return out
+
+
+def as_kept(row: Kept | np.ndarray) -> Kept:
+    """A dense row of probabilities [V] (need not be normalised) or a Kept, as a Kept."""
+    return row if isinstance(row, Kept) else Kept(None, np.asarray(row))
+
+
+@dataclass(frozen=True)
 class Draft:
     """Where drafting meets verifying: k proposed tokens and the distributions they came from."""
 
     tokens: np.ndarray  # [k] int64
-    probs: np.ndarray | None = None  # [k, V] q that each token was sampled from; None: point mass
+    probs: Sequence[Kept] | np.ndarray | None = None  # k rows: q each token was drawn from; None: point mass
     tag: str = ""  # what kind of guess this is (drafter, n-gram length): acceptance is tracked per tag
 
     @property
@@ -57,20 +109,20 @@ class Draft:
 EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int64))
 
 
-def warp(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
-    """Logits [n, V] -> probabilities [n, V] after temperature, top-k and top-p."""
+def warp_reference(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
+    """Logits [n, V] -> probabilities [n, V]: the definition, dense and in float64."""
     scaled = logits.astype(np.float64) / sampling.temperature  # [n, V]
     vocab = scaled.shape[-1]
     if 0 < sampling.top_k < vocab:
         kth = np.partition(scaled, vocab - sampling.top_k, axis=-1)[:, vocab - sampling.top_k, None]  # [n, 1]
         scaled = np.where(scaled < kth, -np.inf, scaled)
-    probs = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    probs = np.exp(scaled - scaled.max(axis=-1, keepdims=True))  # [n, V]
     probs /= probs.sum(axis=-1, keepdims=True)
     if sampling.top_p < 1.0:
-        order = np.argsort(-probs, axis=-1, kind="stable")  # [n, V] most likely first
+        order = np.argsort(-probs, axis=-1, kind="stable")  # [n, V] most likely first, ties by id
         sorted_probs = np.take_along_axis(probs, order, axis=-1)
         before = np.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass strictly before each
-        drop_sorted = before >= sampling.top_p  # keeps the smallest prefix reaching top_p
+        drop_sorted = before >= sampling.top_p * (1 - TOP_P_SLACK)  # keeps the shortest prefix reaching top_p
         drop = np.zeros_like(drop_sorted)
         np.put_along_axis(drop, order, drop_sorted, axis=-1)
         probs = np.where(drop, 0.0, probs)
@@ -78,11 +130,92 @@ def warp(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
     return probs
 
 
+# Top-p looks for its prefix among the tokens within this many (temperature-scaled) logits of
+# the max, widening until they hold the mass (past ~104, float32 exp is 0: everything counts).
+# Steps of 2x: on SmolLM2's rows at T = 0.8, p = 0.95 the set that holds the mass is a few
+# hundred tokens where one step of 4x would sort thousands.
+_TOP_P_GAPS = (4.0, 8.0, 16.0, 128.0, np.inf)
+
+
+def warp_row(logits: np.ndarray, sampling: Sampling) -> Kept:
+    """Logits [V] -> the warped distribution as a Kept: warp_reference's, to float rounding
+    (float32 where the whole vocabulary is touched: a probability under ~1e-38 becomes 0)."""
+    x = np.asarray(logits, dtype=np.float32)  # [V]
+    vocab = x.shape[-1]
+    ids = None  # [m] the tokens still in play, ascending; None: all of them
+    if 0 < sampling.top_k < vocab:
+        kth = np.partition(x, vocab - sampling.top_k)[vocab - sampling.top_k]
+        ids = np.flatnonzero(x >= kth)  # [m] ties with the k-th are all kept
+        x = x[ids]
+    t = sampling.temperature
+    top = float(x.max())
+    if sampling.top_p < 1.0:
+        # the mass to reach, over the tokens in play, from float32 exps (the kept probabilities
+        # are recomputed in float64 below)
+        e = _scaled_exp(x, top, t)  # [m] <= 1
+        need = sampling.top_p * float(e.sum(dtype=np.float64)) * (1 - TOP_P_SLACK)
+        for gap in _TOP_P_GAPS:
+            # every token within the gap: a prefix of the ranking, ties included
+            candidates = np.flatnonzero(x >= top - gap * t)  # [c] ascending
+            everything = len(candidates) == len(x)
+            if not everything and e[candidates].sum(dtype=np.float64) < need:
+                continue  # too few: widen before paying for a sort
+            order = candidates[np.argsort(-x[candidates], kind="stable")]  # [c] by logit, ties by id
+            mass = np.cumsum(e[order], dtype=np.float64)  # [c]
+            if mass[-1] >= need or everything:
+                break
+        before = np.concatenate(([0.0], mass[:-1]))  # [c] mass strictly before each
+        keep = np.sort(order[: int(np.searchsorted(before, need, side="left"))])  # [n] ascending
+        ids = keep if ids is None else ids[keep]
+        x = x[keep]
+    if ids is None:  # temperature only: the whole vocabulary
+        e = _scaled_exp(x, top, t)  # [V]
+        e /= np.float32(e.sum(dtype=np.float64))
+        return Kept(None, e)
+    probs = np.exp((x.astype(np.float64) - top) / t)  # [m]
+    return Kept(ids, probs / probs.sum())
+
+
+def _scaled_exp(x: np.ndarray, top: float, temperature: float) -> np.ndarray:
+    """exp((x − top) / T) in float32, in one buffer: a fresh vocabulary-sized array per
+    operation costs more than the arithmetic (page faults)."""
+    e = x - np.float32(top)  # [m]
+    e *= np.float32(min(1.0 / temperature, 1e30))  # a tiny T: the max alone, not 0 · inf
+    return np.exp(e, out=e)
+
+
+def warp(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
+    """Logits [n, V] -> dense probabilities [n, V] (warp_row for each row)."""
+    logits = np.atleast_2d(logits)
+    return np.stack([warp_row(row, sampling).dense(logits.shape[-1]) for row in logits])
+
+
+class Warped:
+    """Rows of logits [n, V], each warped when it is read: rejection stops at the first
+    rejected draft, so the rows after it are never paid for."""
+
+    def __init__(self, logits: np.ndarray, sampling: Sampling):
+        self.logits = logits  # [n, V]
+        self.sampling = sampling
+
+    def __len__(self) -> int:
+        return len(self.logits)
+
+    def __getitem__(self, i: int) -> Kept:
+        return warp_row(self.logits[i], self.sampling)
+
+
+def _inverse_cdf(weights: np.ndarray, rng: np.random.Generator) -> int:
+    """Index of one draw from weights [m] (need not be normalised)."""
+    cdf = np.cumsum(weights, dtype=np.float64)  # [m]
+    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    # u · total can round up to the total: then the last index that can be drawn
+    return i if i < len(cdf) else int(np.flatnonzero(weights)[-1])
+
+
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     """One draw from a distribution [V] (need not be normalised) by inverse CDF."""
-    cdf = np.cumsum(probs)
-    index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    return min(index, len(probs) - 1)
+    return _inverse_cdf(probs, rng)
 
 
 def greedy(draft_tokens: np.ndarray, target_choice: np.ndarray) -> tuple[int, int]:
@@ -95,22 +228,27 @@ def greedy(draft_tokens: np.ndarray, target_choice: np.ndarray) -> tuple[int, in
     return n, int(target_choice[n])
 
 
-def rejection(draft: Draft, target_probs: np.ndarray, rng: np.random.Generator) -> tuple[int, int]:
-    """draft: k tokens (+ q [k, V]); target_probs [k+1, V], warped p after each prefix.
+def rejection(draft: Draft, target: Sequence, rng: np.random.Generator) -> tuple[int, int]:
+    """draft: k tokens (+ q per token); target: k+1 rows, the warped p after each prefix (Kept
+    rows, e.g. ``Warped``, or dense [V] arrays). Only the rows up to the first rejection are read.
 
     Returns (accepted drafts, next token)."""
-    for i, token in enumerate(draft.tokens):
-        p = target_probs[i]  # [V]
-        q_token = 1.0 if draft.probs is None else float(draft.probs[i, token])
+    for i, token in enumerate(draft.tokens.tolist()):
+        p = as_kept(target[i])
+        q = None if draft.probs is None else as_kept(draft.probs[i])
+        q_token = 1.0 if q is None else q.prob(token)
         # accept with probability min(1, p/q); u in [0, 1) so p = 0 is always rejected
-        if rng.random() * q_token < p[token]:
+        if rng.random() * q_token < p.prob(token):
             continue
-        if draft.probs is None:
-            residual = p.copy()
-            residual[token] = 0.0  # max(0, p − onehot) is p without the token
+        # the residual max(0, p − q) is 0 wherever p is: work on p's kept tokens only
+        if q is None:
+            residual = p.probs.copy()  # [m] max(0, p − onehot) is p without the token
+            at = p.index(token)
+            if at is not None:
+                residual[at] = 0.0
         else:
-            residual = np.maximum(p - draft.probs[i], 0.0)
+            residual = np.maximum(p.probs - q.at(p.ids, len(p.probs)), 0.0)  # [m]
         if residual.sum() <= 0.0:  # p ≤ q everywhere only when p == q: rejection had probability 0
-            residual = p
-        return i, sample(residual, rng)
-    return draft.size, sample(target_probs[draft.size], rng)
+            residual = p.probs
+        return i, p.token(_inverse_cdf(residual, rng))
+    return draft.size, as_kept(target[draft.size]).draw(rng)

@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +18,13 @@ import numpy as np
 from specexport.errors import BadInput
 from specexport.runtime.acceptance import Sampling
 from specexport.runtime.adaptive import DepthPolicy
+from specexport.runtime.costs import TunedCosts, load_tuned
 from specexport.runtime.decode import DecodeStats, decode
 from specexport.runtime.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
-from specexport.runtime.engine import EngineOptions, LazyEngine
-from specexport.runtime.kv_cache import KVCache
-from specexport.runtime.manifest import DrafterEntry, Manifest
+from specexport.runtime.engine import EngineOptions, LazyEngine, open_kv_cache
+from specexport.runtime.integrity import ensure_verified
+from specexport.runtime.manifest import DrafterEntry, EngineEntry, KVUpdate, Manifest
+from specexport.runtime.memory import memory
 from specexport.runtime.runner import ModelRunner
 from specexport.runtime.text import TextCodec
 
@@ -33,6 +37,10 @@ class Generation:
     stop_reason: str
     drafter: str
     stats: DecodeStats
+    backends: dict[str, str] = field(default_factory=dict)  # model -> backend that ran it
+    costs: str = "build"  # whose engine costs chose sizes and depths: "build" or "tuned (host, date)"
+    first_token_s: float | None = None  # from the call to the first token
+    load_to_first_token_s: float | None = None  # from load() to the first token: the pipeline's first generation only
 
     def to_dict(self) -> dict:
         return {
@@ -41,8 +49,17 @@ class Generation:
             "prompt_tokens": len(self.prompt_ids),
             "stop_reason": self.stop_reason,
             "drafter": self.drafter,
+            "backends": self.backends,
+            "costs": self.costs,
+            "first_token_s": _rounded(self.first_token_s),
+            "load_to_first_token_s": _rounded(self.load_to_first_token_s),
+            "memory": memory(),  # the process's resident memory now and at its peak
             "stats": self.stats.to_dict(),
         }
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 4)
 
 
 def _ngram(entry: DrafterEntry, pipe: Pipeline) -> Drafter:
@@ -51,6 +68,11 @@ def _ngram(entry: DrafterEntry, pipe: Pipeline) -> Drafter:
 
 def _model(entry: DrafterEntry, pipe: Pipeline) -> Drafter:
     return ModelDrafter(entry.name, pipe.runner(entry.model or entry.name))
+
+
+_log = logging.getLogger(__name__)
+# a drafter model without engines for the pipeline's backend runs on this one (Pipeline.backend_of)
+FALLBACK_BACKEND = "onnxruntime"
 
 
 # manifest drafter kind -> factory
@@ -62,12 +84,18 @@ DRAFTER_FACTORIES: dict[str, Callable[[DrafterEntry, Pipeline], Drafter]] = {
 
 
 class Pipeline:
-    def __init__(self, manifest: Manifest, options: EngineOptions, backend: str):
+    def __init__(self, manifest: Manifest, options: EngineOptions, backend: str, *,
+                 tuned: TunedCosts | None = None, started: float | None = None):
+        """``tuned``: costs measured on this machine (specexport tune), preferred over the
+        build's; ``started``: perf_counter() when load() began (for load_to_first_token_s)."""
         self.manifest = manifest
         self.options = options
         self.backend = backend
+        self.tuned = tuned
+        self._started = started
         self.text = TextCodec(manifest.root, manifest.tokenizer)
         self._runners: dict[str, ModelRunner] = {}
+        self.backends: dict[str, str] = {}  # model -> the backend its engines run on
         self._drafters: dict[str, Drafter] = {"none": NoDrafter()}
         self.target = self.runner("target")
 
@@ -83,23 +111,47 @@ class Pipeline:
         """The model's engines and cache, created on first use (sessions once per directory)."""
         if model not in self._runners:
             info = self.manifest.models[model]
-            entries = self.manifest.engines_of(model, self.backend)
-            if not entries:
-                raise BadInput(f"{self.manifest.root}: no {self.backend} engines for model '{model}'")
-            engines = [LazyEngine(e, self.manifest.root, self.options) for e in entries]
-            # Decoding uses the sizes up to 1+D and the prefill chunk: open those now, so no
-            # session is created inside a timed round. Probe graphs (the bench's cost curve)
-            # open on demand and are left out of the runner's choice of engines.
-            largest = max(e.tokens for e in entries)
-            used = {e.tokens for e in entries if e.tokens <= self.manifest.draft_len + 1 or e.tokens == largest}
+            backend = self.backend_of(model)
+            entries = self.manifest.engines_of(model, backend)
+            # the cache first: engines of a device-resident cache bind it when they open
+            cache = open_kv_cache(backend, info, self.options)
+            engines = [LazyEngine(e, self.manifest.root, self.options, cache) for e in entries]
+            # The manifest's role says which graphs decoding runs (decode, catchup, verify,
+            # prefill): open those now, so no session is created inside a timed round. Probe
+            # graphs (the bench's cost curve) open on demand and the runner never chooses them.
+            decoding = [e for e in entries if e.role.decoding]
             for entry, engine in zip(entries, engines):
-                if entry.tokens in used:
+                if entry.role.decoding:
                     engine.open()
-            cache = KVCache(info.num_layers, 1, info.num_kv_heads, info.max_seq_len, info.head_dim, info.kv_dtype)
             self._runners[model] = ModelRunner(model, engines, cache, {e.name: e.tokens for e in entries},
-                                               {e.tokens: e.cost_ms for e in entries if e.tokens in used},
-                                               frozenset(e.name for e in entries if e.kv_update == "in_place"))
+                                               {e.tokens: self.cost_ms(e) for e in decoding},
+                                               frozenset(e.name for e in entries if e.kv_update == KVUpdate.IN_PLACE),
+                                               roles={e.name: e.role for e in entries})
         return self._runners[model]
+
+    def cost_ms(self, entry: EngineEntry) -> float | None:
+        """One run of the engine: measured on this machine by specexport tune, else at build."""
+        tuned = self.tuned.ms(entry) if self.tuned is not None else None
+        return tuned if tuned is not None else entry.cost_ms
+
+    @property
+    def costs_source(self) -> str:
+        """Which costs the runners and the adaptive depth use: "tuned (host, date)" or "build"."""
+        return self.tuned.label if self.tuned is not None else "build"
+
+    def backend_of(self, model: str) -> str:
+        """The pipeline's backend when the model has engines for it. A drafter model without
+        them runs on onnxruntime beside the target (the int4 drafter's MatMulNBits graphs have
+        no TensorRT importer); the target never falls back."""
+        if model not in self.backends:
+            if self.manifest.engines_of(model, self.backend):
+                self.backends[model] = self.backend
+            elif model != "target" and self.manifest.engines_of(model, FALLBACK_BACKEND):
+                _log.info("model '%s' has no %s engines; it runs on %s", model, self.backend, FALLBACK_BACKEND)
+                self.backends[model] = FALLBACK_BACKEND
+            else:
+                raise BadInput(f"{self.manifest.root}: no {self.backend} engines for model '{model}'")
+        return self.backends[model]
 
     def drafter(self, name: str) -> Drafter:
         if name not in self._drafters:
@@ -113,8 +165,8 @@ class Pipeline:
         return self._drafters[name]
 
     def _policy(self, drafter: str) -> DepthPolicy:
-        """A fresh adaptive-depth policy over the costs the build measured."""
-        target = {e.tokens: e.cost_ms for e in self.manifest.engines_of("target", self.backend)}
+        """A fresh adaptive-depth policy over the engines' costs (tuned here, else the build's)."""
+        target = {e.tokens: self.cost_ms(e) for e in self.manifest.engines_of("target", self.backend)}
 
         def verify_cost(tokens: int) -> float | None:
             ms = target.get(self.target.engine_size(tokens))
@@ -123,7 +175,8 @@ class Pipeline:
         entry = self.manifest.drafters.get(drafter)
         draft_ms = sync_ms = 0.0
         if entry is not None and entry.model is not None:
-            costs = {e.tokens: e.cost_ms or 0.0 for e in self.manifest.engines_of(entry.model, self.backend)}
+            costs = {e.tokens: self.cost_ms(e) or 0.0
+                     for e in self.manifest.engines_of(entry.model, self.backend_of(entry.model))}
             draft_ms = costs.get(1, 0.0)
             sync_ms = costs.get(2, draft_ms * 2) / 2  # skipped tokens are caught up two at a time
         return DepthPolicy(verify_cost, draft_cost=draft_ms / 1e3, sync_cost=sync_ms / 1e3)
@@ -166,15 +219,25 @@ class Pipeline:
         policy = self._policy(chosen.name) if adaptive and chosen.name != "none" else None
         text = _TextTracker(self.text.stream(), stop)
         out: list[int] = []
+        called, first_at = time.perf_counter(), None
         for token in decode(self.target, chosen, np.asarray(ids, dtype=np.int64), draft_len=depth,
                             max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=self.text.eos_ids,
                             rng=np.random.default_rng(seed), stop=text.add, stats=stats, policy=policy):
+            if first_at is None:
+                first_at = time.perf_counter()
             out.append(token)
             if piece := text.ready():
                 yield piece
         if piece := text.rest():
             yield piece
-        return Generation(text.text, out, ids, stats.stop_reason, chosen.name, stats)
+        entry = self.manifest.drafters.get(chosen.name)
+        models = ["target", *([entry.model] if entry is not None and entry.model else [])]
+        since_load = None
+        if self._started is not None and first_at is not None:  # the first generation after load()
+            since_load, self._started = first_at - self._started, None
+        return Generation(text.text, out, ids, stats.stop_reason, chosen.name, stats,
+                          {m: self.backend_of(m) for m in models}, self.costs_source,
+                          None if first_at is None else first_at - called, since_load)
 
     def generate(self, prompt: str | None = None, **kwargs) -> Generation:
         stream = self.stream(prompt, **kwargs)
@@ -222,14 +285,21 @@ class _TextTracker:
 
 
 def load(engine_dir: str | Path, *, threads: int | None = None, device: str = "cpu", backend: str | None = None,
-         verify: bool = True) -> Pipeline:
-    """Open an engine directory: check its manifest and file hashes, create the sessions."""
+         verify: bool = True, device_kv: bool = True, tuned_costs: bool = True) -> Pipeline:
+    """Open an engine directory: check its manifest and file hashes, create the sessions.
+    Hashes are checked in full on first use and then only for files whose size, times or inode
+    changed (runtime/integrity.py; ``specexport verify`` checks everything).
+    ``device_kv``: with the tensorrt backend, keep the KV caches on the GPU (False: in host
+    memory, copied to the GPU on every run). ``tuned_costs``: prefer the costs measured by
+    ``specexport tune`` on this machine over the build's."""
+    started = time.perf_counter()
     manifest = Manifest.load(engine_dir)
     if verify:
-        manifest.verify_files()
+        ensure_verified(manifest)
     available = manifest.backends()
     chosen = backend or ("onnxruntime" if "onnxruntime" in available else available[0])
     if chosen not in available:
         hint = f"; build them on this machine with: specexport build --from-onnx {engine_dir}" if chosen == "tensorrt" else ""
         raise BadInput(f"{engine_dir}: no engines for backend '{chosen}' (it has: {', '.join(available)}){hint}")
-    return Pipeline(manifest, EngineOptions(threads=threads, device=device), chosen)
+    return Pipeline(manifest, EngineOptions(threads=threads, device=device, device_kv=device_kv), chosen,
+                    tuned=load_tuned(manifest) if tuned_costs else None, started=started)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specexport.runtime.acceptance import EMPTY_DRAFT, Sampling, greedy, rejection, warp
+from specexport.runtime.acceptance import EMPTY_DRAFT, Sampling, Warped, greedy, rejection
 from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.drafters import Drafter
 from specexport.runtime.runner import ModelRunner
@@ -22,6 +22,10 @@ from specexport.runtime.runner import ModelRunner
 
 @dataclass
 class DecodeStats:
+    """What a decode did, counted by what it emitted: a round cut short by a stop (EOS inside
+    the accepted drafts, a stop string, max_new_tokens) counts only its drafts up to the stop,
+    as proposed and as accepted; the drafts after it were never output."""
+
     draft_len: int
     rounds: int = 0
     tokens: int = 0  # generated tokens
@@ -30,7 +34,8 @@ class DecodeStats:
     accepted_at: list[int] = field(default_factory=list)  # [D] rounds that kept draft position i
     proposed_at: list[int] = field(default_factory=list)  # [D] rounds that offered position i
     prefill_s: float = 0.0
-    draft_s: float = 0.0  # drafter wall time (its engines and its host work)
+    draft_s: float = 0.0  # drafter wall time in rounds (its engines and its host work)
+    draft_engine_s: float = 0.0  # of which inside the drafter's engines
     verify_s: float = 0.0  # target engine time in rounds
     total_s: float = 0.0  # the rounds' wall time, prefill excluded
     stop_reason: str = ""
@@ -39,9 +44,27 @@ class DecodeStats:
         self.accepted_at = [0] * self.draft_len
         self.proposed_at = [0] * self.draft_len
 
+    def count_round(self, proposed: int, accepted: int, emitted: int) -> None:
+        """One verify round that offered ``proposed`` drafts, kept ``accepted`` and emitted
+        ``emitted`` tokens (accepted + 1, or fewer when a stop cut it)."""
+        if emitted <= accepted:  # a stop inside the accepted drafts: the round ends there
+            proposed = accepted = emitted
+        self.rounds += 1
+        self.tokens += emitted
+        self.proposed += proposed
+        self.accepted += accepted
+        for i in range(proposed):
+            self.proposed_at[i] += 1
+            self.accepted_at[i] += i < accepted
+
+    @property
+    def draft_host_s(self) -> float:
+        return max(self.draft_s - self.draft_engine_s, 0.0)
+
     @property
     def host_s(self) -> float:
-        return max(self.total_s - self.draft_s - self.verify_s, 0.0)
+        """Everything outside the engines: the loop, warping and sampling, the drafter's host work."""
+        return max(self.total_s - self.draft_engine_s - self.verify_s, 0.0)
 
     @property
     def tokens_per_s(self) -> float:
@@ -63,6 +86,8 @@ class DecodeStats:
             "acceptance_by_position": [a / p if p else None for a, p in zip(self.accepted_at, self.proposed_at)],
             "prefill_s": self.prefill_s,
             "draft_s": self.draft_s,
+            "draft_engine_s": self.draft_engine_s,
+            "draft_host_s": self.draft_host_s,
             "verify_s": self.verify_s,
             "host_s": self.host_s,
             "total_s": self.total_s,
@@ -81,8 +106,8 @@ def decode(target: ModelRunner, drafter: Drafter, prompt: np.ndarray, *, draft_l
     ``policy`` (adaptive depth) chooses each round's depth up to ``draft_len`` from measured
     costs and acceptance; without it every round drafts ``draft_len`` tokens.
 
-    ``stop(token)`` sees each token before it is yielded (to detokenize and match stop
-    strings); True ends decoding after that token."""
+    ``stop(token)`` sees each token of a round, in order, before the round's tokens are
+    yielded (to detokenize and match stop strings); True ends decoding after that token."""
     capacity = target.cache.max_seq_len
     context = np.zeros(capacity + 1, dtype=np.int64)  # committed tokens: prompt + output
     length = len(prompt)
@@ -105,50 +130,46 @@ def decode(target: ModelRunner, drafter: Drafter, prompt: np.ndarray, *, draft_l
 
             if policy is not None:
                 k = policy.best_depth(drafter.name, k)
+            engine_before = drafter.engine_seconds
             t0 = time.perf_counter()
             draft = drafter.propose(context[:length], k, sampling, rng) if k > 0 else EMPTY_DRAFT
             stats.draft_s += time.perf_counter() - t0
             if policy is not None:
                 draft = policy.trim(draft, drafter.name)
 
-            engine_before = target.seconds
+            verify_before = target.seconds
             out = target.forward(np.concatenate((context[length - 1 : length], draft.tokens)),
                                  want_logits=not sampling.greedy)
-            stats.verify_s += target.seconds - engine_before
+            stats.verify_s += target.seconds - verify_before
 
             if sampling.greedy:
                 n_accepted, next_token = greedy(draft.tokens, out.next_tokens)
             else:
-                n_accepted, next_token = rejection(draft, warp(out.logits, sampling), rng)
+                n_accepted, next_token = rejection(draft, Warped(out.logits, sampling), rng)  # rows warped as read
             target.rewind(length + n_accepted)  # keep last + accepted drafts; drop the rest
 
             t0 = time.perf_counter()
             drafter.accept(n_accepted, next_token)
             stats.draft_s += time.perf_counter() - t0
+            stats.draft_engine_s += drafter.engine_seconds - engine_before
             if policy is not None:
                 policy.update(draft.tag or drafter.name, draft.size, n_accepted)
 
-            stats.rounds += 1
-            stats.proposed += draft.size
-            stats.accepted += n_accepted
-            for i in range(draft.size):
-                stats.proposed_at[i] += 1
-                stats.accepted_at[i] += i < n_accepted
-
+            # Where the round's tokens stop (EOS, a stop string, the token budget) is decided
+            # before any is yielded, so the stats count exactly the tokens emitted.
+            emitted = 0
             for token in (*draft.tokens[:n_accepted].tolist(), next_token):
                 context[length] = token
                 length += 1
-                stats.tokens += 1
+                emitted += 1
                 stopped = stop is not None and stop(token)
-                yield token
-                if token in eos_ids:
-                    stats.stop_reason = "eos"
-                    return
-                if stopped:
-                    stats.stop_reason = "stop_string"
-                    return
-                if stats.tokens >= max_new_tokens:
-                    stats.stop_reason = "max_new_tokens"
-                    return
+                stats.stop_reason = ("eos" if token in eos_ids else "stop_string" if stopped
+                                     else "max_new_tokens" if stats.tokens + emitted >= max_new_tokens else "")
+                if stats.stop_reason:
+                    break
+            stats.count_round(draft.size, n_accepted, emitted)
+            yield from context[length - emitted : length].tolist()
+            if stats.stop_reason:
+                return
     finally:
         stats.total_s = time.perf_counter() - start

@@ -12,12 +12,16 @@ from typing import Protocol
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Sampling, sample, warp
+from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
 from specexport.runtime.runner import ModelRunner
 
 
 class Drafter(Protocol):
     name: str
+
+    @property
+    def engine_seconds(self) -> float:
+        """Seconds inside the drafter's engines so far (0 without any): the rest is host work."""
 
     def reset(self, prompt: np.ndarray) -> None:
         """Start a new sequence (neural drafters prefill the prompt here)."""
@@ -31,6 +35,7 @@ class NoDrafter:
     """The target alone: every round verifies one token. The baseline, through the same engines."""
 
     name = "none"
+    engine_seconds = 0.0
 
     def reset(self, prompt: np.ndarray) -> None:
         pass
@@ -45,6 +50,8 @@ class NoDrafter:
 class NgramDrafter:
     """Prompt lookup: find the context's last n tokens earlier in the context (longest n
     first, latest occurrence that still has k tokens after it) and propose what followed."""
+
+    engine_seconds = 0.0
 
     def __init__(self, name: str = "ngram", max_ngram: int = 3, min_ngram: int = 1):
         self.name = name
@@ -85,6 +92,10 @@ class ModelDrafter:
         self._base = 0  # context length at the last proposal
         self._k = 0
 
+    @property
+    def engine_seconds(self) -> float:
+        return self.runner.seconds
+
     def reset(self, prompt: np.ndarray) -> None:
         self.runner.rewind(0)
         self.runner.forward(prompt[:-1])  # as the target: all but the last token
@@ -99,17 +110,17 @@ class ModelDrafter:
         # draft was accepted, or the whole prompt at the start.
         out = self.runner.forward(context[self.runner.length :], want_logits)
         tokens = np.empty(k, dtype=np.int64)  # [k]
-        probs = np.empty((k, out.logits.shape[-1])) if want_logits else None  # [k, V]
+        probs: list[Kept] = []  # k rows: q for each draft, only the tokens it keeps (never [k, V])
         for j in range(k):
             if want_logits:
-                probs[j] = warp(out.logits[-1:], sampling)[0]
-                tokens[j] = sample(probs[j], rng)
+                probs.append(warp_row(out.logits[-1], sampling))
+                tokens[j] = probs[-1].draw(rng)
             else:
                 tokens[j] = out.next_tokens[-1]
             if j < k - 1:
                 out = self.runner.forward(tokens[j : j + 1], want_logits)
         self._base, self._k = len(context), k
-        return Draft(tokens, probs, self.name)
+        return Draft(tokens, probs if want_logits else None, self.name)
 
     def accept(self, n_accepted: int, next_token: int) -> None:
         # The cache holds the context and drafts 1..k-1; keep those the target accepted.

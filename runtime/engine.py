@@ -10,19 +10,23 @@ import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from specexport.errors import BadInput
-from specexport.runtime.manifest import EngineEntry, TensorSpec
+from specexport.runtime.kv_cache import KVCache
+from specexport.runtime.manifest import EngineEntry, ModelEntry, TensorSpec
 
 
 @dataclass(frozen=True)
 class EngineOptions:
     threads: int | None = None  # intra-op threads; None lets the backend choose
     device: str = "cpu"  # cpu | cuda | tensorrt (execution provider for ONNX graphs)
-    device_kv: bool = False  # tensorrt: keep the KV cache on the GPU (trt_engine.DeviceKVCache)
+    # tensorrt: the KV cache lives on the GPU (trt_engine.DeviceKVCache), read in place and
+    # appended by the engines. False keeps it in host memory, copied whole to the GPU on every
+    # run (load(..., device_kv=False), --host-kv). Backends without a device cache ignore it.
+    device_kv: bool = True
     cuda_graphs: bool = False  # tensorrt: replay each fixed-shape step as a CUDA graph (needs device_kv)
 
 
@@ -45,23 +49,51 @@ BACKENDS: dict[str, str] = {
 }
 
 
+# backend -> "module:factory" of a KV cache kept beside the backend's engines (GPU memory), for
+# EngineOptions.device_kv; a factory takes (ModelEntry, EngineOptions). Other backends, and
+# device_kv=False, use the host KVCache.
+DEVICE_KV_CACHES: dict[str, str] = {
+    "tensorrt": "specexport.runtime.trt_engine:open_device_kv_cache",
+}
+
+
+def _factory(target: str) -> Any:
+    module_name, factory = target.split(":")
+    return getattr(importlib.import_module(module_name), factory)
+
+
 def open_engine(entry: EngineEntry, root: Path, options: EngineOptions) -> Engine:
     target = BACKENDS.get(entry.backend)
     if target is None:
         raise BadInput(f"engine {entry.name}: unknown backend '{entry.backend}' (known: {', '.join(BACKENDS)})")
-    module_name, factory = target.split(":")
-    return getattr(importlib.import_module(module_name), factory)(entry, root, options)
+    return _factory(target)(entry, root, options)
+
+
+def open_kv_cache(backend: str, model: ModelEntry, options: EngineOptions) -> KVCache:
+    """One model's cache for engines of ``backend``: on the device where the backend keeps one
+    (and device_kv is on), else the host KVCache. Both have the KVCache interface."""
+    target = DEVICE_KV_CACHES.get(backend)
+    if target is not None and options.device_kv:
+        return _factory(target)(model, options)
+    return KVCache(model.num_layers, 1, model.num_kv_heads, model.max_seq_len, model.head_dim, model.kv_dtype)
+
+
+def device_resident(cache: object) -> bool:
+    """A cache whose tensors live with the engines: they bind it and append to it themselves."""
+    return getattr(cache, "host_resident", True) is False
 
 
 class LazyEngine:
     """Opens its backend engine on first use. Every session holds its own (prepacked) copy of
     the weights, so graphs a run never needs (probe sizes, say) should cost no memory."""
 
-    def __init__(self, entry: EngineEntry, root: Path, options: EngineOptions):
+    def __init__(self, entry: EngineEntry, root: Path, options: EngineOptions, kv_cache: object | None = None):
         self.name = entry.name
         self.inputs = entry.inputs
         self.outputs = entry.outputs
         self._open = lambda: open_engine(entry, root, options)
+        # a device-resident cache is bound when the engine opens (TrtEngine.bind_kv_cache)
+        self._bind_to = kv_cache if device_resident(kv_cache) else None
         self._engine: Engine | None = None
 
     @property
@@ -70,7 +102,10 @@ class LazyEngine:
 
     def open(self) -> Engine:
         if self._engine is None:
-            self._engine = self._open()
+            engine = self._open()
+            if self._bind_to is not None:
+                engine.bind_kv_cache(self._bind_to)  # type: ignore[attr-defined]
+            self._engine = engine
         return self._engine
 
     def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None,

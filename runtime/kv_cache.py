@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from specexport.contract import KVLayout, past_names, present_of
+
 
 class CacheLength:
     """The bookkeeping every cache shares, wherever its tensors live: how many positions are
@@ -42,13 +44,9 @@ class KVCache(CacheLength):
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
                  dtype: str = "float32"):
         super().__init__(num_layers, max_seq_len)
-        shape = (batch, num_kv_heads, max_seq_len, head_dim)  # [B, n_kv, S_max, hd]
-        self._tensors = {
-            f"past_key_values.{i}.{kind}": np.zeros(shape, dtype=dtype)
-            for i in range(num_layers)
-            for kind in ("key", "value")
-        }
-        self._present_names = {name: name.replace("past_key_values", "present") for name in self._tensors}
+        shape = KVLayout(num_layers, num_kv_heads, head_dim, max_seq_len, dtype).shape(batch)  # [B, n_kv, S_max, hd]
+        self._tensors = {name: np.zeros(shape, dtype=dtype) for name in past_names(num_layers)}
+        self._present_names = {name: present_of(name) for name in self._tensors}
 
     def view(self) -> dict[str, np.ndarray]:
         """The feeds for a graph's past inputs: the cache arrays themselves, not copies."""

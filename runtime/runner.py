@@ -2,20 +2,22 @@
 
 ``forward(tokens)`` feeds tokens at the cache's current length through engines (padding a
 short piece), appends their K/V to the cache and returns the model's outputs for each real
-token. Which engines: the sequence of pieces that costs least by the build's measured costs
-(a long prompt: prefill chunks; a verify: the one engine that holds it), or without costs the
-smallest engine that holds the input. Feed buffers are allocated once per engine and updated
-in place.
+token. Which engines: only those whose manifest role is a decoding role (decode, catchup,
+verify, prefill; never a probe, which only ``time_engines`` runs), and among them the sequence
+of pieces that costs least by the build's measured costs (a long prompt: prefill chunks; a
+verify: the one engine that holds it), or without costs the smallest engine that holds the
+input. Feed buffers are allocated once per engine and updated in place.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from specexport.contract import CACHE_LENGTH, INPUT_IDS, LOGITS, NEXT_TOKENS, Role, present_names
 from specexport.runtime.engine import Engine
 from specexport.runtime.kv_cache import KVCache
 
@@ -30,31 +32,35 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, name: str, engines: Sequence[Engine], cache: KVCache, tokens_of: dict[str, int],
-                 cost_ms: dict[int, float] | None = None, in_place: frozenset[str] = frozenset()):
+                 cost_ms: dict[int, float] | None = None, in_place: frozenset[str] = frozenset(),
+                 roles: Mapping[str, Role] | None = None):
+        """``roles``: engine name -> its manifest role; engines of a non-decoding role (probes)
+        are only timed, never chosen by ``forward``. None: every engine decodes."""
         self.name = name
         self.cache = cache
-        # token count -> engine, smallest first
-        self._engines = sorted(((tokens_of[e.name], e) for e in engines), key=lambda pair: pair[0])
+        # token count -> engine, smallest first: every engine, and those forward may choose
+        everything = sorted(((tokens_of[e.name], e) for e in engines), key=lambda pair: pair[0])
+        self._by_size = dict(everything)
+        self._engines = [(t, e) for t, e in everything if roles is None or Role(roles[e.name]).decoding]
         if not self._engines:
-            raise ValueError(f"model {name} has no engines")
-        self._by_size = dict(self._engines)
+            raise ValueError(f"model {name} has no engines to decode with")
         self._first_piece = self._plan_pieces(cost_ms or {}, cache.max_seq_len)
         self._feeds: dict[int, dict[str, np.ndarray]] = {}
-        for tokens, _ in self._engines:
+        for tokens in self._by_size:
             feeds = dict(cache.view())
-            feeds["input_ids"] = np.full((1, tokens), PAD_ID, dtype=np.int64)  # [B, T]
-            feeds["cache_length"] = np.zeros(1, dtype=np.int64)  # [B]
+            feeds[INPUT_IDS] = np.full((1, tokens), PAD_ID, dtype=np.int64)  # [B, T]
+            feeds[CACHE_LENGTH] = np.zeros(1, dtype=np.int64)  # [B]
             self._feeds[tokens] = feeds
-        presents = [f"present.{i}.{kind}" for i in range(cache.num_layers) for kind in ("key", "value")]
+        presents = present_names(cache.num_layers)
         # engines that update the cache in place (attention: ort-gqa) get it bound as their
         # present outputs and return only tokens (and logits); the others return the new K/V
         self._in_place = in_place
         self._cache_outputs = cache.in_place_outputs()
         self._outputs = {  # (in place?, want logits?) -> outputs to ask for
-            (False, False): ["next_tokens", *presents],
-            (False, True): ["next_tokens", "logits", *presents],
-            (True, False): ["next_tokens"],
-            (True, True): ["next_tokens", "logits"],
+            (False, False): [NEXT_TOKENS, *presents],
+            (False, True): [NEXT_TOKENS, LOGITS, *presents],
+            (True, False): [NEXT_TOKENS],
+            (True, True): [NEXT_TOKENS, LOGITS],
         }
         self.seconds = 0.0  # time inside engines, for the stats
         self.calls = 0
@@ -65,27 +71,40 @@ class ModelRunner:
 
     @property
     def sizes(self) -> list[int]:
+        """Every engine's token count, probes included (the bench's cost curve times them)."""
+        return sorted(self._by_size)
+
+    @property
+    def decoding_sizes(self) -> list[int]:
+        """The token counts ``forward`` chooses from."""
         return [t for t, _ in self._engines]
+
+    def is_open(self, size: int) -> bool:
+        """Whether the engine of ``size`` tokens holds a session (lazy engines open on first use)."""
+        return bool(getattr(self._by_size[size], "opened", True))
 
     def engine_size(self, tokens: int) -> int:
         """Token count of the engine that runs ``tokens`` tokens in one call (or the largest)."""
         return self._pick(tokens)[0]
 
-    def time_engines(self, sizes: Sequence[int], rounds: int) -> dict[int, float]:
+    def time_engines(self, sizes: Sequence[int], rounds: int, want_logits: bool = False) -> dict[int, float]:
         """Median seconds of one run of each engine, the sizes taken in turn round after round
         (so a drift of the machine hits them all alike), over a half-full cache. The cache is
-        read, not written, except by in-place engines, after which it is rewound to empty."""
-        times: dict[int, list[float]] = {size: [] for size in sizes}
-        for round_ in range(rounds + 1):  # round 0 warms up
-            for size in sizes:
-                self._feeds[size]["cache_length"][0] = (self.cache.max_seq_len - size) // 2
-                start = time.perf_counter()
-                self._run(size, want_logits=False)
-                if round_:
-                    times[size].append(time.perf_counter() - start)
+        read, not written, except by in-place engines, after which it is rewound to empty.
+        ``want_logits``: time the runs as sampled decoding makes them, logits copied out."""
+        return time_interleaved({self.name: (self, sizes)}, rounds, want_logits)[self.name]
+
+    def time_run(self, size: int, want_logits: bool = False) -> float:
+        """Seconds of one run of the engine of ``size`` tokens over a half-full cache."""
+        self._feeds[size][CACHE_LENGTH][0] = (self.cache.max_seq_len - size) // 2
+        start = time.perf_counter()
+        self._run(size, want_logits=want_logits)
+        return time.perf_counter() - start
+
+    def end_timing(self, sizes: Sequence[int]) -> None:
+        """After timing: in-place engines wrote into the cache, so it is rewound to empty."""
         if any(self._by_size[size].name in self._in_place for size in sizes):
             self.cache.rewind(0)
-        return {size: float(np.median(values)) for size, values in times.items()}
 
     def time_engine(self, size: int, repeats: int) -> float:
         return self.time_engines([size], repeats)[size]
@@ -131,16 +150,20 @@ class ModelRunner:
         n = len(tokens)
         if n > self.cache.free:
             raise ValueError(f"{self.name}: {n} tokens do not fit in the {self.cache.free} free cache slots")
+        if n == 0:  # e.g. the prefill of a one-token prompt (all but its last token): nothing to run
+            vocab = self._engines[0][1].outputs[LOGITS].shape[-1]
+            logits = np.empty((0, vocab), dtype=np.float32) if want_logits else None  # [0, V]
+            return StepOutput(np.empty(0, dtype=np.int64), logits)
         next_parts, logit_parts = [], []
         done = 0
         while done < n:
             size, engine = self._pick(n - done)
             count = min(size, n - done)
             feeds = self._feeds[size]
-            ids = feeds["input_ids"]
+            ids = feeds[INPUT_IDS]  # [1, T]
             ids[0, :count] = tokens[done : done + count]
             ids[0, count:] = PAD_ID
-            feeds["cache_length"][0] = self.cache.length
+            feeds[CACHE_LENGTH][0] = self.cache.length
             start = time.perf_counter()
             result = self._run(size, want_logits)
             self.seconds += time.perf_counter() - start
@@ -149,9 +172,9 @@ class ModelRunner:
             else:
                 self.cache.write(result, count)
             self.calls += 1
-            next_parts.append(result["next_tokens"][0, :count])
+            next_parts.append(result[NEXT_TOKENS][0, :count])  # [count]
             if want_logits:
-                logit_parts.append(result["logits"][0, :count])
+                logit_parts.append(result[LOGITS][0, :count])  # [count, V]
             done += count
         next_tokens = next_parts[0] if len(next_parts) == 1 else np.concatenate(next_parts)
         logits = None
@@ -159,3 +182,19 @@ class ModelRunner:
             logits = logit_parts[0] if len(logit_parts) == 1 else np.concatenate(logit_parts)
         return StepOutput(next_tokens, logits)
 
+
+def time_interleaved(runners: Mapping[str, tuple[ModelRunner, Sequence[int]]], rounds: int,
+                     want_logits: bool = False) -> dict[str, dict[int, float]]:
+    """Median seconds of one run of every (model, size), all of them taken in turn round after
+    round (round 0 warms up and opens lazy engines), so a drift of the machine hits every
+    model's graphs alike: name -> size -> seconds. Build, tune and bench time through this."""
+    times = {name: {size: [] for size in sizes} for name, (_, sizes) in runners.items()}
+    for round_ in range(rounds + 1):
+        for name, (runner, sizes) in runners.items():
+            for size in sizes:
+                seconds = runner.time_run(size, want_logits)
+                if round_:
+                    times[name][size].append(seconds)
+    for runner, sizes in runners.values():
+        runner.end_timing(sizes)
+    return {name: {size: float(np.median(v)) for size, v in by_size.items()} for name, by_size in times.items()}

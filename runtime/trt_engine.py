@@ -2,10 +2,12 @@
 
 Device buffers are allocated once per engine with cuda-python (no torch); one CUDA stream
 per engine; only the outputs asked for (tokens, and logits when sampling) come back to the
-host. With the host-side KVCache of today, past K/V are copied to the device on every run;
-``DeviceKVCache`` + ``TrtEngine.bind_kv_cache`` keep them on the GPU instead (the engine
-appends its present.* outputs into the cache itself, with 2-D device copies), and then the
-fixed-shape step can be captured once as a CUDA graph and replayed.
+host. The KV cache is a ``DeviceKVCache`` by default (``open_device_kv_cache``, the
+tensorrt entry of engine.DEVICE_KV_CACHES): engines bound to it (``TrtEngine.bind_kv_cache``)
+read past K/V in place and append their present.* outputs with 2-D device copies, so no
+cache-sized copy crosses the bus per run, and the fixed-shape step can be captured once as a
+CUDA graph and replayed. With ``EngineOptions(device_kv=False)`` the host KVCache is used
+instead and copied whole to the device on every run (correct, and slow for long caches).
 
 An engine only loads in the TensorRT version and on the GPU architecture that built it: the
 manifest records both, and a mismatch is refused with the command that rebuilds the engines
@@ -24,16 +26,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from specexport import contract
 from specexport.errors import BadInput, SpecexportError, missing_extra
 from specexport.runtime.engine import EngineOptions
 from specexport.runtime.kv_cache import CacheLength
-from specexport.runtime.manifest import EngineEntry, TensorSpec
+from specexport.runtime.manifest import EngineEntry, ModelEntry, TensorSpec
 
 if TYPE_CHECKING:  # for annotations only: the package is imported lazily
     import tensorrt as trt
 
 GPU_EXTRA = "gpu"
-PAST, PRESENT = "past_key_values.", "present."
+PAST, PRESENT = f"{contract.PAST}.", f"{contract.PRESENT}."  # name prefixes: past_key_values.{i}.key
 
 
 # -- imports and the device -----------------------------------------------------------------
@@ -207,6 +210,15 @@ class DeviceKVCache(CacheLength):
         self.pointers = {}
 
 
+def open_device_kv_cache(model: ModelEntry, options: EngineOptions) -> DeviceKVCache:
+    """A model's KV cache on the GPU (batch 1, like the rest of the runtime). TensorRT and the
+    GPU are checked first, so a missing one is the usual one-line error naming the extra."""
+    require_tensorrt()
+    device = cuda_device()
+    return DeviceKVCache(model.num_layers, 1, model.num_kv_heads, model.max_seq_len, model.head_dim,
+                         model.kv_dtype, device.index)
+
+
 # -- the engine -----------------------------------------------------------------------------
 
 
@@ -367,6 +379,8 @@ class TrtEngine:
         if self._bound is not None:
             self._append_presents(np.asarray(feeds["cache_length"]).reshape(-1).tolist())
         names = list(outputs) if outputs is not None else list(self.outputs)
+        if self._bound is not None:  # the present outputs are in the bound cache already
+            names = [n for n in names if not n.startswith(PRESENT)]
         result = {}
         for name in names:  # fresh host arrays: callers keep views of earlier results
             spec = self.outputs[name]

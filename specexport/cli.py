@@ -1,4 +1,4 @@
-"""The `specexport` command: plan | build | generate | bench | inspect | lint.
+"""The `specexport` command: plan | build | generate | bench | tune | verify | lint.
 
 Exit codes: 0 ok, 1 runtime failure, 2 bad input. Errors the user can fix are one line on
 stderr, never a traceback. `build` imports the exporter lazily, so a runtime-only install
@@ -46,7 +46,20 @@ def cli() -> None:
               help="With --calibrate: tokens per prompt.")
 @click.option("--threads", type=click.IntRange(1), default=2, show_default=True)
 def plan(recipe: Path, as_json: bool, calibrate: bool, prompts: Path, max_new_tokens: int, threads: int) -> None:
-    """Show G, the tile arithmetic and the draft length a RECIPE builds for."""
+    """Show G, the tile arithmetic and the draft length a RECIPE builds for (or, given an
+    engine directory, its plan and the engine costs the runtime uses: tuned or the build's)."""
+    if (recipe / "manifest.json").is_file():  # an engine directory: the runtime's view, no exporter
+        from specexport.errors import BadInput
+        from specexport.runtime.costs import costs_in_use, render_costs
+
+        if calibrate:
+            raise BadInput(f"{recipe}: --calibrate takes a RECIPE, not an engine directory")
+        result = costs_in_use(recipe)
+        if as_json:
+            _print_json(result)
+        else:
+            render_costs(result)
+        return
     from specexport.exporter.plan_command import plan_recipe, render_plan
 
     if calibrate:
@@ -143,12 +156,15 @@ def build(recipe: Path | None, out: Path | None, from_onnx: Path | None, precisi
               help="Engines to run (default: onnxruntime when the directory has them).")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu", show_default=True,
               help="onnxruntime execution provider for the ONNX graphs.")
+@click.option("--host-kv", is_flag=True,
+              help="tensorrt: keep the KV cache in host memory, copied to the GPU on every run "
+                   "(default: on the GPU, read and appended in place).")
 @click.option("--stream", is_flag=True, help="Print text as tokens are accepted.")
 @click.option("--json", "as_json", is_flag=True, help="Print text, token ids, stop reason and stats as JSON.")
 def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, chat: bool, drafter: str,
              draft_len: int | None, adaptive: bool, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
              seed: int | None, stop: tuple[str, ...], threads: int | None, backend: str | None, device: str,
-             stream: bool, as_json: bool) -> None:
+             host_kv: bool, stream: bool, as_json: bool) -> None:
     """Generate text from ENGINE_DIR with a drafter, losslessly."""
     from specexport.errors import BadInput
     from specexport.runtime import load
@@ -160,7 +176,7 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
             prompt = prompt_file.read_text()
         except OSError as err:
             raise BadInput(f"{prompt_file}: cannot read the prompt file ({err.strerror})") from None
-    pipe = load(engine_dir, threads=threads, backend=backend, device=device)
+    pipe = load(engine_dir, threads=threads, backend=backend, device=device, device_kv=not host_kv)
     pieces = pipe.stream(prompt, chat=chat, drafter=drafter, draft_len=draft_len, adaptive=adaptive,
                          max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
@@ -180,10 +196,13 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
         click.echo(result.text)
     if not as_json:
         st = result.stats
+        # a model on another backend than asked (the int4 drafter on onnxruntime beside TensorRT)
+        label = "; ".join([result.drafter, *(f"{m} on {b}" for m, b in result.backends.items() if b != pipe.backend)])
         click.echo(
-            f"[{result.drafter}] {st.tokens} tokens, {st.tokens / st.total_s if st.total_s else 0:.1f} tok/s, "
+            f"[{label}] {st.tokens} tokens, {st.tokens / st.total_s if st.total_s else 0:.1f} tok/s, "
             f"E[L] {st.acceptance_length:.2f}, stop: {result.stop_reason}; "
-            f"draft {st.draft_s * 1e3:.0f} ms, verify {st.verify_s * 1e3:.0f} ms, host {st.host_s * 1e3:.0f} ms",
+            f"engines: draft {st.draft_engine_s * 1e3:.0f} ms, verify {st.verify_s * 1e3:.0f} ms; "
+            f"host {st.host_s * 1e3:.0f} ms ({st.host_s / st.total_s if st.total_s else 0:.1%})",
             err=True,
         )
 
@@ -201,20 +220,24 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
 @click.option("--threads", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--draft-len", type=int, default=None, help="Maximum draft length (default: the plan's D).")
 @click.option("--adaptive/--fixed-depth", default=True, show_default=True)
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default=None,
+              help="Engines to run (default: onnxruntime when the directory has them).")
+@click.option("--host-kv", is_flag=True,
+              help="tensorrt: keep the KV cache in host memory, copied to the GPU on every run.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench/out"), show_default=True)
 @click.option("--baseline", type=click.Path(path_type=Path), default=None,
               help="Compare ratios with this baseline; exit 1 on a regression.")
 @click.option("--update-baseline", is_flag=True, help="Write the results as the new --baseline.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result JSON.")
 def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, drafters: str | None, peers: str,
-          temperature: float, threads: int, draft_len: int | None, adaptive: bool, out: Path,
-          baseline: Path | None, update_baseline: bool, as_json: bool) -> None:
+          temperature: float, threads: int, draft_len: int | None, adaptive: bool, backend: str | None, host_kv: bool,
+          out: Path, baseline: Path | None, update_baseline: bool, as_json: bool) -> None:
     """Benchmark every drafter against the target alone (and peers) on ENGINE_DIR."""
     from specexport.bench.harness import BenchOptions, run_bench
     from specexport.bench.render import print_checks, print_summary
     from specexport.bench.report import write
     from specexport.errors import BadInput
-    from specexport.exporter.progress import Reporter
+    from specexport.progress import Reporter
 
     peer_names = ["transformers-greedy", "transformers-prompt-lookup", "ort-genai", "ort-genai-ngram"]
     chosen_peers = peer_names if peers == "all" else [p for p in peers.split(",") if p]
@@ -225,7 +248,8 @@ def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, dr
         raise BadInput("--update-baseline needs --baseline FILE")
     options = BenchOptions(prompts=prompts, max_new_tokens=max_new_tokens, repeats=repeats,
                            drafters=drafters.split(",") if drafters else None, temperature=temperature,
-                           threads=threads, adaptive=adaptive, peers=chosen_peers, draft_len=draft_len)
+                           threads=threads, adaptive=adaptive, peers=chosen_peers, draft_len=draft_len,
+                           backend=backend, device_kv=not host_kv)
     result = run_bench(engine_dir, options, Reporter(quiet=as_json))
     files = write(result, out)
     if as_json:
@@ -234,11 +258,10 @@ def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, dr
         print_summary(result)
         click.echo(f"wrote {', '.join(str(f) for f in files)}", err=True)
     if baseline is not None:
-        from specexport.bench.gate import baseline_of, compare, load_baseline
+        from specexport.bench.gate import compare, load_baseline, write_baseline
 
         if update_baseline:
-            baseline.parent.mkdir(parents=True, exist_ok=True)
-            baseline.write_text(json.dumps(baseline_of(result), indent=1) + "\n")
+            write_baseline(baseline, result)
             click.echo(f"baseline written to {baseline}", err=True)
             return
         if not baseline.is_file():
@@ -247,6 +270,61 @@ def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, dr
         print_checks(checks)
         if not all(c.ok for c in checks):
             sys.exit(1)
+
+
+@cli.command()
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--rounds", type=click.IntRange(1), default=9, show_default=True,
+              help="Timed rounds (after one warm-up); each round runs every graph once, medians kept.")
+@click.option("--threads", type=click.IntRange(1), default=None, help="onnxruntime intra-op threads.")
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default=None,
+              help="Engines to time (default: onnxruntime when the directory has them).")
+@click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
+def tune(engine_dir: Path, rounds: int, threads: int | None, backend: str | None, as_json: bool) -> None:
+    """Measure every graph's cost on this machine; the runtime then prefers them (costs.json)."""
+    from specexport.runtime import load
+    from specexport.runtime.costs import costs_in_use, render_costs
+    from specexport.runtime.costs import tune as run_tune
+
+    pipe = load(engine_dir, threads=threads, backend=backend, tuned_costs=False)
+    data = run_tune(pipe, rounds)
+    if as_json:
+        _print_json(data)
+        return
+    render_costs(costs_in_use(engine_dir))
+    click.echo(f"wrote {data['written_to']}", err=True)
+
+
+@cli.command()
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print each file's check as JSON.")
+def verify(engine_dir: Path, as_json: bool) -> None:
+    """Hash every file of ENGINE_DIR against its manifest (loads re-hash only changed files)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from specexport.errors import BadInput
+    from specexport.runtime.integrity import verify_all
+    from specexport.runtime.manifest import Manifest
+
+    manifest = Manifest.load(engine_dir)
+    checks = verify_all(manifest)
+    bad = [c for c in checks if not c.ok]
+    if as_json:
+        _print_json({"engine_dir": str(engine_dir), "ok": not bad,
+                     "files": [{"file": c.path, "size": c.size, "ok": c.ok, "note": c.note} for c in checks]})
+    else:
+        table = Table(title=f"{engine_dir}: sha256 of every file against the manifest")
+        for column in ("file", "size", "ok"):
+            table.add_column(column, justify="right" if column == "size" else "left")
+        for c in checks:
+            table.add_row(c.path, f"{c.size:,}", ("[green]ok[/]" if c.ok else "[red]CHANGED[/]")
+                          + (f" ({c.note})" if c.note else ""))
+        Console().print(table)
+    if bad:
+        what = bad[0].note or "sha256 does not match the manifest"
+        raise BadInput(f"{Path(engine_dir) / bad[0].path}: {what} ({len(bad)} of {len(checks)} files changed "
+                       "after the build); rebuild the engine directory with specexport build --force")
 
 
 from specexport.cli_trt import lint  # noqa: E402  (click only; onnx and TensorRT load lazily)

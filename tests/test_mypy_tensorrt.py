@@ -33,8 +33,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # The modules that call TensorRT or CUDA.
-CHECKED = ["runtime/trt_engine.py", "exporter/trt_build.py", "exporter/trt_from_onnx.py", "exporter/lint.py",
-           "specexport/cli_trt.py"]
+CHECKED = ["runtime/trt_engine.py", "exporter/trt_build.py", "exporter/trt_parity.py", "exporter/trt_from_onnx.py",
+           "exporter/lint.py", "specexport/cli_trt.py", "specexport/atomic.py"]
 STUB_PACKAGES = ("tensorrt", "tensorrt_bindings")
 
 # Wrong on purpose, one error per line; the test expects exactly these lines to be reported.

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specexport import atomic
+
 
 def _interpolate(curve: dict[int, float], tokens: int) -> float:
     sizes = sorted(curve)
@@ -132,6 +134,6 @@ def calibrate(recipe_path: Path, prompts_path: Path, max_new_tokens: int, thread
         "device": pipe.manifest.raw.get("toolchain", {}).get("device"),
     }
     path = recipe_path.with_name(f"{recipe_path.stem}.calibration.json")
-    path.write_text(json.dumps(choice, indent=1) + "\n")
+    atomic.write_text(path, json.dumps(choice, indent=1) + "\n")  # a build may read it any time
     choice["written_to"] = str(path)
     return choice

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from specexport import atomic
+
 SPEEDUP_TOLERANCE = 0.25  # relative: on a shared 2-core VM the ratios of one run move by ~15%
 ACCEPTANCE_TOLERANCE = 0.15  # relative: greedy E[L] moves only with adaptive choices (build-time costs)
 
@@ -53,6 +55,11 @@ def compare(result: dict, baseline: dict) -> list[Check]:
         if got is not None and got["matches_baseline"] is False:
             checks.append(Check(row["drafter"], row["category"], "lossless", 1.0, 0.0, False))
     return checks
+
+
+def write_baseline(path: Path, result: dict) -> None:
+    """Replace the baseline in one rename: a killed update leaves the old one whole."""
+    atomic.write_text(path, json.dumps(baseline_of(result), indent=1) + "\n")
 
 
 def load_baseline(path: Path) -> dict:

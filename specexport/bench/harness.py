@@ -8,6 +8,8 @@ Speedups are ratios within this run; absolute times are reported, never compared
 from __future__ import annotations
 
 import json
+import statistics
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +28,8 @@ class BenchOptions:
     peers: list[str] = field(default_factory=list)
     cost_repeats: int = 9
     draft_len: int | None = None
+    backend: str | None = None  # None: onnxruntime when the directory has it
+    device_kv: bool = True  # tensorrt: KV cache on the GPU (False: host cache, copied every run)
 
 
 def load_prompts(path: Path) -> list[dict]:
@@ -48,11 +52,40 @@ def load_prompts(path: Path) -> list[dict]:
     return prompts
 
 
-def cost_curve(pipe, repeats: int) -> list[dict]:
-    """Time of one target pass against the number of tokens it verifies."""
-    times = pipe.target.time_engines(pipe.target.sizes, repeats)
+def _curve(times: dict[int, float]) -> list[dict]:
     return [{"tokens": size, "ms": round(t * 1e3, 3), "relative": round(t / times[1], 3)}
             for size, t in sorted(times.items())]
+
+
+def cost_curve(pipe, repeats: int) -> list[dict]:
+    """Time of one target pass against the number of tokens it verifies."""
+    return _curve(pipe.target.time_engines(pipe.target.sizes, repeats))
+
+
+def measure_costs(pipe, drafters: list[str], repeats: int, want_logits: bool, draft_len: int) -> dict:
+    """What the prediction is made of, measured apart from the decode runs: the target's pass
+    at every engine size (the cost curve) and each neural drafter's one-token step, all taken
+    in turn round after round, so a drift of the machine hits them alike; medians."""
+    runners = {"target": (pipe.target, pipe.target.sizes)}
+    for name in drafters:
+        runner = getattr(pipe.drafter(name), "runner", None)  # neural drafters only
+        if runner is not None:
+            runners[name] = (runner, [runner.engine_size(1)])  # the engine of one draft step
+    samples: dict[str, dict[int, list[float]]] = {name: defaultdict(list) for name in runners}
+    for _ in range(repeats):
+        for name, (runner, sizes) in runners.items():
+            for size, seconds in runner.time_engines(sizes, 1, want_logits=want_logits).items():
+                samples[name][size].append(seconds)
+    median = {name: {size: statistics.median(v) for size, v in by_size.items()} for name, by_size in samples.items()}
+    target = median.pop("target")
+    return {
+        "curve": _curve(target),
+        # the pass a round with k drafts runs (the engine that holds 1+k tokens), k = 0..D
+        "verify_ms": [round(target[pipe.target.engine_size(1 + k)] * 1e3, 3) for k in range(draft_len + 1)],
+        "draft_step_ms": {name: round(min(by_size.values()) * 1e3, 3) for name, by_size in median.items()},
+        "repeats": repeats,
+        "logits": want_logits,
+    }
 
 
 def _record(drafter: str, prompt: dict, repeat: int, result) -> dict:
@@ -67,6 +100,7 @@ def _record(drafter: str, prompt: dict, repeat: int, result) -> dict:
         "rounds": st.rounds,
         "total_s": st.total_s,
         "draft_s": st.draft_s,
+        "draft_engine_s": st.draft_engine_s,
         "verify_s": st.verify_s,
         "host_s": st.host_s,
         "accepted_at": list(st.accepted_at),
@@ -77,7 +111,7 @@ def _record(drafter: str, prompt: dict, repeat: int, result) -> dict:
 def run_bench(engine_dir: Path, options: BenchOptions, reporter) -> dict:
     from specexport.runtime import load
 
-    pipe = load(engine_dir, threads=options.threads)
+    pipe = load(engine_dir, threads=options.threads, backend=options.backend, device_kv=options.device_kv)
     prompts = load_prompts(options.prompts)
     drafters = ["none", *(options.drafters if options.drafters is not None else pipe.manifest.drafters)]
     for name in drafters:
@@ -121,9 +155,15 @@ def run_bench(engine_dir: Path, options: BenchOptions, reporter) -> dict:
                                          "settings": getattr(peer, "settings", {}), "stats": run.stats})
             step.detail = f"{len(prompts)} prompts × {len(drafters) + len(peers)} runs"
 
-    with reporter.step("bench", "cost curve"):
-        curve = cost_curve(pipe, options.cost_repeats)
+    with reporter.step("bench", "costs (cost curve, draft steps)"):
+        costs = measure_costs(pipe, drafters, options.cost_repeats, want_logits=options.temperature > 0,
+                              draft_len=options.draft_len or pipe.manifest.draft_len)
 
     from specexport.bench.summary import summarize
+    from specexport.runtime.memory import memory
 
-    return summarize(pipe, options, prompts, drafters, records, peer_records, skipped, curve)
+    result = summarize(pipe, options, prompts, drafters, records, peer_records, skipped, costs)
+    # the whole bench process (engines, caches, peers run in-process): peak and current RSS
+    result["memory"] = memory()
+    result["engine_costs"] = pipe.costs_source  # what adaptive depth read: "build" or "tuned (host, date)"
+    return result

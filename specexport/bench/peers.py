@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from specexport import atomic
 from specexport.errors import BadInput
 
 PEER_NAMES = ("transformers-greedy", "transformers-prompt-lookup", "ort-genai", "ort-genai-ngram")
@@ -221,9 +222,9 @@ def _ort_genai_dir(og, src, recipe_dir: Path, cache_dir: Path, threads: int, loa
             raise _Skip(f"onnxruntime-genai's model builder failed (exit {done.returncode}): "
                         f"{_last_line(log)} (log: {log})")
         (work / "model" / ORT_GENAI_STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)  # ours (it has the stamp), but for another target or version
-        (work / "model").rename(out)
+        # an existing one is ours (it has the stamp), but for another target or version;
+        # swapped in one step, the old one left in work/ for the cleanup below
+        atomic.replace_dir(work / "model", out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(hf_dir, ignore_errors=True)  # only the builder's input

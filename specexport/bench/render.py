@@ -15,15 +15,19 @@ def _x(value) -> str:
 def print_summary(result: dict) -> None:
     console = Console()
     table = Table(title=f"{result['name']}: medians by category ({result['settings']['threads']} threads)")
-    for column in ("drafter", "category", "tok/s", "speedup", "predicted", "E[L]", "lossless"):
+    for column in ("drafter", "category", "tok/s", "speedup", "predicted", "E[L]", "host", "lossless"):
         table.add_column(column)
     for row in result["categories"]:
+        host = row.get("host_fraction")
         table.add_row(row["drafter"], row["category"], "–" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:.1f}",
                       _x(row["speedup"]), _x(row["predicted_speedup"]), f"{row['acceptance_length']:.2f}",
+                      "–" if host is None else f"{host:.1%}",
                       {True: "yes", False: "[red]NO[/]", None: "n/a"}[row["matches_baseline"]])
     console.print(table)
     curve = ", ".join(f"{c['tokens']}: {c['ms']:.1f} ms" for c in result["cost_curve"])
     console.print(f"verify cost: {curve} (tile rule 1+D = {result['tile_point']['tokens']})", soft_wrap=True)
+    console.print("predicted: the speedup equation at the run's acceptance, with costs timed apart from the runs; "
+                  "host: decode time outside the engines", soft_wrap=True)
     for peer in sorted({p["peer"] for p in result["peers"]}):
         rows = [p for p in result["peers"] if p["peer"] == peer and p["tokens_per_s"]]
         if rows:

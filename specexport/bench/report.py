@@ -5,9 +5,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specexport import atomic
+
 
 def _fmt(value, spec=".2f", none="–"):
     return none if value is None else format(value, spec)
+
+
+def _memory_line(result: dict) -> list[str]:
+    mem = result.get("memory") or {}
+    if mem.get("peak_rss_mb") is None:
+        return []
+    return [f"Peak resident memory {mem['peak_rss_mb']:.0f} MiB (now {_fmt(mem.get('rss_mb'), '.0f')} MiB); "
+            f"engine costs: {result.get('engine_costs', 'build')}.", ""]
 
 
 def markdown(result: dict) -> str:
@@ -19,21 +29,29 @@ def markdown(result: dict) -> str:
         f"temperature {s['temperature']}, draft length ≤ {s['draft_len']}"
         f"{' (adaptive)' if s['adaptive'] else ' (fixed)'}; tokens/s exclude the prefill.",
         "",
+        *_memory_line(result),
+        "Predicted: the speedup equation at this run's acceptance (E[L] and draft sizes) with costs "
+        "measured apart from the runs (below); engines only, so host time is outside it. "
+        "Host: decode time outside all engines.",
+        "",
         "## By category (medians over prompts)",
         "",
-        "| drafter | category | tok/s | speedup | predicted | E[L] | lossless |",
-        "|---|---|---|---|---|---|---|",
+        "| drafter | category | tok/s | speedup | predicted | E[L] | host | lossless |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in result["categories"]:
         lossless = {True: "yes", False: "**NO**", None: "n/a"}[row["matches_baseline"]]
         lines.append(
             f"| {row['drafter']} | {row['category']} | {_fmt(row['tokens_per_s'], '.1f')} | "
-            f"{_fmt(row['speedup'])}× | {_fmt(row['predicted_speedup'])}× | {_fmt(row['acceptance_length'])} | {lossless} |"
+            f"{_fmt(row['speedup'])}× | {_fmt(row['predicted_speedup'])}× | {_fmt(row['acceptance_length'])} | "
+            f"{_fmt(row.get('host_fraction'), '.1%')} | {lossless} |"
         )
-    lines += ["", "## Per prompt", "", "| drafter | prompt | tok/s | speedup | predicted | E[L] | draft/verify/host |",
+    lines += ["", "## Per prompt", "",
+              "| drafter | prompt | tok/s | speedup | predicted | E[L] | draft/verify/host (drafter's host) |",
               "|---|---|---|---|---|---|---|"]
     for r in sorted(result["results"], key=lambda r: (r["prompt_id"], r["drafter"])):
         split = "/".join(_fmt(r[k], ".0%") for k in ("draft_fraction", "verify_fraction", "host_fraction"))
+        split += f" ({_fmt(r.get('draft_host_fraction'), '.0%')})"
         lines.append(f"| {r['drafter']} | {r['prompt_id']} | {_fmt(r['tokens_per_s'], '.1f')} | "
                      f"{_fmt(r['speedup'])}× | {_fmt(r['predicted_speedup'])}× | {_fmt(r['acceptance_length'])} | {split} |")
     tile = result["tile_point"]
@@ -42,6 +60,13 @@ def markdown(result: dict) -> str:
     for point in result["cost_curve"]:
         mark = " ← tile rule" if point["tokens"] == tile["tokens"] else ""
         lines.append(f"| {point['tokens']}{mark} | {point['ms']:.2f} | {point['relative']:.2f}× |")
+    costs = result.get("costs")
+    if costs:
+        verify = ", ".join(f"k={k}: {ms:.2f}" for k, ms in enumerate(costs["verify_ms"]))
+        steps = ", ".join(f"{name}: {ms:.2f}" for name, ms in costs["draft_step_ms"].items()) or "none"
+        lines += ["", f"## Costs behind the prediction (ms, medians of {costs['repeats']} round-robin timings"
+                  f"{', logits copied out' if costs['logits'] else ''})", "",
+                  f"- verify pass with k drafts: {verify}", f"- one draft step: {steps}"]
     if result["peers"] or result["peers_skipped"]:
         lines += ["", "## Peers (same model, fp32)", "", "| peer | threads | prompt | tok/s | vs our baseline | same greedy output |",
                   "|---|---|---|---|---|---|"]
@@ -73,7 +98,7 @@ def plots(result: dict, out: Path) -> list[Path]:
     ax.legend()
     fig.tight_layout()
     written.append(out / "cost_curve.png")
-    fig.savefig(written[-1], dpi=120)
+    _save(fig, written[-1])
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -93,7 +118,7 @@ def plots(result: dict, out: Path) -> list[Path]:
     ax.set_title("acceptance by position")
     fig.tight_layout()
     written.append(out / "acceptance.png")
-    fig.savefig(written[-1], dpi=120)
+    _save(fig, written[-1])
     plt.close(fig)
 
     categories = sorted({r["category"] for r in result["categories"]})
@@ -117,15 +142,20 @@ def plots(result: dict, out: Path) -> list[Path]:
     ax.legend(fontsize=7)
     fig.tight_layout()
     written.append(out / "tokens_per_s.png")
-    fig.savefig(written[-1], dpi=120)
+    _save(fig, written[-1])
     plt.close(fig)
     return written
 
 
+def _save(fig, path: Path) -> None:
+    with atomic.atomic_path(path) as tmp:  # the temporary keeps the .png suffix matplotlib reads
+        fig.savefig(tmp, dpi=120)
+
+
 def write(result: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(result, indent=1))
-    (out / "bench.md").write_text(markdown(result))
+    atomic.write_text(out / "bench.json", json.dumps(result, indent=1))
+    atomic.write_text(out / "bench.md", markdown(result))
     files = [out / "bench.json", out / "bench.md"]
     try:
         files += plots(result, out)

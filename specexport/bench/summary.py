@@ -1,9 +1,17 @@
 """Turn the bench's raw runs into results: per prompt, per category, with predictions.
 
 Per (drafter, prompt): tokens/s is the median over repeats of tokens / decode seconds (the
-prefill is excluded, for every runner alike); E[L] is tokens per verify round over all repeats;
-the predicted speedup is E[L] · T_target / (T_draft + T_verify), with T_target the baseline's
-seconds per token and T_draft, T_verify the drafter's seconds per round, all from this run.
+prefill is excluded, for every runner alike); E[L] is tokens per verify round over all repeats.
+The predicted speedup is the equation E[L] · T_target / (T_draft + T_verify) with every time
+measured apart from the runs (``harness.measure_costs``: the verify cost curve and each
+drafter's step, timed round-robin, medians) and only the acceptance taken from the runs: for
+the rounds that drafted k tokens (k = 0..D, from the run's draft sizes),
+
+    predicted = tokens · T_verify(1) / Σ_k rounds_k · (T_verify(1+k) + k · t_step)
+
+So it predicts from the engines alone: host time and the drafter's catch-up after rounds it
+skipped are outside it, and the gap between predicted and measured is what they (and the
+machine's drift) cost.
 """
 
 from __future__ import annotations
@@ -12,12 +20,34 @@ import statistics
 from collections import defaultdict
 
 
+def rounds_by_draft_size(rounds: int, proposed_at: list[int]) -> list[int]:
+    """[D+1] rounds that drafted k = 0..D tokens, from rounds that offered each position."""
+    at_least = [rounds, *proposed_at, 0]  # at_least[k]: rounds that drafted k or more
+    return [at_least[k] - at_least[k + 1] for k in range(len(proposed_at) + 1)]
+
+
+def predict_speedup(tokens: int, rounds: int, proposed_at: list[int], verify_ms: list[float],
+                    step_ms: float) -> float | None:
+    """The equation's speedup for the run's acceptance (tokens, rounds and draft sizes) at the
+    costs measured apart: verify_ms[k], the pass that verifies k drafts; step_ms, one draft."""
+    per_size = rounds_by_draft_size(rounds, proposed_at)
+    seconds = sum(n * (verify_ms[k] + k * step_ms) for k, n in enumerate(per_size))
+    return tokens * verify_ms[0] / seconds if seconds and tokens else None
+
+
 def _median(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
 
 
-def _per_prompt(records: list[dict], baseline: dict[str, dict]) -> list[dict]:
+def _fraction(runs: list[dict], key: str, minus: str | None = None) -> float | None:
+    """Share of the runs' decode time spent in ``key`` (less ``minus``)."""
+    seconds = sum(r["total_s"] for r in runs)
+    part = sum(r[key] - (r[minus] if minus else 0.0) for r in runs)
+    return round(part / seconds, 3) if seconds else None
+
+
+def _per_prompt(records: list[dict], baseline: dict[str, dict], costs: dict) -> list[dict]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for record in records:
         groups[(record["drafter"], record["prompt_id"])].append(record)
@@ -28,13 +58,11 @@ def _per_prompt(records: list[dict], baseline: dict[str, dict]) -> list[dict]:
         tps = _median([r["tokens"] / r["total_s"] for r in runs if r["total_s"]])
         base = baseline[prompt_id]
         el = tokens / rounds if rounds else 0.0
-        t_target = base["verify_s"] / base["tokens"] if base["tokens"] else None  # one target step
-        per_round = (sum(r["draft_s"] for r in runs) + sum(r["verify_s"] for r in runs)) / rounds if rounds else None
-        predicted = el * t_target / per_round if t_target and per_round else None
         depth = len(runs[0]["accepted_at"])
         accepted = [sum(r["accepted_at"][i] for r in runs) for i in range(depth)]
         proposed = [sum(r["proposed_at"][i] for r in runs) for i in range(depth)]
-        seconds = sum(r["total_s"] for r in runs)
+        predicted = predict_speedup(tokens, rounds, proposed, costs["verify_ms"],
+                                    costs["draft_step_ms"].get(drafter, 0.0))
         results.append({
             "drafter": drafter,
             "prompt_id": prompt_id,
@@ -45,9 +73,12 @@ def _per_prompt(records: list[dict], baseline: dict[str, dict]) -> list[dict]:
             "acceptance_length": round(el, 3),
             "predicted_speedup": round(predicted, 3) if predicted else None,
             "acceptance_by_position": [round(a / p, 3) if p else None for a, p in zip(accepted, proposed)],
-            "draft_fraction": round(sum(r["draft_s"] for r in runs) / seconds, 3) if seconds else None,
-            "verify_fraction": round(sum(r["verify_s"] for r in runs) / seconds, 3) if seconds else None,
-            "host_fraction": round(sum(r["host_s"] for r in runs) / seconds, 3) if seconds else None,
+            # of decode time: the drafter's engines, the target's, and everything outside them
+            # (of which the drafter's own host work is draft_host_fraction)
+            "draft_fraction": _fraction(runs, "draft_engine_s"),
+            "verify_fraction": _fraction(runs, "verify_s"),
+            "host_fraction": _fraction(runs, "host_s"),
+            "draft_host_fraction": _fraction(runs, "draft_s", minus="draft_engine_s"),
             "matches_baseline": all(r["token_ids"] == base["token_ids"] for r in runs) if base.get("greedy") else None,
         })
     return results
@@ -61,8 +92,6 @@ def _baseline(records: list[dict], greedy: bool) -> dict[str, dict]:
     return {
         prompt_id: {
             "tokens_per_s": _median([r["tokens"] / r["total_s"] for r in runs if r["total_s"]]),
-            "tokens": sum(r["tokens"] for r in runs),
-            "verify_s": sum(r["verify_s"] for r in runs),
             "token_ids": runs[0]["token_ids"],
             "greedy": greedy,
         }
@@ -84,6 +113,7 @@ def _by_category(results: list[dict]) -> list[dict]:
             "speedup": _median([r["speedup"] for r in items]),
             "acceptance_length": _median([r["acceptance_length"] for r in items]),
             "predicted_speedup": _median([r["predicted_speedup"] for r in items]),
+            "host_fraction": _median([r["host_fraction"] for r in items]),
             "matches_baseline": None if items[0]["matches_baseline"] is None
             else all(r["matches_baseline"] for r in items),
         })
@@ -114,10 +144,11 @@ def _peers(peer_records: list[dict], baseline: dict[str, dict]) -> list[dict]:
     return rows
 
 
-def summarize(pipe, options, prompts, drafters, records, peer_records, skipped, curve) -> dict:
+def summarize(pipe, options, prompts, drafters, records, peer_records, skipped, costs) -> dict:
     greedy = options.temperature == 0.0
     baseline = _baseline(records, greedy)
-    results = _per_prompt(records, baseline)
+    results = _per_prompt(records, baseline, costs)
+    curve = costs["curve"]
     plan = pipe.manifest.plan
     tile_tokens = plan["tile_draft_len"] + 1
     return {
@@ -138,6 +169,8 @@ def summarize(pipe, options, prompts, drafters, records, peer_records, skipped, 
         "results": results,
         "categories": _by_category(results),
         "cost_curve": curve,
+        # what predicted_speedup is made of, measured apart from the runs
+        "costs": {k: costs[k] for k in ("verify_ms", "draft_step_ms", "repeats", "logits")},
         "tile_point": {"tokens": tile_tokens, "group_size": plan["group_size"],
                        "measured": any(c["tokens"] == tile_tokens for c in curve)},
         "peers": _peers(peer_records, baseline),

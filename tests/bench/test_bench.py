@@ -7,6 +7,7 @@ import pytest
 
 from specexport.bench.calibrate import _interpolate, choose, predict
 from specexport.bench.gate import baseline_of, compare
+from specexport.bench.summary import predict_speedup, rounds_by_draft_size, summarize
 from tests.conftest import run_cli
 
 SHAPE = dict(max_seq_len=160, prefill_chunk=16)
@@ -39,8 +40,11 @@ def test_bench_json_schema(bench_result):
     for r in result["results"]:
         for key in ("drafter", "prompt_id", "category", "tokens_per_s", "speedup", "acceptance_length",
                     "predicted_speedup", "acceptance_by_position", "draft_fraction", "verify_fraction",
-                    "host_fraction"):
+                    "host_fraction", "draft_host_fraction"):
             assert key in r, key
+        # the drafter's engines, the target's and the host split the decode time
+        assert r["draft_fraction"] + r["verify_fraction"] + r["host_fraction"] == pytest.approx(1, abs=0.01)
+        assert 0 <= r["draft_host_fraction"] <= r["host_fraction"] + 0.001
         assert r["matches_baseline"] is True  # greedy: every drafter reproduces the target alone
     assert {r["speedup"] for r in result["results"] if r["drafter"] == "none"} == {1.0}
     sizes = [c["tokens"] for c in result["cost_curve"]]
@@ -48,6 +52,10 @@ def test_bench_json_schema(bench_result):
     assert result["tile_point"]["tokens"] == result["plan"]["tile_draft_len"] + 1
     assert {(c["drafter"], c["category"]) for c in result["categories"]} >= {("ngram", "grounded"), ("none", "chat")}
     assert result["peers"] == [] and result["settings"]["threads"] == 2
+    costs = result["costs"]  # what the prediction is made of, timed apart from the runs
+    assert len(costs["verify_ms"]) == result["settings"]["draft_len"] + 1 and all(ms > 0 for ms in costs["verify_ms"])
+    assert set(costs["draft_step_ms"]) == {"quantized-self", "draft-model"}
+    assert {r["predicted_speedup"] for r in result["results"] if r["drafter"] == "none"} == {1.0}
 
 
 def test_bench_writes_markdown_and_plots(bench_result):
@@ -115,3 +123,61 @@ def test_calibration_prediction_arithmetic():
     # adaptive depth: a deeper ceiling never predicts worse, and the choice is the knee
     assert all(a["geomean_adaptive"] <= b["geomean_adaptive"] for a, b in zip(rows, rows[1:]))
     assert choose(rows)["draft_len"] == 3
+
+
+def test_rounds_by_draft_size():
+    # 5 rounds: offered position 1 in 4 of them, position 2 in 3, position 3 in 1
+    assert rounds_by_draft_size(5, [4, 3, 1]) == [1, 1, 2, 1]
+    assert rounds_by_draft_size(3, [0, 0]) == [3, 0, 0]
+
+
+def test_prediction_arithmetic():
+    verify_ms = [10.0, 12.0, 13.0, 15.0]  # the pass that verifies k = 0..3 drafts
+    # every round drafts 3 and keeps all: E[L] = 4 at 15 ms + 3 steps of 1 ms against 10 ms per token
+    assert predict_speedup(40, 10, [10, 10, 10], verify_ms, 1.0) == pytest.approx(40 * 10 / (10 * 18))
+    # the target alone: one token per 10 ms round, exactly 1
+    assert predict_speedup(7, 7, [0, 0, 0], verify_ms, 0.0) == 1.0
+    # mixed depths: 2 rounds of 0, 1 of 1, 2 of 3 drafts
+    mixed = predict_speedup(12, 5, [3, 2, 2], verify_ms, 0.5)
+    assert mixed == pytest.approx(12 * 10 / (2 * 10 + (12 + 0.5) + 2 * (15 + 1.5)))
+    assert predict_speedup(0, 0, [0, 0, 0], verify_ms, 0.0) is None
+
+
+def _fake_record(drafter, total_s, draft_s, verify_s, tokens=12, rounds=4, proposed_at=(4, 4), accepted_at=(3, 2)):
+    return {"drafter": drafter, "prompt_id": "p", "category": "c", "repeat": 0, "token_ids": [1] * tokens,
+            "tokens": tokens, "rounds": rounds, "total_s": total_s, "draft_s": draft_s, "draft_engine_s": draft_s,
+            "verify_s": verify_s, "host_s": total_s - draft_s - verify_s, "accepted_at": list(accepted_at),
+            "proposed_at": list(proposed_at)}
+
+
+def test_prediction_comes_from_costs_measured_apart_not_from_the_run():
+    from types import SimpleNamespace
+
+    pipe = SimpleNamespace(manifest=SimpleNamespace(plan={"tile_draft_len": 41, "group_size": 3}, name="x", raw={},
+                                                    root="r", draft_len=2))
+    options = SimpleNamespace(threads=2, max_new_tokens=12, repeats=1, temperature=0.0, adaptive=True, draft_len=2,
+                              prompts="p.jsonl")
+    costs = {"curve": [{"tokens": 1, "ms": 10.0, "relative": 1.0}], "verify_ms": [10.0, 11.0, 12.0],
+             "draft_step_ms": {"m": 2.0}, "repeats": 3, "logits": False}
+
+    def predicted(draft_s, verify_s):
+        records = [_fake_record("none", 1.2, 0.0, 1.0, rounds=12, proposed_at=(0, 0), accepted_at=(0, 0)),
+                   _fake_record("m", 1.0, draft_s, verify_s)]
+        result = summarize(pipe, options, [], ["none", "m"], records, [], [], costs)
+        return next(r["predicted_speedup"] for r in result["results"] if r["drafter"] == "m")
+
+    # 4 rounds of 2 drafts, 12 tokens: 12 · 10 / (4 · (12 + 2 · 2))
+    assert predicted(0.3, 0.5) == predicted(0.01, 0.9) == pytest.approx(12 * 10 / (4 * 16), abs=1e-3)
+
+
+def test_sampled_bench_reports_the_split_and_a_prediction(tiny_engines, prompts, tmp_path):
+    code, text, err = run_cli("bench", tiny_engines.get("llama", **SHAPE), "--prompts", prompts, "-n", "12",
+                              "--repeats", "1", "--drafters", "quantized-self", "--temperature", "0.8",
+                              "--out", tmp_path, "--json")
+    assert code == 0, err
+    result = json.loads(text)
+    assert result["costs"]["logits"] is True  # sampled rounds copy logits out: so do the timings
+    for r in result["results"]:
+        assert r["predicted_speedup"] is not None and r["matches_baseline"] is None
+        assert r["draft_fraction"] + r["verify_fraction"] + r["host_fraction"] == pytest.approx(1, abs=0.01)
+    assert "Costs behind the prediction" in (tmp_path / "bench.md").read_text()

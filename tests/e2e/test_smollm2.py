@@ -59,9 +59,12 @@ def test_manifest_parity(engines):
     assert manifest["plan"]["group_size"] == 3 and manifest["plan"]["tile_draft_len"] == 41
     for engine in manifest["engines"]:
         parity = engine["parity"]
-        if engine["model"] == "target":
-            assert parity["argmax_agreement"] == 1.0 and parity["max_abs_logit_diff"] < 1e-3, engine["name"]
+        if engine["model"] == "target":  # enforced at build time: fp32 limits from the one table
+            assert parity["enforced"] is True and parity["precision"] == "fp32", engine["name"]
+            assert parity["argmax_agreement"] == 1.0, engine["name"]
+            assert parity["max_abs_logit_diff"] <= parity["max_abs_logit_diff_limit"], engine["name"]
         else:  # int4: recorded, not enforced; still a sane drafter
+            assert parity["enforced"] is False and parity["precision"] == "int4", engine["name"]
             assert parity["argmax_agreement"] > 0.5, engine["name"]
 
 
@@ -101,4 +104,4 @@ def test_cli_ngram_equals_none(engines):
     assert runs["ngram"]["token_ids"] == runs["none"]["token_ids"]
     stats = runs["ngram"]["stats"]
     assert stats["acceptance_length"] > 1.5  # a grounded rewrite: prompt lookup pays
-    assert stats["draft_s"] >= 0 and stats["verify_s"] > 0 and stats["host_s"] >= 0
+    assert stats["draft_s"] > 0 and stats["verify_s"] > 0  # both halves of each round ran and were timed

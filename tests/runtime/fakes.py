@@ -32,13 +32,17 @@ class MarkovRunner:
         self.cache.length = length
 
     def forward(self, tokens, want_logits: bool = False) -> StepOutput:
+        """As ModelRunner.forward: a ValueError past the cache; no input runs nothing (no call
+        counted) and returns empty outputs of the usual dtypes."""
         tokens = [int(t) for t in tokens]
-        assert self.cache.length + len(tokens) <= self.cache.max_seq_len, "cache overflow"
+        if self.cache.length + len(tokens) > self.cache.max_seq_len:
+            raise ValueError(f"markov: {len(tokens)} tokens do not fit in the cache")
         self.fed += tokens
         self.cache.length += len(tokens)
-        self.calls += 1
-        logits = self.table[tokens]  # [n, V]
-        return StepOutput(logits.argmax(-1), logits.copy() if want_logits else None)
+        self.calls += bool(tokens)
+        logits = self.table[np.asarray(tokens, dtype=np.int64)]  # [n, V]
+        next_tokens = logits.argmax(-1).astype(np.int64)  # [n]
+        return StepOutput(next_tokens, logits.copy() if want_logits else None)
 
 
 def random_table(vocab: int, seed: int, spread: float = 2.0) -> np.ndarray:
@@ -49,6 +53,7 @@ class OracleDrafter:
     """Proposes exactly the target's greedy continuation: every draft is accepted."""
 
     name = "oracle"
+    engine_seconds = 0.0  # no engines: all its time is host work
 
     def __init__(self, table: np.ndarray):
         self.table = table
@@ -73,6 +78,7 @@ class FixedDrafter:
     """Proposes the same tokens every round (tests of what the loop does with them)."""
 
     name = "fixed"
+    engine_seconds = 0.0  # no engines: all its time is host work
 
     def __init__(self, tokens):
         self.tokens = np.array(tokens, dtype=np.int64)

@@ -4,7 +4,18 @@ import numpy as np
 import pytest
 
 from specexport.errors import BadInput
-from specexport.runtime.acceptance import Draft, Sampling, greedy, rejection, sample, warp
+from specexport.runtime.acceptance import (
+    Draft,
+    Kept,
+    Sampling,
+    Warped,
+    greedy,
+    rejection,
+    sample,
+    warp,
+    warp_reference,
+    warp_row,
+)
 
 
 def test_greedy_stops_at_first_mismatch():
@@ -111,3 +122,103 @@ def test_seeded_rejection_is_reproducible():
     a = [rejection(draft, p, np.random.default_rng(11)) for _ in range(5)]
     b = [rejection(draft, p, np.random.default_rng(11)) for _ in range(5)]
     assert a == b
+
+
+# The fast warp against the definition: the same kept tokens and the same probabilities.
+
+VOCAB = 300
+
+
+def _logits(seed: int, n: int, vocab: int, ties: bool) -> np.ndarray:
+    x = np.random.default_rng(seed).normal(0, 3, size=(n, vocab))
+    if ties:
+        x = np.round(x * 2) / 2  # many tokens share a logit, at every rank
+    return x.astype(np.float32)
+
+
+FAST_CASES = [Sampling(t, k, p) for t in (1e-3, 0.3, 0.8, 1.0, 2.5) for k in (0, 1, 7, VOCAB - 1, VOCAB, VOCAB + 5)
+              for p in (1.0, 0.999, 0.95, 0.5, 1e-9)]
+
+
+@pytest.mark.parametrize("ties", [True, False], ids=["ties", "distinct"])
+@pytest.mark.parametrize("sampling", FAST_CASES, ids=lambda s: f"t{s.temperature}-k{s.top_k}-p{s.top_p}")
+def test_fast_warp_equals_the_reference(sampling, ties):
+    logits = _logits(int(sampling.temperature * 1e3) + sampling.top_k, 8, VOCAB, ties)  # [n, V]
+    ref = warp_reference(logits, sampling)  # [n, V]
+    fast = warp(logits, sampling)  # [n, V] from warp_row, row by row
+    # the same kept tokens, ties resolved alike (the fast path works in float32 where it can:
+    # a probability below float32's range, ~1e-38, is 0 there)
+    assert not np.any((fast > 0) & (ref == 0)) and not np.any((fast == 0) & (ref > 1e-30))
+    np.testing.assert_allclose(fast, ref, rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(0.8, top_p=0.95), Sampling(1.0, top_p=0.9), Sampling(2.5, top_p=0.95),
+                                      Sampling(0.8, top_k=50), Sampling(0.7, top_k=40, top_p=0.9), Sampling(1.0)],
+                         ids=str)
+def test_fast_warp_equals_the_reference_at_full_vocabulary(sampling):
+    logits = _logits(5, 2, 49152, ties=True)  # flat enough that top-p needs the wider candidate sets
+    row = warp_row(logits[1], sampling)
+    ref = warp_reference(logits, sampling)[1]
+    assert np.array_equal(row.dense(49152) > 0, ref > 0)
+    np.testing.assert_allclose(row.dense(49152), ref, rtol=1e-5, atol=1e-12)
+    if sampling.top_k or sampling.top_p < 1:
+        assert row.ids is not None and len(row.ids) == np.count_nonzero(ref)  # only the kept tokens
+
+
+def test_tie_rules_are_shared():
+    flat = np.zeros((1, 4), dtype=np.float32)  # four equal logits
+    for warp_fn in (warp_reference, warp):
+        # top-p ranks equal logits by id: the first two reach 0.5
+        assert set(np.flatnonzero(warp_fn(flat, Sampling(1.0, top_p=0.5))[0])) == {0, 1}
+        # top-k keeps every token tied with the k-th
+        stepped = np.array([[3.0, 2.0, 2.0, 2.0, 1.0]], dtype=np.float32)
+        assert set(np.flatnonzero(warp_fn(stepped, Sampling(1.0, top_k=2))[0])) == {0, 1, 2, 3}
+        # a tiny top_p keeps the most likely token, the lowest id among equals
+        assert set(np.flatnonzero(warp_fn(np.array([[0.0, 5.0, 5.0]]), Sampling(1.0, top_p=1e-9))[0])) == {1}
+
+
+def test_kept_lookups():
+    kept = Kept(np.array([2, 5, 9]), np.array([0.5, 0.3, 0.2]))
+    assert kept.prob(5) == 0.3 and kept.prob(4) == 0.0 and kept.prob(10) == 0.0
+    assert kept.at(np.array([9, 1, 2]), 12).tolist() == [0.2, 0.0, 0.5]
+    assert kept.dense(12)[[2, 5, 9]].tolist() == [0.5, 0.3, 0.2] and kept.dense(12).sum() == pytest.approx(1)
+    rng = np.random.default_rng(0)
+    assert {kept.draw(rng) for _ in range(200)} == {2, 5, 9}
+
+
+@pytest.mark.parametrize("model_draft", [True, False], ids=["model", "point-mass"])
+def test_sparse_rejection_makes_the_dense_choices(model_draft):
+    # Same seed, same choices: the sparse path draws over the kept tokens in id order, as the
+    # dense one does over the whole vocabulary (where the dropped tokens weigh nothing).
+    sampling = Sampling(0.9, top_k=60, top_p=0.9)
+    target_logits = _logits(11, 4, VOCAB, ties=True)  # [k+1, V]
+    draft_logits = target_logits[:3] + _logits(12, 3, VOCAB, ties=False) * 0.3  # [k, V] a near model
+    outcomes = set()
+    for seed in range(300):
+        rng = np.random.default_rng(seed)
+        q_rows = [warp_row(row, sampling) for row in draft_logits]
+        tokens = np.array([q.draw(rng) for q in q_rows])
+        dense_q = np.stack([q.dense(VOCAB) for q in q_rows])
+        sparse = Draft(tokens, q_rows if model_draft else None)
+        dense = Draft(tokens, dense_q if model_draft else None)
+        got = rejection(sparse, Warped(target_logits, sampling), np.random.default_rng(seed + 1000))
+        want = rejection(dense, warp_reference(target_logits, sampling), np.random.default_rng(seed + 1000))
+        assert got == want
+        outcomes.add(got[0])
+    assert len(outcomes) > 1  # rejections and acceptances both happened
+
+
+class _CountingRows:
+    def __init__(self, rows):
+        self.rows, self.read = rows, []
+
+    def __getitem__(self, i):
+        self.read.append(i)
+        return self.rows[i]
+
+
+def test_rejection_reads_target_rows_only_up_to_the_first_rejection():
+    p = np.array([[0.0, 1.0, 0.0]] * 4)  # the target always wants token 1
+    rows = _CountingRows(p)
+    n, nxt = rejection(Draft(np.array([1, 2, 1])), rows, np.random.default_rng(0))
+    assert (n, nxt) == (1, 1) and rows.read == [0, 1]

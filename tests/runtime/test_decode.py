@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from specexport.runtime.acceptance import Sampling, warp
+from specexport.runtime.acceptance import Sampling, as_kept, warp_reference
 from specexport.runtime.decode import DecodeStats, decode
 from specexport.runtime.drafters import ModelDrafter, NgramDrafter, NoDrafter
 from tests.runtime.fakes import FixedDrafter, MarkovRunner, OracleDrafter, random_table
@@ -91,6 +91,59 @@ def test_eos_inside_accepted_drafts_stops_exactly_there(table):
     out, stats = run(MarkovRunner(table), OracleDrafter(table), [0], draft_len=6, max_new=12, eos=[eos])
     assert out == ref[: ref.index(eos) + 1] and out[-1] == eos
     assert stats.stop_reason == "eos"
+    # the stats describe what was emitted: the drafts after EOS were accepted but never output
+    emitted = len(out)
+    assert stats.rounds == 1 and stats.tokens == emitted
+    assert stats.accepted == stats.proposed == emitted
+    assert stats.accepted_at == [1] * emitted + [0] * (6 - emitted) == stats.proposed_at
+    assert stats.acceptance_length == emitted
+
+
+def test_stop_string_inside_accepted_drafts_counts_only_emitted_drafts(table):
+    seen = []
+
+    def stop(token):
+        seen.append(token)
+        return len(seen) == 2  # the stop string completes at the second token of round one
+
+    out, stats = run(MarkovRunner(table), OracleDrafter(table), [0], draft_len=5, max_new=20, stop=stop)
+    assert len(out) == 2 and stats.stop_reason == "stop_string"
+    assert (stats.tokens, stats.accepted, stats.proposed) == (2, 2, 2)
+    assert sum(stats.accepted_at) == stats.accepted and sum(stats.proposed_at) == stats.proposed
+
+
+@pytest.mark.parametrize("name", ["ngram", "near-model", "oracle"])
+def test_stats_agree_with_the_output(table, name):
+    # every round emits its accepted drafts and the target's token, unless a stop cut it
+    for seed in range(20):
+        eos = [seed % V]
+        out, stats = run(MarkovRunner(table), drafters_for(table)[name], [1, 2, 1, 2], draft_len=4, max_new=30,
+                         sampling=Sampling(1.0), eos=eos, seed=seed)
+        assert stats.tokens == len(out)
+        assert sum(stats.accepted_at) == stats.accepted <= stats.proposed == sum(stats.proposed_at)
+        cut = stats.stop_reason == "eos" and stats.tokens == stats.accepted + stats.rounds - 1
+        assert stats.tokens == stats.accepted + stats.rounds or cut
+
+
+class _ClockedRunner(MarkovRunner):
+    """A Markov runner whose every forward counts 1 s of engine time (a fake clock)."""
+
+    def forward(self, tokens, want_logits=False):
+        self.seconds += 1.0
+        return super().forward(tokens, want_logits)
+
+
+def test_stats_split_drafter_engine_time_from_host_time(table):
+    draft_runner = _ClockedRunner(table + random_table(V, 4, spread=0.3))
+    target = _ClockedRunner(table)
+    stats = DecodeStats(draft_len=3)
+    out, _ = run(target, ModelDrafter("m", draft_runner), [0, 1, 2], draft_len=3, max_new=12, stats=stats)
+    prefill_calls = 1  # the drafter's reset feeds the prompt once; that is prefill, not drafting
+    assert stats.draft_engine_s == draft_runner.calls - prefill_calls
+    assert stats.verify_s == stats.rounds  # one target forward per round
+    d = stats.to_dict()
+    assert d["draft_engine_s"] == stats.draft_engine_s and d["draft_host_s"] == stats.draft_host_s
+    assert d["host_s"] == pytest.approx(max(stats.total_s - stats.draft_engine_s - stats.verify_s, 0.0))
 
 
 def test_rejected_drafts_are_never_emitted(table):
@@ -128,7 +181,7 @@ def test_stop_callback_ends_after_that_token(table):
 
 def _sequence_probs(table, prompt_last, sampling, length):
     """Exact probability of every output sequence of the given length."""
-    probs = warp(table, sampling)  # [V, V] next | current
+    probs = warp_reference(table, sampling)  # [V, V] next | current: the definition, not the fast path
     result = {}
     for seq in itertools.product(range(V), repeat=length):
         p, last = 1.0, prompt_last
@@ -168,7 +221,7 @@ def test_a_biased_acceptance_rule_would_be_caught(table, monkeypatch):
     # The statistical test must be able to fail: accept every draft and it does.
     import specexport.runtime.decode as loop
 
-    monkeypatch.setattr(loop, "rejection", lambda draft, p, rng: (draft.size, int(p[-1].argmax())))
+    monkeypatch.setattr(loop, "rejection", lambda draft, p, rng: (draft.size, as_kept(p[draft.size]).draw(rng)))
     sampling, prompt, length, draws = Sampling(1.0), [1, 2, 1], 3, 3000
     exact = _sequence_probs(table, prompt[-1], sampling, length)
     counts = dict.fromkeys(exact, 0)

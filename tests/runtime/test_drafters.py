@@ -78,3 +78,19 @@ def test_kv_cache_refuses_overflow_and_forward_rewind():
         cache.write(present, 5)
     with pytest.raises(ValueError):
         cache.rewind(1)
+
+
+def test_sampled_model_drafter_keeps_only_the_warped_rows_it_drew_from():
+    from specexport.runtime.acceptance import Kept, warp_reference
+
+    table = random_table(7, seed=3)
+    drafter = ModelDrafter("m", MarkovRunner(table))
+    prompt = np.array([1, 2])
+    drafter.reset(prompt)
+    sampling = Sampling(0.9, top_k=4, top_p=0.8)
+    draft = drafter.propose(prompt, 3, sampling, np.random.default_rng(1))
+    assert len(draft.probs) == 3 and all(isinstance(q, Kept) for q in draft.probs)  # no [k, V] array
+    previous = [2, *draft.tokens[:2].tolist()]
+    for q, token, last in zip(draft.probs, draft.tokens.tolist(), previous):
+        np.testing.assert_allclose(q.dense(7), warp_reference(table[[last]], sampling)[0], rtol=1e-5, atol=1e-12)
+        assert q.prob(token) > 0  # each draft came from its row

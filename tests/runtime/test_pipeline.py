@@ -1,14 +1,15 @@
 """The runtime over real (tiny) engine directories: losslessness, stops, sampling, the CLI."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 
 from specexport.runtime import load
 from specexport.runtime.acceptance import Sampling, warp
-from tests.conftest import run_cli
-from tests.lossless import assert_lossless, target_margin_at
+from tests.conftest import run_cli, tiny_recipe
+from tests.lossless import assert_lossless, chi_square_passes, exact_sequence_probs, target_margin_at
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
@@ -69,18 +70,31 @@ def test_stop_strings_cut_the_text(tiny_engines):
 
 
 @pytest.mark.parametrize("attention", ["standard", "ort-gqa"])
-def test_eos_and_max_new_tokens_and_kv_full(tiny_engines, attention):
-    pipe = load(tiny_engines.get("llama", attention=attention, **SHAPE))
+def test_eos_and_max_new_tokens_and_kv_full(tiny_engines, attention, tmp_path):
+    engines = tiny_engines.get("llama", attention=attention, **SHAPE)
+    pipe = load(engines)
     result = pipe.generate(PROMPTS[3], max_new_tokens=5, drafter="draft-model")
     assert len(result.token_ids) == 5 and result.stop_reason == "max_new_tokens"
     ids = pipe.prompt_ids("x" * 150)
     full = pipe.generate(prompt_ids=ids, max_new_tokens=100, drafter="ngram")
     assert full.stop_reason == "kv_full" and len(ids) + len(full.token_ids) == 161
-    # an EOS in the output stops generation right after it
-    eos = next(iter(pipe.text.eos_ids))
-    long_run = pipe.generate(prompt_ids=ids[:40], max_new_tokens=100).token_ids
-    if eos in long_run:
-        assert long_run[-1] == eos
+
+    # An EOS stops generation right after it. A random model rarely emits the real EOS, so a
+    # copy of the engines declares as EOS a token the target surely emits, for the first time
+    # a few tokens in: every drafter must stop exactly there.
+    ids = pipe.prompt_ids(PROMPTS[1])
+    baseline = pipe.generate(prompt_ids=ids, max_new_tokens=40).token_ids
+    first = next(i for i in range(4, len(baseline)) if baseline[i] not in baseline[:i])
+    copy = tmp_path / "eos-engines"
+    shutil.copytree(engines, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["tokenizer"]["eos_token_ids"] = [baseline[first]]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    eos_pipe = load(copy)
+    for drafter in ("none", "ngram", "quantized-self", "draft-model"):
+        stopped = eos_pipe.generate(prompt_ids=ids, max_new_tokens=40, drafter=drafter)
+        assert stopped.stop_reason == "eos", drafter
+        assert stopped.token_ids == baseline[: first + 1], drafter
 
 
 def _warped(pipe, ids, sampling):
@@ -112,6 +126,53 @@ def test_sampled_tokens_follow_the_target_with_real_engines(tiny_engines, drafte
     assert chi2 < df + 6 * np.sqrt(2 * df), (chi2, df, counts)
 
 
+# The target's twin with its weights scaled by 0.9 (same seed, init_std 0.45 against 0.5): its
+# drafts are mostly accepted, and now and then rejected after several were.
+NEAR_COPY = {"kind": "model", "name": "near-copy",
+             "model": {"source": "tiny", "arch": "llama", "seed": 0, "init_std": 0.45}}
+
+
+@pytest.fixture(scope="module")
+def near_copy_engines(tmp_path_factory):
+    from specexport.exporter.builder import build
+    from specexport.exporter.progress import Reporter
+
+    root = tmp_path_factory.mktemp("near-copy")
+    recipe = tiny_recipe(root / "r.yaml", "llama", name="near-copy", drafters=[NEAR_COPY], max_seq_len=64,
+                         prefill_chunk=16, max_draft=4, attention="ort-gqa")
+    build(recipe, root / "engines", False, Reporter(quiet=True))
+    return root / "engines"
+
+
+def test_sampling_with_mostly_accepted_drafts_follows_the_target(near_copy_engines):
+    """Real engines, D = 3 drafts a round: rounds that keep all three and add the bonus token,
+    and rounds that reject after two accepted, must both happen, and the four tokens must be
+    distributed exactly as the target alone samples them."""
+    pipe = load(near_copy_engines)
+    depth, draws = 3, 1500
+    sampling = Sampling(temperature=1.5, top_k=3, top_p=0.95)
+    ids = pipe.prompt_ids("1, 2, 1, 2, 1, 2, 1,")
+    exact = exact_sequence_probs(pipe, ids, sampling, depth + 1)  # [4-token sequence] -> p
+    counts: dict[tuple, int] = {}
+    all_kept = rejected_after_two = 0
+    for seed in range(draws):
+        out = pipe.generate(prompt_ids=ids, drafter="near-copy", max_new_tokens=depth + 1, draft_len=depth,
+                            adaptive=False, temperature=1.5, top_k=3, top_p=0.95, seed=seed)
+        assert tuple(out.token_ids) in exact, f"{out.token_ids} is outside the target's top-k/top-p support"
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+        # With max_new_tokens = D+1, round one offers D drafts and any later round fewer
+        # (k <= tokens left - 1), so only round one can offer position D-1: it kept all three
+        # (and the fourth token is the bonus) iff accepted_at[2] == 1. It kept two and
+        # rejected the third iff then no further round offered anything.
+        stats = out.stats
+        all_kept += stats.accepted_at[depth - 1]
+        rejected_after_two += stats.proposed_at == [1, 1, 1] and stats.accepted_at == [1, 1, 0]
+    assert all_kept > draws / 2, f"drafts were not mostly accepted: {all_kept} of {draws} rounds kept all"
+    assert rejected_after_two > 0, "no round rejected a draft after accepting two"
+    passes, figures = chi_square_passes(counts, exact, draws)
+    assert passes, figures
+
+
 def test_seeded_sampling_is_reproducible(tiny_engines):
     pipe = load(tiny_engines.get("llama", **SHAPE))
     kwargs = dict(max_new_tokens=30, temperature=1.0, top_p=0.9, drafter="draft-model")
@@ -138,6 +199,10 @@ def test_generate_cli_json_same_ids_for_every_drafter(tiny_engines):
         assert code == 0, err
         results[drafter] = json.loads(out)
     assert results["ngram"]["token_ids"] == results["none"]["token_ids"]
+    pipe = load(engines)
+    ids = pipe.prompt_ids(PROMPTS[1], chat=True)
+    assert_lossless(pipe, ids, results["none"]["token_ids"], results["quantized-self"]["token_ids"],
+                    "cli/quantized-self")
     stats = results["ngram"]["stats"]
     for key in ("acceptance_length", "draft_s", "verify_s", "host_s", "rounds", "acceptance_by_position"):
         assert key in stats
@@ -158,5 +223,12 @@ def test_python_api_in_three_lines(tiny_engines):
     from specexport.runtime import load as load_engines
 
     pipe = load_engines(tiny_engines.get("llama", **SHAPE))
-    text = pipe.generate("Once upon a time", drafter="ngram", max_new_tokens=10).text
-    assert isinstance(text, str)
+    result = pipe.generate("Once upon a time", drafter="ngram", max_new_tokens=10)
+    # the text is the detokenized output, which is the target alone's
+    assert result.token_ids == pipe.generate("Once upon a time", max_new_tokens=10).token_ids
+    assert len(result.token_ids) == 10 and result.stop_reason == "max_new_tokens"
+    # the streaming detokenizer holds back a trailing incomplete UTF-8 sequence (random bytes
+    # here), which a full decode shows as U+FFFD: apart from that, the same text
+    full = pipe.text.decode(result.token_ids)
+    assert result.text and full.startswith(result.text), (result.text, full)
+    assert set(full[len(result.text):]) <= {"\ufffd"}, (result.text, full)

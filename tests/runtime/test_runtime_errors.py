@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, run_cli
+from tests.lossless import assert_lossless
 
 SHAPE = dict(max_seq_len=160, prefill_chunk=16)
 
@@ -106,15 +107,25 @@ def test_runtime_never_imports_the_exporter_stack(tiny_engines):
         "import sys\n"
         "from specexport.runtime import load\n"
         f"pipe = load({str(engines)!r})\n"
-        "r = pipe.generate('Once upon a time', drafter='quantized-self', max_new_tokens=16)\n"
-        "r = pipe.generate('Once upon a time', drafter='draft-model', max_new_tokens=16, temperature=0.8, seed=1)\n"
-        "assert r.token_ids\n"
+        "q = pipe.generate('Once upon a time', drafter='quantized-self', max_new_tokens=16)\n"
+        "s = pipe.generate('Once upon a time', drafter='draft-model', max_new_tokens=16, temperature=0.8, seed=1)\n"
         "heavy = [m for m in ('torch', 'transformers', 'onnx', 'onnxscript', 'specexport.exporter') if m in sys.modules]\n"
-        "print(heavy)\n"
+        "print(json.dumps({'heavy': heavy, 'greedy': q.token_ids, 'sampled': s.token_ids}))\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
+    result = subprocess.run([sys.executable, "-c", "import json\n" + script], capture_output=True, text=True,
+                            cwd=REPO)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"
+    done = json.loads(result.stdout)
+    assert done["heavy"] == []
+    # and what it computed there is right: greedy equals the target alone, sampling is seeded
+    from specexport.runtime import load
+
+    pipe = load(engines)
+    ids = pipe.prompt_ids("Once upon a time")
+    assert_lossless(pipe, ids, pipe.generate(prompt_ids=ids, max_new_tokens=16).token_ids, done["greedy"],
+                    "fresh interpreter/quantized-self")
+    assert done["sampled"] == pipe.generate(prompt_ids=ids, drafter="draft-model", max_new_tokens=16,
+                                            temperature=0.8, seed=1).token_ids
 
 
 def test_cli_generate_path_is_light_too(tiny_engines):

@@ -4,7 +4,10 @@ CPU-only checks: asking for TensorRT where it or a GPU is missing is one line na
 extra, exit code 2; an engine built for another TensorRT version or GPU is refused with the
 exact rebuild command; every cuda-python call in the backend matches the installed
 function's signature; the device-side KV append writes what the host cache writes; the
-fp16/bf16 cast of a real graph keeps its I/O types and its argmax.
+fp16/bf16 cast of a real graph keeps its I/O types and its argmax; and the whole TensorRT
+path of the runtime (load, the device KV cache by default, --host-kv, CUDA graphs, a drafter
+without TensorRT engines on onnxruntime beside them) on the fake TensorRT and CUDA of
+tests/fake_gpu, which run the ONNX graphs with onnxruntime on host memory.
 """
 
 from __future__ import annotations
@@ -13,7 +16,11 @@ import ast
 import importlib.util
 import inspect
 import json
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -57,14 +64,16 @@ def tiny_dir(tiny_engines) -> Path:
     return tiny_engines.get("llama", max_seq_len=160, prefill_chunk=16)
 
 
-def with_tensorrt_entries(src: Path, dst: Path, version: str = "10.13.0.35", cc: str = "9.0") -> Path:
+def with_tensorrt_entries(src: Path, dst: Path, version: str = "10.13.0.35", cc: str = "9.0",
+                          models: tuple[str, ...] = ("target",), fake_plans: bool = False) -> Path:
     """A copy of an engine directory as a GPU build writes it: a tensorrt entry beside each
-    target graph. The .plan files are placeholders; nothing here gets far enough to load them."""
+    graph of ``models``. The .plan files are placeholders, or with ``fake_plans`` what the fake
+    TensorRT of tests/fake_gpu loads (the ONNX graph it runs)."""
     shutil.copytree(src, dst)
     manifest = json.loads((dst / "manifest.json").read_text())
-    for entry in [e for e in manifest["engines"] if e["model"] == "target"]:
+    for entry in [e for e in manifest["engines"] if e["model"] in models and e["backend"] == "onnxruntime"]:
         plan = dst / f"{entry['name']}.plan"
-        plan.write_bytes(b"placeholder engine")
+        plan.write_bytes(b"fake-trt:" + str(dst / entry["path"]).encode() if fake_plans else b"placeholder engine")
         digest = sha256_of(plan)
         manifest["files"][plan.name] = digest
         extra = {"tensorrt_version": version, "device_name": "NVIDIA H200", "compute_capability": cc,
@@ -315,11 +324,16 @@ def test_cast_precision_keeps_io_and_argmax(tiny_dir, precision):
     norm = [n for n in low.graph.node if n.op_type == "ReduceMean"]
     assert norm and all(types.get(n.output[0]) == onnx.TensorProto.FLOAT for n in norm)  # statistics in fp32
 
+    from specexport.runtime.ort_engine import session_options
+
+    def session(model):  # on the process's one onnxruntime thread pool, like every session of ours
+        return ort.InferenceSession(model, session_options(ort, None), providers=["CPUExecutionProvider"])
+
     feeds = feeds_for(e)
     names = [o.name for o in low.graph.output]
-    ref = dict(zip(names, ort.InferenceSession(str(path)).run(names, feeds)))
+    ref = dict(zip(names, session(str(path)).run(names, feeds)))
     if precision == "fp16":
-        got = dict(zip(names, ort.InferenceSession(low.SerializeToString()).run(names, feeds)))
+        got = dict(zip(names, session(low.SerializeToString()).run(names, feeds)))
     else:  # onnxruntime's CPU kernels have no bf16 Mul; the reference evaluator does
         got = dict(zip(names, ReferenceEvaluator(low).run(names, feeds)))
     scale = float(np.abs(ref["logits"]).max())
@@ -342,6 +356,119 @@ def test_cast_precision_clips_instead_of_overflowing():
     assert fp16[0] == -65504 and fp16[1] == -np.inf and fp16[2] == 1.5 and fp16[3] == 65504
     bf16 = _low_array(values, onnx.TensorProto.BFLOAT16).astype(np.float32)
     assert np.isfinite(bf16[0]) and bf16[1] == -np.inf
+
+
+# -- the whole TensorRT path on the fake TensorRT and CUDA of tests/fake_gpu ----------------
+
+FAKE_GPU = REPO / "tests" / "fake_gpu"
+PROMPT = "hello hello hello world, hello"
+DRAFTERS = ("none", "ngram", "quantized-self", "draft-model")
+
+# Runs in a child interpreter whose `tensorrt` and `cuda` are the fakes; prints one JSON line.
+ON_FAKE_GPU = textwrap.dedent(f"""
+    import json, sys
+    from cuda.bindings import runtime as cudart
+    from specexport.runtime import load
+    from specexport.runtime.api import Pipeline
+    from specexport.runtime.engine import EngineOptions
+
+    root, drafters = sys.argv[1], {DRAFTERS!r}
+    out = {{"onnxruntime": {{d: load(root).generate({PROMPT!r}, drafter=d, max_new_tokens=12).token_ids
+                             for d in drafters}}}}
+    info = load(root).manifest.models["target"]
+    out["cache_tensor_bytes"] = info.num_kv_heads * info.max_seq_len * info.head_dim * 4  # one past input
+    out["num_layers"] = info.num_layers
+    pipes = {{"device": load(root, backend="tensorrt"), "host": load(root, backend="tensorrt", device_kv=False)}}
+    pipes["graphs"] = Pipeline(pipes["device"].manifest, EngineOptions(cuda_graphs=True), "tensorrt")
+    for key, pipe in pipes.items():
+        del cudart.TRAFFIC[:]
+        calls = pipe.target.calls
+        gens = {{d: pipe.generate({PROMPT!r}, drafter=d, max_new_tokens=12) for d in drafters}}
+        out[key] = {{
+            "tokens": {{d: g.token_ids for d, g in gens.items()}},
+            "backends": {{d: g.backends for d, g in gens.items()}},
+            "caches": {{m: type(pipe.runner(m).cache).__name__ for m in ("target", "quantized-self", "draft-model")}},
+            "host_to_device": [n for kind, n in cudart.TRAFFIC if kind == "cudaMemcpyHostToDevice"],
+            "target_calls": pipe.target.calls - calls,
+        }}
+    # the command line: generate and bench, the device cache by default and --host-kv
+    from tests.conftest import run_cli
+
+    prompts = sys.argv[2]
+    commands = {{
+        "generate": ["generate", root, "--backend", "tensorrt", "-d", "quantized-self", "-p", {PROMPT!r}, "-n", "8"],
+        "bench": ["bench", root, "--backend", "tensorrt", "--prompts", prompts, "-n", "4", "--repeats", "1",
+                  "--drafters", "quantized-self", "--out", sys.argv[3], "--json"],
+    }}
+    for name, args in commands.items():
+        for flag in ([], ["--host-kv"]):
+            del cudart.TRAFFIC[:]
+            code, text, err = run_cli(*args, *flag)
+            out[name + "".join(flag)] = {{"code": code, "out": text, "err": err,
+                "host_to_device": [n for kind, n in cudart.TRAFFIC if kind == "cudaMemcpyHostToDevice"]}}
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def on_fake_gpu(tiny_dir, tmp_path_factory) -> dict:
+    """Greedy output of every drafter on onnxruntime, and on TensorRT (device KV cache, host
+    cache, device cache with CUDA graphs), with the copies each made; the target and the draft
+    model have TensorRT engines, the int4 drafter only onnxruntime ones."""
+    engines = with_tensorrt_entries(tiny_dir, tmp_path_factory.mktemp("fake-gpu") / "engines",
+                                    models=("target", "draft-model"), fake_plans=True)
+    prompts = engines.parent / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "loop", "category": "grounded", "prompt": "1, 2, 3, 1, 2, 3, 1,"}) + "\n")
+    path = os.pathsep.join([str(FAKE_GPU), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    done = subprocess.run([sys.executable, "-c", ON_FAKE_GPU, str(engines), str(prompts), str(engines.parent / "bench")],
+                          capture_output=True, text=True, cwd=REPO, timeout=600, env={**os.environ, "PYTHONPATH": path})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode", ["device", "host", "graphs"])
+def test_tensorrt_pipeline_on_the_fake_gpu_matches_onnxruntime(on_fake_gpu, mode):
+    assert on_fake_gpu[mode]["tokens"] == on_fake_gpu["onnxruntime"]
+
+
+def test_the_device_kv_cache_is_the_default_and_copies_no_cache_per_call(on_fake_gpu):
+    device, host = on_fake_gpu["device"], on_fake_gpu["host"]
+    size, layers = on_fake_gpu["cache_tensor_bytes"], on_fake_gpu["num_layers"]
+    assert device["caches"] == {"target": "DeviceKVCache", "quantized-self": "KVCache", "draft-model": "DeviceKVCache"}
+    # the int4 drafter's host cache never goes to the device: no copy of a cache tensor at all
+    assert device["target_calls"] > 0 and max(device["host_to_device"]) < size
+    # the control: the host cache is copied whole, every past input on every call
+    assert host["caches"]["target"] == "KVCache"
+    assert host["host_to_device"].count(size) >= host["target_calls"] * 2 * layers
+
+
+def test_a_drafter_without_tensorrt_engines_runs_on_onnxruntime_beside_them(on_fake_gpu):
+    backends = on_fake_gpu["device"]["backends"]
+    assert backends["quantized-self"] == {"target": "tensorrt", "quantized-self": "onnxruntime"}
+    assert backends["draft-model"] == {"target": "tensorrt", "draft-model": "tensorrt"}
+    assert backends["none"] == {"target": "tensorrt"}
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_the_command_line_uses_the_device_cache_unless_host_kv(on_fake_gpu, command):
+    size = on_fake_gpu["cache_tensor_bytes"]
+    default, host = on_fake_gpu[command], on_fake_gpu[command + "--host-kv"]
+    assert default["code"] == 0 and host["code"] == 0, default["err"] + host["err"]
+    assert max(default["host_to_device"]) < size
+    assert host["host_to_device"].count(size) >= 2 * on_fake_gpu["num_layers"]
+    if command == "generate":  # the int4 drafter's backend is shown with the stats
+        assert "[quantized-self; quantized-self on onnxruntime]" in default["err"]
+        assert default["out"] == host["out"]
+
+
+def test_the_target_never_falls_back(tiny_dir, tmp_path):
+    from specexport.runtime.api import Pipeline
+    from specexport.runtime.engine import EngineOptions
+    from specexport.runtime.manifest import Manifest
+
+    manifest = Manifest.load(with_tensorrt_entries(tiny_dir, tmp_path / "engines", models=("draft-model",)))
+    with pytest.raises(BadInput, match="no tensorrt engines for model 'target'"):
+        Pipeline(manifest, EngineOptions(), "tensorrt")
 
 
 # -- on a GPU with TensorRT ------------------------------------------------------------------
@@ -369,8 +496,9 @@ def test_gpu_tensorrt_greedy_equals_onnxruntime(trt_dir):
     trt_entries = [e for e in manifest["engines"] if e["backend"] == "tensorrt"]
     assert trt_entries and not any(e["model"] == "quantized-self" for e in trt_entries)
     assert all(e["extra"]["precision"] == "fp32" and e["extra"]["compute_capability"] for e in trt_entries)
+    assert all(e["parity"]["within_tolerance"] and e["parity"]["enforced"] for e in trt_entries)
     ort_pipe, trt_pipe = load(trt_dir, backend="onnxruntime"), load(trt_dir, backend="tensorrt")
-    for drafter in ("none", "ngram", "tiny-draft"):
+    for drafter in ("none", "ngram", "tiny-draft", "quantized-self"):  # int4: onnxruntime beside TensorRT
         a = ort_pipe.generate("hello hello hello", drafter=drafter, max_new_tokens=24)
         b = trt_pipe.generate("hello hello hello", drafter=drafter, max_new_tokens=24)
         assert a.token_ids == b.token_ids, drafter

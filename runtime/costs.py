@@ -1,0 +1,173 @@
+"""Tuned costs: every graph's time re-measured on the machine where the engines run.
+
+The build measures each graph's cost (``EngineEntry.cost_ms``) on the build machine; the
+runner's choice of engine sizes and the adaptive depth read those costs. ``specexport tune
+ENGINE_DIR`` measures them again here, every model's graphs (probes included, so the verify
+cost curve too) in one interleaved schedule (runner.time_interleaved: medians), and writes
+``costs.json`` beside the manifest (or in the per-user cache: runtime/sidecar.py) with the
+machine it was measured on. ``load`` prefers them; a file measured for another manifest is
+ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import platform
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from specexport.contract import MANIFEST, EngineEntry, Manifest, sha256_of
+from specexport.errors import BadInput
+from specexport.runtime import sidecar
+from specexport.runtime.runner import time_interleaved
+
+COSTS = "costs.json"
+COSTS_FORMAT = 1
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TunedCosts:
+    engines: dict[str, dict[str, float]]  # backend -> engine name -> ms of one run
+    host: str
+    measured: str  # ISO date and time (UTC)
+    path: Path
+
+    def ms(self, entry: EngineEntry) -> float | None:
+        return self.engines.get(entry.backend, {}).get(entry.name)
+
+    @property
+    def label(self) -> str:
+        return f"tuned ({self.host}, {self.measured})"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(*dists: str) -> str | None:
+    from importlib import metadata
+
+    for dist in dists:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def machine(threads: int | None) -> dict:
+    """What the costs depend on besides the graphs."""
+    return {
+        "hostname": socket.gethostname(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "threads": threads,  # the intra-op threads asked for (None: onnxruntime's default)
+        "onnxruntime": _version("onnxruntime", "onnxruntime-gpu"),
+        "tensorrt": _version("tensorrt"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def tune(pipe, rounds: int = 9) -> dict:
+    """Time every graph of every model the pipeline can run, interleaved; write costs.json and
+    return what was written (with ``written_to``)."""
+    runners = {}
+    for model in pipe.manifest.models:
+        try:
+            pipe.backend_of(model)
+        except BadInput:  # a model without engines for this backend (nor the fallback)
+            continue
+        runner = pipe.runner(model)
+        runners[model] = (runner, runner.sizes)
+    times = time_interleaved(runners, rounds)
+    measured: dict[str, dict[str, float]] = {}
+    for model in runners:
+        backend = pipe.backend_of(model)
+        for entry in pipe.manifest.engines_of(model, backend):
+            measured.setdefault(backend, {})[entry.name] = round(times[model][entry.tokens] * 1e3, 3)
+    root = pipe.manifest.root
+    manifest_sha = sha256_of(root / MANIFEST)
+    previous = sidecar.read_json(root, COSTS)
+    engines = {}
+    if previous is not None and previous[0].get("manifest_sha256") == manifest_sha:
+        engines = dict(previous[0].get("engines") or {})  # keep other backends' measurements
+    engines.update(measured)
+    target = times["target"]
+    data = {
+        "format": COSTS_FORMAT,
+        "manifest_sha256": manifest_sha,
+        "engine_dir": sidecar.real_root(root),
+        "measured": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(pipe.options.threads),
+        "rounds": rounds,
+        "engines": engines,
+        # the verify cost curve, for reading: the target's time per pass against its tokens
+        "curve": [{"tokens": t, "ms": round(s * 1e3, 3), "relative": round(s / target[min(target)], 3)}
+                  for t, s in sorted(target.items())],
+    }
+    where = sidecar.write_json(root, COSTS, data)
+    return {**data, "written_to": str(where) if where else None}
+
+
+def load_tuned(manifest: Manifest) -> TunedCosts | None:
+    """The tuned costs of this directory, or None (none, or measured for another manifest:
+    then with a warning, and the build's costs apply)."""
+    found = sidecar.read_json(manifest.root, COSTS)
+    if found is None:
+        return None
+    data, path = found
+    if data.get("format") != COSTS_FORMAT or data.get("manifest_sha256") != sha256_of(manifest.root / MANIFEST):
+        _log.warning("%s: measured for another manifest than %s's; using the build's costs "
+                     "(run specexport tune %s again)", path, manifest.root, manifest.root)
+        return None
+    engines = data.get("engines")
+    if not isinstance(engines, dict):
+        _log.warning("%s: no engine costs in it; using the build's costs", path)
+        return None
+    host = (data.get("machine") or {}).get("hostname", "?")
+    return TunedCosts({b: {n: float(ms) for n, ms in e.items()} for b, e in engines.items()},
+                      str(host), str(data.get("measured", "?")), path)
+
+
+def costs_in_use(engine_dir: str | Path) -> dict:
+    """The plan and, per engine, the build's cost, the tuned one and the one the runtime uses
+    (``specexport plan ENGINE_DIR``); opens no session."""
+    manifest = Manifest.load(engine_dir)
+    tuned = load_tuned(manifest)
+    rows = []
+    for entry in sorted(manifest.engines, key=lambda e: (e.backend, e.model, e.tokens)):
+        here = tuned.ms(entry) if tuned is not None else None
+        rows.append({"engine": entry.name, "backend": entry.backend, "role": entry.role.value,
+                     "tokens": entry.tokens, "build_ms": entry.cost_ms, "tuned_ms": here,
+                     "used_ms": here if here is not None else entry.cost_ms})
+    return {"engine_dir": str(engine_dir), "plan": manifest.plan,
+            "costs": tuned.label if tuned is not None else "build",
+            "costs_file": str(tuned.path) if tuned is not None else None, "engines": rows}
+
+
+def render_costs(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def ms(value: float | None) -> str:
+        return "–" if value is None else f"{value:.2f}"
+
+    table = Table(title=f"{result['engine_dir']}: D = {result['plan']['draft_len']}; costs: {result['costs']}")
+    for column in ("engine", "backend", "role", "tokens", "build ms", "tuned ms"):
+        table.add_column(column, justify="right" if column in ("tokens", "build ms", "tuned ms") else "left",
+                         no_wrap=column == "engine")
+    for row in result["engines"]:
+        table.add_row(row["engine"], row["backend"], row["role"], str(row["tokens"]), ms(row["build_ms"]),
+                      ms(row["tuned_ms"]))
+    Console().print(table)

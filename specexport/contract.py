@@ -1,0 +1,415 @@
+"""The contract between the exporter and the runtime: names, roles, KV layout, manifest schema.
+
+Both halves import this module and nothing else writes these facts down: tensor names of the
+graphs, the role of each graph, how an engine is named, the KV cache layout, and the schema of
+``manifest.json`` with its one writer (``manifest_to_json``/``write_manifest``) and its one
+reader (``manifest_from_json``/``read_manifest``). Light on purpose: stdlib and numpy only, so
+the runtime can import it without torch or onnx.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from specexport import atomic
+from specexport.errors import BadInput
+
+FORMAT = 1  # bump when a reader of the old format would misread the new one
+MANIFEST = "manifest.json"
+# sha256sum's line for manifest.json ("HEX  manifest.json"), written with it: a copied directory
+# can be checked with `specexport verify` or `sha256sum -c manifest.sha256`. It detects
+# corruption and accidental edits of the manifest, not someone who rewrites both files.
+MANIFEST_SHA256 = "manifest.sha256"
+
+# -- tensor names ---------------------------------------------------------------------------
+
+INPUT_IDS = "input_ids"  # [B, T] int64
+CACHE_LENGTH = "cache_length"  # [B] int64: filled cache positions before this call
+PAST = "past_key_values"  # past_key_values.{i}.key|value [B, n_kv, S_max, head_dim]
+PRESENT = "present"  # present.{i}.key|value: the T new positions, or the whole cache (in_place)
+LOGITS = "logits"  # [B, T, V] float32
+NEXT_TOKENS = "next_tokens"  # [B, T] int64, the in-graph argmax
+KV_KINDS = ("key", "value")
+
+
+def past_name(layer: int, kind: str) -> str:
+    return f"{PAST}.{layer}.{kind}"
+
+
+def present_name(layer: int, kind: str) -> str:
+    return f"{PRESENT}.{layer}.{kind}"
+
+
+def past_names(num_layers: int) -> list[str]:
+    return [past_name(i, kind) for i in range(num_layers) for kind in KV_KINDS]
+
+
+def present_names(num_layers: int) -> list[str]:
+    return [present_name(i, kind) for i in range(num_layers) for kind in KV_KINDS]
+
+
+def present_of(past: str) -> str:
+    """present.{i}.{kind} for past_key_values.{i}.{kind}."""
+    return PRESENT + past[len(PAST):]
+
+
+def graph_inputs(num_layers: int) -> list[str]:
+    return [INPUT_IDS, CACHE_LENGTH, *past_names(num_layers)]
+
+
+def graph_outputs(num_layers: int) -> list[str]:
+    return [LOGITS, NEXT_TOKENS, *present_names(num_layers)]
+
+
+# -- graph roles and engine names -----------------------------------------------------------
+
+
+class Role(str, Enum):
+    """What a graph is for. A str, so ``entry.role == "verify"`` holds."""
+
+    DECODE = "decode"  # T = 1: the target alone, and each draft step
+    CATCHUP = "catchup"  # T = 2: a drafter catching up after a fully accepted round
+    VERIFY = "verify"  # T = 1 + D: one speculative round
+    PREFILL = "prefill"  # T = prefill_chunk: the prompt, chunk by chunk
+    PROBE = "probe"  # cost-curve sizes: opened only by bench and calibration
+
+    @property
+    def decoding(self) -> bool:
+        """May the decode loop (prefill included) run this graph?"""
+        return self is not Role.PROBE
+
+
+# One graph per (model, token count): when two roles want the same size, the first one here
+# names it (a 2-token verify is also the catchup graph).
+ROLE_PRIORITY = (Role.DECODE, Role.VERIFY, Role.CATCHUP, Role.PREFILL, Role.PROBE)
+
+
+def engine_name(model: str, role: Role, batch: int, tokens: int) -> str:
+    """target.verify.b1.t8"""
+    return f"{model}.{Role(role).value}.b{batch}.t{tokens}"
+
+
+# -- KV layout ------------------------------------------------------------------------------
+
+
+class KVUpdate(str, Enum):
+    APPEND = "append"  # present.* are the T new positions [B, n_kv, T, hd]; the runtime copies them in
+    IN_PLACE = "in_place"  # present.* are the whole cache, bound to the past buffers
+
+
+# recipe `attention` -> how its graphs update the cache
+KV_UPDATE_OF_ATTENTION = {"standard": KVUpdate.APPEND, "ort-gqa": KVUpdate.IN_PLACE}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One model's cache: 2 * num_layers tensors of kv_shape(batch)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_seq_len: int
+    dtype: str = "float32"
+
+    def shape(self, batch: int) -> tuple[int, int, int, int]:
+        return (batch, self.num_kv_heads, self.max_seq_len, self.head_dim)  # [B, n_kv, S_max, hd]
+
+
+# -- the manifest's entries -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: str  # numpy dtype name
+    shape: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, raw: list) -> TensorSpec:
+        return cls(str(raw[0]), tuple(int(d) for d in raw[1]))
+
+    def to_json(self) -> list:
+        return [self.dtype, list(self.shape)]
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    name: str  # engine_name(model, role, batch, tokens)
+    model: str  # which model's weights and cache
+    role: Role
+    backend: str  # onnxruntime | tensorrt
+    path: str
+    batch: int
+    tokens: int
+    inputs: dict[str, TensorSpec]
+    outputs: dict[str, TensorSpec]
+    parity: dict = field(default_factory=dict)  # figures against transformers (build-time validation)
+    extra: dict = field(default_factory=dict)  # backend-specific facts (TensorRT version, GPU)
+    cost_ms: float | None = None  # one run, measured at build time (adaptive depth reads it)
+    kv_update: KVUpdate = KVUpdate.APPEND
+    weights: str | None = None  # the model's shared weights file, for graphs that point into it
+    sha256: str | None = None
+
+    def compiled(self, backend: str, path: str, extra: dict) -> EngineEntry:
+        """The same graph compiled for another backend: name, role, shapes and KV update kept;
+        what belongs to this file (weights, parity, cost, hash) left to be measured again."""
+        return replace(self, backend=backend, path=path, extra=dict(extra), weights=None, parity={},
+                       cost_ms=None, sha256=None)
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    kind: str  # target | quantized-self | model
+    kv: KVLayout
+    vocab_size: int
+    weights: str | None = None
+    attention: str | None = None  # recipe attention: standard | ort-gqa
+    info: dict = field(default_factory=dict)  # architecture summary and kind-specific facts (int4 bits...)
+
+    # the cache facts by their old names
+    @property
+    def num_layers(self) -> int:
+        return self.kv.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv.head_dim
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.kv.max_seq_len
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.kv.dtype
+
+
+@dataclass(frozen=True)
+class DrafterEntry:
+    name: str
+    kind: str  # ngram | quantized-self | model
+    model: str | None  # the ModelEntry it runs, if any
+    params: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    root: Path  # the engine directory (not written)
+    name: str
+    plan: dict  # the exporter's DraftPlanResult.to_dict(): draft_len, group_size, reason...
+    tokenizer: dict  # file, chat_template, eos_token_ids, special_tokens, vocab_size, sha256
+    models: dict[str, ModelEntry]
+    drafters: dict[str, DrafterEntry]
+    engines: list[EngineEntry]
+    files: dict[str, str]  # relative path -> sha256
+    format: int = FORMAT
+    specexport: str | None = None  # version that wrote it
+    created: str | None = None
+    inputs_sha256: str | None = None  # what an unchanged rebuild compares
+    recipe: dict | None = None
+    recipe_dir: str | None = None  # where relative model paths in the recipe point
+    toolchain: dict = field(default_factory=dict)
+    build: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # other top-level sections (tensorrt_build, ...), kept as they are
+
+    @property
+    def raw(self) -> dict:
+        """The manifest as JSON data (what ``write_manifest`` writes)."""
+        return manifest_to_json(self)
+
+    @property
+    def draft_len(self) -> int:
+        return int(self.plan["draft_len"])
+
+    def engines_of(self, model: str, backend: str) -> list[EngineEntry]:
+        return sorted(
+            (e for e in self.engines if e.model == model and e.backend == backend), key=lambda e: e.tokens
+        )
+
+    def backends(self) -> list[str]:
+        return sorted({e.backend for e in self.engines})
+
+    @classmethod
+    def load(cls, root: str | Path) -> Manifest:
+        return read_manifest(root)
+
+    def verify_files(self, only: list[str] | None = None) -> None:
+        """Check the sha256 of every file (or of ``only``) against the manifest."""
+        for rel, expected in self.files.items():
+            if only is not None and rel not in only:
+                continue
+            if sha256_of(self.root / rel) != expected:
+                raise BadInput(
+                    f"{self.root / rel}: sha256 does not match the manifest (the file was changed "
+                    "after the build); rebuild the engine directory with specexport build --force"
+                )
+
+
+# -- the one writer -------------------------------------------------------------------------
+
+
+def _optional(**values: Any) -> dict:
+    """The fields worth writing: None and empty sections are what the reader defaults to."""
+    return {k: v for k, v in values.items() if v is not None and v != {}}
+
+
+def engine_to_json(e: EngineEntry) -> dict:
+    return {
+        "name": e.name, "model": e.model, "role": Role(e.role).value, "backend": e.backend, "path": e.path,
+        **_optional(weights=e.weights),
+        "batch": e.batch, "tokens": e.tokens,
+        "inputs": {k: v.to_json() for k, v in e.inputs.items()},
+        "outputs": {k: v.to_json() for k, v in e.outputs.items()},
+        "kv_update": KVUpdate(e.kv_update).value,
+        **_optional(cost_ms=e.cost_ms, parity=dict(e.parity), extra=dict(e.extra), sha256=e.sha256),
+    }
+
+
+def model_to_json(m: ModelEntry) -> dict:
+    kv = {"num_layers": m.kv.num_layers, "num_kv_heads": m.kv.num_kv_heads, "head_dim": m.kv.head_dim,
+          "max_seq_len": m.kv.max_seq_len, "dtype": m.kv.dtype}
+    return {"kind": m.kind, **m.info, "vocab_size": m.vocab_size, "kv": kv,
+            **_optional(weights=m.weights, attention=m.attention)}
+
+
+def drafter_to_json(d: DrafterEntry) -> dict:
+    return {"name": d.name, "kind": d.kind, "model": d.model, "params": dict(d.params)}
+
+
+def manifest_to_json(m: Manifest) -> dict:
+    return {
+        "format": m.format,
+        **_optional(specexport=m.specexport),
+        "name": m.name,
+        **_optional(created=m.created, inputs_sha256=m.inputs_sha256, recipe=m.recipe, recipe_dir=m.recipe_dir),
+        "plan": dict(m.plan),
+        "tokenizer": dict(m.tokenizer),
+        "models": {name: model_to_json(entry) for name, entry in m.models.items()},
+        "drafters": [drafter_to_json(d) for d in m.drafters.values()],
+        "engines": [engine_to_json(e) for e in m.engines],
+        "files": dict(m.files),
+        **_optional(toolchain=dict(m.toolchain), build=dict(m.build)),
+        **m.extra,
+    }
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Path):  # recipe paths
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} to the manifest")
+
+
+def dumps(data: dict) -> str:
+    return json.dumps(data, indent=1, default=_json_default)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> dict:
+    """Write ``directory/manifest.json``; return what was written, as JSON data."""
+    data = json.loads(dumps(manifest_to_json(manifest)))  # what a reader will see (paths as str)
+    text = dumps(data)
+    atomic.write_text(Path(directory) / MANIFEST, text)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    atomic.write_text(Path(directory) / MANIFEST_SHA256, f"{digest}  {MANIFEST}\n")
+    return data
+
+
+# -- the one reader -------------------------------------------------------------------------
+
+_MANIFEST_KEYS = {"format", "specexport", "name", "created", "inputs_sha256", "recipe", "recipe_dir", "plan",
+                  "tokenizer", "models", "drafters", "engines", "files", "toolchain", "build"}
+
+
+def engine_from_json(e: dict) -> EngineEntry:
+    try:
+        role = Role(e["role"])
+    except ValueError:
+        raise ValueError(f"engine {e['name']!r} has role {e['role']!r} (known: {', '.join(r.value for r in Role)})") from None
+    return EngineEntry(
+        name=e["name"], model=e["model"], role=role, backend=e["backend"], path=e["path"],
+        batch=int(e["batch"]), tokens=int(e["tokens"]),
+        inputs={k: TensorSpec.parse(v) for k, v in e["inputs"].items()},
+        outputs={k: TensorSpec.parse(v) for k, v in e["outputs"].items()},
+        parity=dict(e.get("parity", {})), extra=dict(e.get("extra", {})), cost_ms=e.get("cost_ms"),
+        kv_update=KVUpdate(e.get("kv_update", KVUpdate.APPEND.value)),
+        weights=e.get("weights"), sha256=e.get("sha256"),
+    )
+
+
+def model_from_json(name: str, m: dict) -> ModelEntry:
+    kv = m["kv"]
+    layout = KVLayout(int(kv["num_layers"]), int(kv["num_kv_heads"]), int(kv["head_dim"]), int(kv["max_seq_len"]),
+                      str(kv["dtype"]))
+    info = {k: v for k, v in m.items() if k not in ("kind", "vocab_size", "kv", "weights", "attention")}
+    return ModelEntry(name, m["kind"], layout, int(m["vocab_size"]), m.get("weights"), m.get("attention"), info)
+
+
+def drafter_from_json(d: dict) -> DrafterEntry:
+    return DrafterEntry(d["name"], d["kind"], d.get("model"), dict(d.get("params", {})))
+
+
+def manifest_from_json(raw: dict, root: Path) -> Manifest:
+    """Raises KeyError/TypeError/ValueError on a malformed manifest (read_manifest words them)."""
+    return Manifest(
+        root=root,
+        name=raw["name"],
+        plan=dict(raw["plan"]),
+        tokenizer=dict(raw["tokenizer"]),
+        models={name: model_from_json(name, m) for name, m in raw["models"].items()},
+        drafters={d["name"]: drafter_from_json(d) for d in raw.get("drafters", [])},
+        engines=[engine_from_json(e) for e in raw["engines"]],
+        files=dict(raw["files"]),
+        format=int(raw["format"]),
+        specexport=raw.get("specexport"),
+        created=raw.get("created"),
+        inputs_sha256=raw.get("inputs_sha256"),
+        recipe=raw.get("recipe"),
+        recipe_dir=raw.get("recipe_dir"),
+        toolchain=dict(raw.get("toolchain") or {}),
+        build=dict(raw.get("build") or {}),
+        extra={k: v for k, v in raw.items() if k not in _MANIFEST_KEYS},
+    )
+
+
+def read_manifest(root: str | Path) -> Manifest:
+    """Check the format and that every file named exists; one-line BadInput otherwise."""
+    root = Path(root)
+    if not root.exists():
+        raise BadInput(f"{root}: engine directory not found (build one with: specexport build RECIPE -o {root})")
+    path = root / MANIFEST
+    if not root.is_dir() or not path.is_file():
+        raise BadInput(f"{root}: not an engine directory (no {MANIFEST}); build one with specexport build")
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as err:
+        raise BadInput(f"{path}: not valid JSON ({err}); rebuild the engine directory") from None
+    fmt = raw.get("format") if isinstance(raw, dict) else None
+    if fmt != FORMAT:
+        raise BadInput(
+            f"{path}: manifest format {fmt!r} is not supported (this runtime reads format {FORMAT}); "
+            "rebuild with this version of specexport"
+        )
+    try:
+        manifest = manifest_from_json(raw, root)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
+        raise BadInput(f"{path}: malformed manifest ({type(err).__name__}: {err}); rebuild it") from None
+    for rel in manifest.files:
+        if not (root / rel).is_file():
+            raise BadInput(f"{root / rel}: file named in the manifest is missing; rebuild the engine directory")
+    return manifest
+
+
+def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

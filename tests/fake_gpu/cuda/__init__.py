@@ -1,0 +1,1 @@
+"""Fake cuda-python (see tests/fake_gpu/README.md)."""
