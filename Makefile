@@ -32,6 +32,8 @@ $(STAMP): pyproject.toml
 # recipe, the model, the exporter's code or the toolchain changed.
 engines: $(STAMP)
 	$(BIN)/specexport build recipes/smollm2-135m.yaml -o $(ENGINES) --threads $(THREADS)
+	# costs measured here, quietly (about 15 s): adaptive depth and the prefill plan read them
+	$(BIN)/specexport tune $(ENGINES) --threads $(THREADS) --rounds 5
 
 demo: engines
 	$(BIN)/specexport plan recipes/smollm2-135m.yaml
