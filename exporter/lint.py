@@ -15,12 +15,12 @@ non-zero, unless ``strict`` counts skipped graphs too.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import onnx
 
+from specexport.contract import MANIFEST, read_manifest
 from specexport.errors import BadInput
 
 MIN_OPSET, MAX_OPSET = 9, 22
@@ -255,13 +255,8 @@ def graph_files(target: Path) -> list[Path]:
         raise BadInput(f"{target}: no such file or directory")
     if target.is_file():
         return [target]
-    manifest = target / "manifest.json"
-    if manifest.is_file():
-        try:
-            raw = json.loads(manifest.read_text())
-            paths = [target / e["path"] for e in raw["engines"] if e.get("backend") == "onnxruntime"]
-        except (ValueError, KeyError, TypeError) as err:
-            raise BadInput(f"{manifest}: malformed manifest ({type(err).__name__}: {err}); rebuild it") from None
+    if (target / MANIFEST).is_file():  # an engine directory: read through the one manifest reader
+        paths = [target / e.path for e in read_manifest(target).engines if e.backend == "onnxruntime"]
     else:
         paths = sorted(target.glob("*.onnx"))
     if not paths:

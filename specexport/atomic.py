@@ -82,6 +82,18 @@ def temp_name(path: Path, kind: str = "partial") -> Path:
     return path.parent / f".{path.name}.{kind}-{os.getpid()}"
 
 
+def _file_mode() -> int:
+    """0666 less the process umask, as ``open`` would create the file. Read from /proc (Linux):
+    ``os.umask`` can only be read by setting it, which would race with other threads."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o644
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """``with atomic_path(p) as tmp:`` write the file ``tmp`` any way you like (a library's
@@ -98,6 +110,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         if not tmp.is_file():
             raise FileNotFoundError(f"{tmp}: the writer did not write the file")
         _fsync(tmp)
+        os.chmod(tmp, _file_mode())  # mkstemp makes 0600; the output reads like any file written
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

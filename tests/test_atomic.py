@@ -203,3 +203,17 @@ def test_a_crash_between_the_fallback_renames_is_repaired(tmp_path):
     engine_dir(tmp_path / f".engines.old-{dead_pid()}", "old")
     atomic.sweep(out)
     assert tag_of(out) == "old" and beside(out) == []
+
+
+def test_written_files_get_the_usual_permissions_not_mkstemps_0600(tmp_path):
+    """A manifest or report others must read (a server under another user) is 0666 less the
+    umask, as a plain open() would make it."""
+    umask = os.umask(0o022)  # this test's own process setting, restored below
+    try:
+        atomic.write_text(tmp_path / "manifest.json", "{}")
+        with atomic.atomic_path(tmp_path / "plot.png") as tmp:
+            tmp.write_bytes(b"png")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "manifest.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "plot.png").stat().st_mode & 0o777 == 0o644
