@@ -37,12 +37,14 @@ engines: $(STAMP)
 
 demo: engines
 	$(BIN)/specexport plan recipes/smollm2-135m.yaml
-	# a grounded code edit: the same output three ways, the speed and E[L] on stderr
+	# a grounded code edit: the same output four ways, the speed and E[L] on stderr
 	$(BIN)/specexport generate $(ENGINES) --chat --threads $(THREADS) --drafter none --max-new-tokens 128 \
 		--prompt-file bench/prompts/demo.txt
 	$(BIN)/specexport generate $(ENGINES) --chat --threads $(THREADS) --drafter ngram --max-new-tokens 128 \
 		--prompt-file bench/prompts/demo.txt
 	$(BIN)/specexport generate $(ENGINES) --chat --threads $(THREADS) --drafter quantized-self --max-new-tokens 128 \
+		--prompt-file bench/prompts/demo.txt
+	$(BIN)/specexport generate $(ENGINES) --chat --threads $(THREADS) --drafter eagle3 --max-new-tokens 128 \
 		--prompt-file bench/prompts/demo.txt
 
 test: $(STAMP)

@@ -18,6 +18,7 @@ import onnx
 
 from specexport import __version__
 from specexport.contract import (
+    AUX_HIDDEN_STATES,
     KV_UPDATE_OF_ATTENTION,
     ROLE_PRIORITY,
     DrafterEntry,
@@ -26,27 +27,39 @@ from specexport.contract import (
     Manifest,
     ModelEntry,
     Role,
-    engine_from_json,
     engine_name,
-    engine_to_json,
     sha256_of,
     write_manifest,
 )
 from specexport.errors import BadInput
 from specexport.exporter.archs import read_decoder
 from specexport.exporter.graph_model import StaticDecoder
-from specexport.exporter.onnx_export import WeightStore, export_graph, tensor_specs
+from specexport.exporter.heads import HeadContext, LoadedHead, load_head, merged_taps
+from specexport.exporter.onnx_export import WeightStore, drop_outputs, export_graph, tensor_specs
 from specexport.exporter.outdir import AtomicDir, existing_manifest
 from specexport.exporter.plan import DraftPlanResult, calibration_file, plan_recipe_draft
 from specexport.exporter.progress import Reporter
 from specexport.exporter.quantize import count_quantized, gemm_heads_to_matmul, quantize_int4
-from specexport.exporter.recipe import ModelDrafter, QuantizedSelfDrafter, Recipe, load_recipe
-from specexport.exporter.sources import LoadedModel, eos_token_ids, file_sha256, fingerprint, load_source
+from specexport.exporter.recipe import (
+    HIDDEN_STATE_KINDS,
+    ModelDrafter,
+    QuantizedSelfDrafter,
+    Recipe,
+    load_recipe,
+)
+from specexport.exporter.sources import (
+    LoadedModel,
+    eos_token_ids,
+    file_sha256,
+    fingerprint,
+    folder_fingerprint,
+    load_source,
+)
 from specexport.exporter.validate import (
     GraphUnderTest,
     check_parity,
+    reference_forward,
     reference_ids,
-    reference_logits,
     validate_model,
 )
 from specexport.runtime.integrity import ensure_verified
@@ -118,7 +131,7 @@ def toolchain() -> dict:
 def exporter_digest() -> str:
     """The exporter's own code is an input of the build too."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    for path in sorted(Path(__file__).parent.rglob("*.py")):  # the heads' subpackage too
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -160,7 +173,8 @@ class Builder:
         self.models: dict[str, ModelEntry] = {}
         self.graph_files: dict[str, list[GraphUnderTest]] = {}
         self.specs: dict[str, tuple] = {}
-        self.timing: dict[str, ModelRunner] = {}  # model -> its validated graphs, timed together at the end
+        self.timing: dict[str, ModelRunner] = {}  # model (or head part) -> its validated graphs, timed together at the end
+        self.heads: dict[str, LoadedHead] = {}  # hidden-state drafters by name (exporter/heads)
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -176,6 +190,10 @@ class Builder:
                     check_tokenizers(target, loaded)
                     s.detail = f"{loaded.config.model_type}, {loaded.model.num_parameters() / 1e6:.1f}M params"
                 drafter_models[spec.name] = loaded
+            elif spec.kind in HIDDEN_STATE_KINDS:
+                with self.rep.step("load", f"drafter {spec.name}") as s:
+                    self.heads[spec.name] = load_head(spec, target, self.base, f"drafters.{i}")
+                    s.detail = f"{spec.kind}, reads target layers {list(self.heads[spec.name].taps)}"
         return target, drafter_models
 
     def plan(self, target: LoadedModel) -> DraftPlanResult:
@@ -189,10 +207,12 @@ class Builder:
         return plan
 
     def export_model(self, tmp: Path, name: str, kind: str, loaded: LoadedModel, graphs: GraphSet,
-                     int4: tuple[str, QuantizedSelfDrafter, GraphSet] | None = None) -> None:
+                     int4: tuple[str, QuantizedSelfDrafter, GraphSet] | None = None,
+                     taps: tuple[int, ...] = ()) -> None:
+        """``taps``: hidden states every graph also outputs (aux_hidden_states) for the heads."""
         shapes = self.recipe.shapes
         parts = read_decoder(loaded.model, shapes.max_seq_len, loaded.origin)
-        decoder = StaticDecoder(parts, shapes.max_seq_len, self.recipe.attention).eval()
+        decoder = StaticDecoder(parts, shapes.max_seq_len, self.recipe.attention, taps=taps).eval()
         stores = {name: WeightStore(tmp / f"{name}.weights")}
         if int4 is not None:
             stores[int4[0]] = WeightStore(tmp / f"{int4[0]}.weights")
@@ -207,6 +227,7 @@ class Builder:
                     with self.rep.step("quantize", q_graph) as s:
                         copy = onnx.ModelProto()
                         copy.CopyFrom(proto)
+                        drop_outputs(copy, {AUX_HIDDEN_STATES})  # the heads read the fp32 target's taps
                         if q_spec.quantize_head:
                             gemm_heads_to_matmul(copy)
                         quantized = quantize_int4(copy, q_spec.block_size, q_spec.symmetric, q_spec.accuracy_level,
@@ -219,14 +240,17 @@ class Builder:
                 store.close()
         kv = KVLayout(len(parts.layers), parts.num_key_value_heads, parts.head_dim, shapes.max_seq_len, "float32")
         summary = parts.summary()
+        if taps:
+            summary["taps"] = list(taps)
         vocab = int(summary.pop("vocab_size"))
         self.models[name] = ModelEntry(name, kind, kv, vocab, f"{name}.weights", self.recipe.attention, summary)
         if int4 is not None:
             q_name, q_spec, _ = int4
+            untapped = {k: v for k, v in summary.items() if k != "taps"}  # its graphs dropped the taps
             quant = {"bits": q_spec.bits, "block_size": q_spec.block_size, "symmetric": q_spec.symmetric,
                      "accuracy_level": q_spec.accuracy_level, "quantized_head": q_spec.quantize_head}
             self.models[q_name] = ModelEntry(q_name, "quantized-self", kv, vocab, f"{q_name}.weights",
-                                             self.recipe.attention, {**summary, **quant})
+                                             self.recipe.attention, {**untapped, **quant})
 
     def _save(self, tmp: Path, model: str, graph_name: str, tokens: int, kind: str, proto: onnx.ModelProto,
               store: WeightStore, graphs: GraphSet) -> None:
@@ -247,21 +271,24 @@ class Builder:
         a graph outside the limits for ``precision`` (exporter/validate.py TOLERANCES)."""
         shapes = self.recipe.shapes
         info = self.models[model].kv
+        taps = self.models[model].taps  # the graphs' aux_hidden_states, checked from the same pass
         with self.rep.step("validate", f"{model} reference") as s:
             ids = reference_ids(reference.tokenizer, shapes.max_seq_len)
-            ref = reference_logits(reference.model, ids)
-            s.detail = f"transformers, {len(ids)} tokens"
+            ref, ref_aux = reference_forward(reference.model, ids, taps)
+            s.detail = f"transformers, {len(ids)} tokens" + (f", hidden states {list(taps)}" if taps else "")
         with self.rep.step("validate", f"{model} graphs") as s:
             kept: list[ModelRunner] = []
             results = validate_model(
                 self.graph_files[model], self.specs, info.num_layers, info.num_kv_heads,
                 info.head_dim, shapes.max_seq_len, ids, ref, self.threads,
-                in_place=self.recipe.attention == "ort-gqa", keep=kept,
+                in_place=self.recipe.attention == "ort-gqa", keep=kept, ref_aux=ref_aux, taps=taps,
             )
             self.timing[model] = kept[0]
             worst = max(r["max_abs_logit_diff"] for r in results.values())
             agree = min(r["argmax_agreement"] for r in results.values())
             s.detail = f"max |Δlogit| {worst:.2e}, argmax agreement {agree:.1%}"
+            if taps:
+                s.detail += f", max |Δh|/scale {max(r['max_rel_aux_diff'] for r in results.values()):.2e}"
         limits = self.recipe.validation
         for i, entry in enumerate(self.engines):
             if entry.name in results:
@@ -279,11 +306,13 @@ class Builder:
         every model alike: the costs the runtime compares across models (draft step against
         verify) come from the same minutes."""
         with self.rep.step("validate", "costs (all graphs, interleaved)") as s:
-            runners = {model: (runner, runner.sizes) for model, runner in self.timing.items()}
+            runners = {key: (runner, runner.sizes) for key, runner in self.timing.items()}
             times = time_interleaved(runners, rounds)
+            by_engine = {self.timing[key].engine_at(size): seconds
+                         for key, by_size in times.items() for size, seconds in by_size.items()}
             for i, entry in enumerate(self.engines):
-                if entry.model in times and entry.backend == "onnxruntime":
-                    self.engines[i] = replace(entry, cost_ms=round(times[entry.model][entry.tokens] * 1e3, 3))
+                if entry.name in by_engine and entry.backend == "onnxruntime":
+                    self.engines[i] = replace(entry, cost_ms=round(by_engine[entry.name] * 1e3, 3))
             s.detail = f"{sum(len(sizes) for _, sizes in runners.values())} graphs × {rounds} rounds"
         self.timing.clear()  # close the sessions
 
@@ -313,7 +342,8 @@ class Builder:
         int4 = next((d for d in recipe.drafters if isinstance(d, QuantizedSelfDrafter)), None)
         t_graphs = target_graphs(recipe, plan)
         quant = (int4.name, int4, drafter_graphs(int4.name, recipe)) if int4 else None
-        self.export_model(tmp, "target", "target", target, t_graphs, quant)
+        taps = merged_taps(list(self.heads.values()))
+        self.export_model(tmp, "target", "target", target, t_graphs, quant, taps=taps)
         for name, loaded in drafter_models.items():
             self.export_model(tmp, name, "model", loaded, drafter_graphs(name, recipe))
 
@@ -324,22 +354,22 @@ class Builder:
         for spec in recipe.drafters:
             if isinstance(spec, ModelDrafter):
                 self.validate(spec.name, drafter_models[spec.name], "fp32")
+        for name, head in self.heads.items():  # after the target: heads read its validated taps
+            head.build(HeadContext(self, tmp, name, plan, target, taps, self.threads))
         self.measure_costs()
 
         if "tensorrt" in recipe.backends:
             from specexport.exporter.trt_build import compile_engines
 
             # one serialized engine per ONNX graph, appended as backend "tensorrt" entries
-            # (compile_engines speaks the manifest's JSON entries)
-            compiled = compile_engines(tmp, [engine_to_json(e) for e in self.engines], recipe, self.rep,
-                                       timing_cache_dir=self.out.parent)
-            self.engines += [engine_from_json(e) for e in compiled]
+            self.engines += compile_engines(tmp, self.engines, recipe, self.rep, timing_cache_dir=self.out.parent)
 
         with self.rep.step("write", "manifest") as s:
             tokenizer = self.write_tokenizer(tmp, target)
             files = {p.name: sha256_of(p) for p in sorted(tmp.iterdir()) if p.is_file()}
             self.engines = [replace(e, sha256=files[e.path]) for e in self.engines]
-            drafters = [self._drafter_entry(d) for d in recipe.drafters]
+            drafters = [self.heads[d.name].drafter_entry(d.name) if d.name in self.heads else self._drafter_entry(d)
+                        for d in recipe.drafters]
             manifest = write_manifest(tmp, Manifest(
                 root=tmp,
                 name=recipe.name,
@@ -400,6 +430,8 @@ def build_recipe(recipe: Recipe, base: Path, out: str | Path | None, force: bool
         for i, spec in enumerate(recipe.drafters):
             if isinstance(spec, ModelDrafter):
                 prints[spec.name] = fingerprint(spec.model, base, f"drafters.{i}.model")
+            elif spec.kind in HIDDEN_STATE_KINDS and spec.path is not None:
+                prints[spec.name] = folder_fingerprint(base / spec.path, f"drafters.{i}.path")
         calibration = calibration_file(recipe, base)
         if calibration is not None and calibration.is_file():
             prints["calibration"] = file_sha256(calibration)

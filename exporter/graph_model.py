@@ -9,6 +9,7 @@ changes. Conventions (design.md, "Graphs"):
   outputs  logits                        float [B, T, V]
            next_tokens                   int64 [B, T]   argmax of logits (greedy needs no logits)
            present.{i}.key|value         float [B, n_kv, T, head_dim]  K/V of the T new tokens
+           aux_hidden_states             float [B, T, n_taps·hidden]  only with taps (drafter heads)
 
 The mask is built in the graph from cache_length: past slot j is visible when j < cache_length
 (and inside the sliding window); new token t sees new tokens t' <= t. Slots past the cache
@@ -118,8 +119,13 @@ HEAD_WEIGHT = "lm_head_t"  # the MatMul head's initializer (quantize.py keeps it
 
 class StaticDecoder(nn.Module):
     def __init__(self, parts: DecoderParts, max_seq_len: int, attention: str = "standard",
-                 fusions: OrtFusions | None = None):
+                 fusions: OrtFusions | None = None, taps: tuple[int, ...] = ()):
+        """``taps``: hidden states to output as aux_hidden_states, in transformers'
+        output_hidden_states indices (i < L: the stream entering layer i; L: after the final norm)."""
         super().__init__()
+        if any(not 0 <= i <= len(parts.layers) for i in taps):
+            raise ValueError(f"taps {list(taps)} must lie in 0..{len(parts.layers)} (the model's layer count)")
+        self.taps = tuple(taps)
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}")
         self.attention = attention
@@ -211,8 +217,11 @@ class StaticDecoder(nn.Module):
             gqa_lengths = ((total - 1).to(torch.int32), total.max().to(torch.int32))  # seqlens_k, total
 
         presents: list[torch.Tensor] = []
+        tapped: dict[int, torch.Tensor] = {}  # hidden_states index -> [B, T, hidden]
         x = _rms_norm(hidden, self.layers[0].attn_norm, self.eps)  # the first layer's attention input
         for i, layer in enumerate(self.layers):
+            if i in self.taps:
+                tapped[i] = hidden  # the residual stream entering layer i
             cos, sin = rope[layer.rope_table]  # [B, T, 1, rot]
             past_k, past_v = past[2 * i], past[2 * i + 1]  # [B, n_kv, S_max, hd]
             if self.attention == "ort-gqa":
@@ -231,6 +240,7 @@ class StaticDecoder(nn.Module):
             x, hidden = self._add_norm(hidden, mlp_out, self.final_norm if last else self.layers[i + 1].attn_norm)
 
         hidden = x  # [B, T, hidden], after the final norm
+        tapped[len(self.layers)] = hidden
         if self.fusions.matmul_head:
             logits = hidden @ getattr(self, HEAD_WEIGHT)  # [B, T, V]
         else:
@@ -241,6 +251,9 @@ class StaticDecoder(nn.Module):
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         next_tokens = logits.argmax(dim=-1)  # [B, T]
+        if self.taps:
+            aux = torch.cat([tapped[i] for i in self.taps], dim=-1)  # [B, T, n_taps·hidden]
+            return (logits, next_tokens, *presents, aux)
         return (logits, next_tokens, *presents)
 
     def _add_norm(self, hidden, delta, weight):

@@ -19,7 +19,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from specexport.contract import TensorSpec, graph_inputs, graph_outputs
+from specexport.contract import AUX_HIDDEN_STATES, TensorSpec, graph_inputs, graph_outputs
 from specexport.errors import SpecexportError
 from specexport.exporter.graph_model import StaticDecoder
 
@@ -29,9 +29,9 @@ _EXTERNAL_MIN_BYTES = 1024
 _ALIGN = 4096
 
 
-def graph_io(num_layers: int) -> tuple[list[str], list[str]]:
+def graph_io(num_layers: int, taps: tuple[int, ...] = ()) -> tuple[list[str], list[str]]:
     """Input and output names, in the order StaticDecoder.forward takes and returns them."""
-    return graph_inputs(num_layers), graph_outputs(num_layers)
+    return graph_inputs(num_layers), graph_outputs(num_layers) + ([AUX_HIDDEN_STATES] if taps else [])
 
 
 def example_inputs(decoder: StaticDecoder, batch: int, tokens: int) -> tuple[torch.Tensor, ...]:
@@ -43,8 +43,15 @@ def example_inputs(decoder: StaticDecoder, batch: int, tokens: int) -> tuple[tor
 
 
 def export_graph(decoder: StaticDecoder, batch: int, tokens: int, opset: int) -> onnx.ModelProto:
-    """torch.export-based ONNX export; every dimension static."""
-    inputs, outputs = graph_io(decoder.num_layers)
+    """torch.export-based ONNX export of a decoder graph; every dimension static."""
+    inputs, outputs = graph_io(decoder.num_layers, decoder.taps)
+    return export_module(decoder, example_inputs(decoder, batch, tokens), inputs, outputs, opset)
+
+
+def export_module(module: torch.nn.Module, example: tuple[torch.Tensor, ...], inputs: list[str],
+                  outputs: list[str], opset: int) -> onnx.ModelProto:
+    """torch.export-based ONNX export of any module (decoders, drafter heads): the example
+    inputs fix every dimension; ``inputs``/``outputs`` name them in forward's order."""
     # The exporter narrates each stage on stdout and warns about unrelated optional
     # packages; our own progress display says what is happening.
     quiet_loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "onnxscript", "onnx_ir")]
@@ -55,8 +62,8 @@ def export_graph(decoder: StaticDecoder, batch: int, tokens: int, opset: int) ->
         with warnings.catch_warnings(), redirect_stdout(io.StringIO()), torch.no_grad():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
-                decoder,
-                example_inputs(decoder, batch, tokens),
+                module,
+                example,
                 None,
                 input_names=inputs,
                 output_names=outputs,
@@ -75,6 +82,21 @@ def export_graph(decoder: StaticDecoder, batch: int, tokens: int, opset: int) ->
 
 # Fused onnxruntime kernels whose optional outputs we never read: (domain, op) -> output indices.
 _OPTIONAL_OUTPUTS = {("com.microsoft", "SkipSimplifiedLayerNormalization"): (1, 2)}  # mean, 1/std
+
+
+def drop_outputs(model: onnx.ModelProto, names: set[str]) -> None:
+    """Remove graph outputs ``names`` and every node left computing nothing that is read (in
+    place): a copy of a graph that needs fewer outputs (the int4 drafter needs no taps)."""
+    kept = [value for value in model.graph.output if value.name not in names]
+    del model.graph.output[:]
+    model.graph.output.extend(kept)
+    while True:
+        used = {name for node in model.graph.node for name in node.input} | {v.name for v in model.graph.output}
+        live = [node for node in model.graph.node if any(out in used for out in node.output if out)]
+        if len(live) == len(model.graph.node):
+            return
+        del model.graph.node[:]
+        model.graph.node.extend(live)
 
 
 def _drop_unused_optional_outputs(model: onnx.ModelProto) -> None:

@@ -122,8 +122,60 @@ class ModelDrafter(_Strict):
     model: ModelSource
 
 
+class _HiddenStateDrafter(_Strict):
+    """A trained head that reads the target's hidden states, from a published checkpoint
+    (exporter/heads/: one loader per kind, the layout detected from the files)."""
+
+    # the checkpoint's folder (config.json + *.safetensors), relative to the recipe
+    path: Path
+    # which published layout; auto: detected from config.json and the tensor names
+    layout: str = "auto"
+    # Override the target layers the head reads, in the checkpoint's own convention (see the
+    # loader); None: from the checkpoint's config, or the kind's default.
+    layer_ids: list[Annotated[int, Field(ge=-1)]] | None = None
+
+
+class Eagle3Drafter(_HiddenStateDrafter):
+    """EAGLE-3: one decoder layer over three tapped target layers (SafeAILab or speculators layout)."""
+
+    kind: Literal["eagle3"]
+    name: str = "eagle3"
+    layout: Literal["auto", "safeailab", "speculators"] = "auto"
+
+
+class MtpDrafter(_HiddenStateDrafter):
+    """Multi-token-prediction heads, inside the target's own checkpoint (path: None) or a folder."""
+
+    kind: Literal["mtp"]
+    name: str = "mtp"
+    path: Path | None = None  # type: ignore[assignment]  # None: the target's own checkpoint
+    layout: Literal["auto", "deepseek", "qwen3-next", "mimo", "speculators"] = "auto"
+
+
+class DFlashDrafter(_HiddenStateDrafter):
+    """DFlash: a block drafter; one forward drafts a whole block from the target's features."""
+
+    kind: Literal["dflash"]
+    name: str = "dflash"
+    layout: Literal["auto", "z-lab", "speculators"] = "auto"
+
+
+class DSparkDrafter(_HiddenStateDrafter):
+    """DSpark: DFlash's block plus a light serial Markov head and a confidence head."""
+
+    kind: Literal["dspark"]
+    name: str = "dspark"
+    layout: Literal["auto", "deepspec", "speculators"] = "auto"
+    # Cut a draft where the running product of the confidence head's probabilities falls below
+    # this (a predicted acceptance of the whole prefix); 0: off, the adaptive depth alone decides.
+    confidence_threshold: float = Field(0.0, ge=0.0, le=1.0)
+
+
+HIDDEN_STATE_KINDS = ("eagle3", "mtp", "dflash", "dspark")
+
 DrafterSpec = Annotated[
-    NgramDrafter | QuantizedSelfDrafter | ModelDrafter, Field(discriminator="kind")
+    NgramDrafter | QuantizedSelfDrafter | ModelDrafter | Eagle3Drafter | MtpDrafter | DFlashDrafter | DSparkDrafter,
+    Field(discriminator="kind"),
 ]
 
 
@@ -219,7 +271,7 @@ class Recipe(_Strict):
 def _field_path(loc: tuple) -> str:
     # Discriminated unions add the tag to the location (drafters.1.quantized-self.bits);
     # users wrote drafters.1.bits, so drop the tag.
-    tags = {"hf", "gguf", "tiny", "ngram", "quantized-self", "model"}
+    tags = {"hf", "gguf", "tiny", "ngram", "quantized-self", "model", *HIDDEN_STATE_KINDS}
     parts = [str(p) for p in loc if str(p) not in tags]
     return ".".join(parts) or "(top level)"
 

@@ -84,6 +84,13 @@ def fingerprint(src, base: Path, origin: str) -> dict:
     return {"hf": {p.name: file_sha256(p) for p in files}}
 
 
+def folder_fingerprint(path: Path, origin: str) -> dict:
+    """A checkpoint folder's content (a drafter head): each file's sha256."""
+    if not path.is_dir():
+        raise BadInput(f"{origin}: {path} is not a folder; give the checkpoint's folder (config.json + *.safetensors)")
+    return {"folder": {p.name: file_sha256(p) for p in sorted(path.iterdir()) if p.is_file()}}
+
+
 def load_config(src, base: Path, origin: str):
     """The model's transformers config, without loading its weights."""
     from transformers import AutoConfig

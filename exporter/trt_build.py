@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,7 +27,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from specexport import atomic
-from specexport.contract import engine_from_json, engine_to_json
+from specexport.contract import EngineEntry
 from specexport.errors import BadInput, SpecexportError
 from specexport.exporter.lint import lint_model, tensor_types
 from specexport.exporter.progress import Reporter
@@ -284,8 +284,8 @@ def _parse(builder: trt.Builder, logger: trt.ILogger, path: Path,
     return network, parser
 
 
-def compile_engines(tmp: Path, engines: list[dict], recipe: Recipe, reporter: Reporter, timing_cache_dir: Path,
-                    options: TrtBuildOptions | None = None) -> list[dict]:
+def compile_engines(tmp: Path, engines: list[EngineEntry], recipe: Recipe, reporter: Reporter,
+                    timing_cache_dir: Path, options: TrtBuildOptions | None = None) -> list[EngineEntry]:
     """Build a TensorRT engine for every onnxruntime graph in ``engines``; return their
     manifest entries (backend "tensorrt"). The ONNX files stay: they are what
     `specexport build --from-onnx` rebuilds from on another machine."""
@@ -301,23 +301,23 @@ def compile_engines(tmp: Path, engines: list[dict], recipe: Recipe, reporter: Re
     cache_config = builder.create_builder_config()
     cache = cache_config.create_timing_cache(cache_file.read_bytes() if cache_file.is_file() else b"")
     scratch = tmp / ".tensorrt-scratch"
-    entries: list[dict] = []
+    entries: list[EngineEntry] = []
     try:
-        for onnx_entry in [e for e in engines if e["backend"] == "onnxruntime"]:
-            source = tmp / onnx_entry["path"]
-            lint = lint_model(onnx.load(str(source), load_external_data=False), onnx_entry["name"])
+        for onnx_entry in [e for e in engines if e.backend == "onnxruntime"]:
+            source = tmp / onnx_entry.path
+            lint = lint_model(onnx.load(str(source), load_external_data=False), onnx_entry.name)
             if lint.status == "skip":
-                reporter.warn(f"{onnx_entry['name']}: not compiled for TensorRT: {lint.problems[0]}")
+                reporter.warn(f"{onnx_entry.name}: not compiled for TensorRT: {lint.problems[0]}")
                 continue
             if lint.status == "fail":
-                raise SpecexportError(f"{onnx_entry['name']} cannot be built by TensorRT: {'; '.join(lint.problems)}")
-            with reporter.step("tensorrt", onnx_entry["name"]) as s:
-                plan = tmp / f"{onnx_entry['name']}.plan"
+                raise SpecexportError(f"{onnx_entry.name} cannot be built by TensorRT: {'; '.join(lint.problems)}")
+            with reporter.step("tensorrt", onnx_entry.name) as s:
+                plan = tmp / f"{onnx_entry.name}.plan"
                 graph = source
                 if opts.precision != "fp32":
                     graph = _write_cast_copy(source, scratch, opts.precision)
                 del messages[:]
-                network, parser = _parse(builder, logger, graph, onnx_entry["name"])
+                network, parser = _parse(builder, logger, graph, onnx_entry.name)
                 config = builder.create_builder_config()
                 config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, opts.workspace_mb << 20)
                 config.builder_optimization_level = opts.optimization_level
@@ -329,14 +329,15 @@ def compile_engines(tmp: Path, engines: list[dict], recipe: Recipe, reporter: Re
                 del network, parser
                 if serialized is None:
                     why = messages[-1] if messages else "see the warnings above"
-                    raise SpecexportError(f"TensorRT failed to build {onnx_entry['name']}: {why}")
+                    raise SpecexportError(f"TensorRT failed to build {onnx_entry.name}: {why}")
                 with open(plan, "wb") as fh:
                     fh.write(serialized)
                 s.detail = f"{opts.precision}, {plan.stat().st_size / 1e6:.1f} MB"
             entry = _entry(onnx_entry, plan, trt.__version__, device, opts)
-            with reporter.step("tensorrt", f"{onnx_entry['name']} parity") as s:
+            with reporter.step("tensorrt", f"{onnx_entry.name} parity") as s:
                 # the plan against its fp32 ONNX graph on onnxruntime; out of tolerance fails here
-                entry["parity"] = p = engine_parity(entry, tmp, source, opts.precision, device, opts.enforce_parity)
+                p = engine_parity(entry, tmp, source, opts.precision, device, opts.enforce_parity)
+                entry = replace(entry, parity=p)
                 s.detail = (f"max |Δlogit| {p['max_abs_logit_diff']:.2e} (scale {p['logit_scale']:.3g}), "
                             f"argmax agreement {p['argmax_agreement']:.1%}")
             entries.append(entry)
@@ -364,8 +365,8 @@ def _save_cache(path: Path, data: object) -> None:
     atomic.write_bytes(path, memoryview(data))  # type: ignore[arg-type]
 
 
-def _entry(onnx_entry: dict, plan: Path, trt_version: str, device: trt_engine.CudaDevice,
-           opts: TrtBuildOptions) -> dict:
+def _entry(onnx_entry: EngineEntry, plan: Path, trt_version: str, device: trt_engine.CudaDevice,
+           opts: TrtBuildOptions) -> EngineEntry:
     """The manifest entry of ``plan``: its ONNX graph's entry compiled for TensorRT (the
     contract keeps name, role, shapes and KV update; this adds what the engine was built with)."""
     extra = {
@@ -376,6 +377,6 @@ def _entry(onnx_entry: dict, plan: Path, trt_version: str, device: trt_engine.Cu
         "strongly_typed": True,
         "workspace_mb": opts.workspace_mb,
         "optimization_level": opts.optimization_level,
-        "onnx": onnx_entry["path"],
+        "onnx": onnx_entry.path,
     }
-    return engine_to_json(engine_from_json(onnx_entry).compiled("tensorrt", plan.name, extra))
+    return onnx_entry.compiled("tensorrt", plan.name, extra)

@@ -19,8 +19,6 @@ from specexport.contract import (
     MANIFEST,
     EngineEntry,
     Manifest,
-    engine_from_json,
-    engine_to_json,
     read_manifest,
     sha256_of,
     write_manifest,
@@ -81,12 +79,11 @@ def rebuild_from_onnx(directory: str | Path, reporter: Reporter, precision: str 
         for rel in manifest.files:
             if rel not in old_plans:
                 _link_or_copy(directory / rel, tmp / rel)
-        # compile_engines speaks the manifest's JSON entries
-        new = compile_engines(tmp, [engine_to_json(e) for e in onnx_entries], recipe, reporter,
+        new = compile_engines(tmp, onnx_entries, recipe, reporter,
                               timing_cache_dir=directory.resolve().parent, options=options)
         with reporter.step("write", "manifest") as s:
             created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-            updated = with_tensorrt_engines(manifest, [engine_from_json(e) for e in new], tmp, options, created)
+            updated = with_tensorrt_engines(manifest, new, tmp, options, created)
             raw = write_manifest(tmp, replace(updated, root=tmp))
             s.detail = f"{len(new)} TensorRT engines"
     return raw

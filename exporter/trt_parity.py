@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from specexport.contract import EngineEntry, engine_from_json
+from specexport.contract import EngineEntry
 from specexport.errors import SpecexportError
 from specexport.exporter.validate import TOLERANCES, Parity, cache_lengths
 from specexport.runtime import trt_engine
@@ -103,11 +103,10 @@ class TrtPlanRunner:
         self._engine.close()
 
 
-def engine_parity(plan_entry: dict | EngineEntry, root: Path, onnx_path: Path, precision: str,
+def engine_parity(entry: EngineEntry, root: Path, onnx_path: Path, precision: str,
                   device: trt_engine.CudaDevice, enforce: bool = True) -> dict:
-    """Run the plan of ``plan_entry`` (in ``root``) and ``onnx_path`` on the same inputs; return
+    """Run the plan of ``entry`` (in ``root``) and ``onnx_path`` on the same inputs; return
     the ``parity`` record for its manifest entry; raise when out of tolerance and ``enforce``."""
-    entry = engine_from_json(plan_entry) if isinstance(plan_entry, dict) else plan_entry
     engine = TrtPlanRunner(entry, root, device)
     try:
         figures = compare(engine, onnx_runner(entry, onnx_path), parity_feeds(entry))

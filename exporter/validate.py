@@ -1,21 +1,22 @@
 """Check exported graphs numerically against transformers, through the runtime's own path.
 
 For each model: transformers computes reference logits for a real token sequence in one full
-forward pass. The graphs then run in onnxruntime exactly as the runtime runs them: the cache
-is filled by the prefill graph chunk by chunk, and every graph is run at several cache
-lengths (empty, half full, nearly full) with the slots past the length holding stale data,
-which the in-graph mask must hide.
+forward pass (and, for a target whose graphs output aux_hidden_states, the hidden states at the
+tapped indices from the same pass). The graphs then run in onnxruntime exactly as the runtime
+runs them: the cache is filled by the prefill graph chunk by chunk, and every graph is run at
+several cache lengths (empty, half full, nearly full) with the slots past the length holding
+stale data, which the in-graph mask must hide.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from specexport.contract import CACHE_LENGTH, INPUT_IDS, LOGITS, NEXT_TOKENS
+from specexport.contract import AUX_HIDDEN_STATES, CACHE_LENGTH, INPUT_IDS, LOGITS, NEXT_TOKENS
 from specexport.errors import SpecexportError
 from specexport.runtime.engine import EngineOptions
 from specexport.runtime.kv_cache import KVCache
@@ -54,12 +55,16 @@ class GraphUnderTest:
 
 @dataclass(frozen=True)
 class Tolerance:
-    """What a graph of one precision may differ from transformers. Both limits scale with the
-    logit scale (the largest |reference logit|, at least 1): rounding error grows with the
-    magnitudes a model computes, so one relative figure fits tiny and large models alike."""
+    """What a graph of one precision may differ from transformers. The logit limits scale with
+    the logit scale (the largest |reference logit|, at least 1), the taps' with each tap's own
+    scale: rounding error grows with the magnitudes a model computes, so one relative figure
+    fits tiny and large models alike."""
 
     logit_rtol: float | None  # max |Δlogit| <= logit_rtol · scale; None: recorded, not enforced
     near_tie_rtol: float = 0.0  # an argmax may differ only where the reference's top-2 margin < this · scale
+    # tapped hidden states (aux_hidden_states): per tap, max |Δh| <= aux_rtol · that tap's scale
+    # (its largest |reference value|, at least 1); None: recorded, not enforced
+    aux_rtol: float | None = None
 
 
 # The one table of validation limits, keyed by the precision of the graph under test.
@@ -68,8 +73,17 @@ class Tolerance:
 # one corrupt weight misses it by orders of magnitude. The near-tie limit is about the README's
 # losslessness rule (1e-3 at scale 20). fp16/bf16 (TensorRT casts) keep 10 and 7 mantissa bits.
 # int4 differs from the fp32 target by design: its figures are recorded only.
+# Taps (aux_hidden_states), fp32: the figure is per tap, max |Δh| over that tap's scale (its
+# largest |reference value|). Measured 4e-7..1.5e-5 on tiny models of every architecture, standard
+# and ort-gqa (4 layers, taps 0, 1, 2, L), and at most 2.4e-6 on SmolLM2-135M (taps 0, 1, 2, 15, 27,
+# 29, 30; scales 1 to 2.3e4: the middle of the stream carries massive activations). The worst is
+# mostly the final-normed tap L, which shares the logits' rounding: the same 1e-4 as logit_rtol
+# leaves 7x headroom over tiny models and 40x over SmolLM2, while a tap one layer off misses it by
+# 20x (SmolLM2 tap 15, where a 2.3e4 activation sets the scale) to over 1e5x (tap 0).
+# fp16/bf16 taps are recorded only (TensorRT parity compares logits; no GPU figures yet).
+AUX_RTOL_FP32 = 1e-4
 TOLERANCES: dict[str, Tolerance] = {
-    "fp32": Tolerance(logit_rtol=1e-4, near_tie_rtol=5e-5),
+    "fp32": Tolerance(logit_rtol=1e-4, near_tie_rtol=5e-5, aux_rtol=AUX_RTOL_FP32),
     "fp16": Tolerance(logit_rtol=1e-2, near_tie_rtol=5e-3),
     "bf16": Tolerance(logit_rtol=4e-2, near_tie_rtol=2e-2),
     "int4": Tolerance(logit_rtol=None),
@@ -86,6 +100,9 @@ class Parity:
     positions: int = 0
     max_margin_at_disagreement: float = 0.0  # the reference's top-2 gap where the argmax differs
     next_tokens_match: bool = True  # the in-graph argmax equals the graph's own logits' argmax
+    # aux_hidden_states, per tap (hidden_states index -> figure); empty: the graph has no taps
+    aux_diff: dict[int, float] = field(default_factory=dict)  # max |Δh|
+    aux_scale: dict[int, float] = field(default_factory=dict)  # max(1, max |reference h|)
 
     def add(self, got: np.ndarray, want: np.ndarray, next_tokens: np.ndarray | None = None) -> None:
         """``got``/``want``: [T, V] logits of the graph and the reference; ``next_tokens`` [T]."""
@@ -102,6 +119,33 @@ class Parity:
         if next_tokens is not None and not np.array_equal(next_tokens, got.argmax(-1)):
             self.next_tokens_match = False
 
+    def add_aux(self, got: np.ndarray, want: np.ndarray, taps: tuple[int, ...]) -> None:
+        """``got``/``want``: [T, n_taps·hidden] tapped hidden states of the graph and the
+        reference, the taps concatenated in the order of ``taps``."""
+        if got.shape != want.shape or got.shape[-1] % len(taps):
+            raise SpecexportError(f"aux_hidden_states has shape {list(got.shape)}, the reference "
+                                  f"{list(want.shape)} for taps {list(taps)}; the graph's taps differ from the model's")
+        hidden = got.shape[-1] // len(taps)
+        for k, tap in enumerate(taps):
+            cols = slice(k * hidden, (k + 1) * hidden)
+            diff = float(np.abs(got[:, cols] - want[:, cols]).max())  # NaN when either side has one
+            current = self.aux_diff.get(tap, 0.0)
+            self.aux_diff[tap] = diff if not diff <= current else current
+            self.aux_scale[tap] = max(self.aux_scale.get(tap, 1.0), float(np.abs(want[:, cols]).max()))
+
+    def _aux_dict(self) -> dict:
+        if not self.aux_diff:
+            return {}
+        rel = {tap: self.aux_diff[tap] / self.aux_scale[tap] for tap in self.aux_diff}
+        worst = max(rel, key=lambda tap: (rel[tap] != rel[tap], rel[tap]))  # a NaN ranks first
+        return {
+            "aux_taps": sorted(self.aux_diff),
+            "max_abs_aux_diff": max(self.aux_diff.values(), key=lambda d: (d != d, d)),
+            "aux_scale": max(self.aux_scale.values()),
+            "max_rel_aux_diff": rel[worst],  # per tap: |Δh| / that tap's scale
+            "worst_aux_tap": worst,
+        }
+
     def to_dict(self) -> dict:
         return {
             "max_abs_logit_diff": self.max_abs_logit_diff,
@@ -111,6 +155,7 @@ class Parity:
             "positions": self.positions,
             "max_margin_at_disagreement": self.max_margin_at_disagreement,
             "next_tokens_match": self.next_tokens_match,
+            **self._aux_dict(),
         }
 
 
@@ -146,8 +191,18 @@ def check_parity(graph: str, parity: dict, precision: str, max_abs_logit_diff: f
             f"{where}: argmax agreement {parity['argmax_agreement']:.2%} is below the recipe's "
             f"validation.min_argmax_agreement {min_argmax_agreement:.2%}"
         )
-    return {"precision": precision, "enforced": True, "max_abs_logit_diff_limit": logit_limit,
-            "near_tie_margin_limit": tie_limit}
+    applied = {"precision": precision, "enforced": True, "max_abs_logit_diff_limit": logit_limit,
+               "near_tie_margin_limit": tie_limit}
+    if "max_rel_aux_diff" in parity and tol.aux_rtol is not None:
+        if not parity["max_rel_aux_diff"] <= tol.aux_rtol:  # `not <=`: NaN fails too
+            tap = parity["worst_aux_tap"]
+            raise SpecexportError(
+                f"{where}: aux_hidden_states at tap {tap} (hidden_states[{tap}]) differs by "
+                f"{parity['max_rel_aux_diff']:.3g} x its scale, above the limit {tol.aux_rtol:g}; "
+                "the tapped hidden states do not match the model's"
+            )
+        applied["max_rel_aux_diff_limit"] = tol.aux_rtol
+    return applied
 
 
 def _limit_source(override: float | None, rtol: float, scale: float) -> str:
@@ -163,9 +218,24 @@ def reference_ids(tokenizer, length: int) -> np.ndarray:
 
 
 def reference_logits(hf_model, ids: np.ndarray) -> np.ndarray:
+    """transformers' logits [S, V] on ``ids`` [S] (reference_forward has the taps too)."""
+    return reference_forward(hf_model, ids)[0]
+
+
+def reference_forward(hf_model, ids: np.ndarray, taps: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray | None]:
+    """One full transformers pass on ``ids`` [S]: logits [S, V], and with ``taps`` the hidden
+    states at those output_hidden_states indices concatenated as aux_hidden_states is
+    [S, n_taps·hidden] (None without taps)."""
     with torch.no_grad():
-        out = hf_model(torch.from_numpy(ids).unsqueeze(0), use_cache=False)
-    return out.logits[0].float().numpy()  # [S, V]
+        out = hf_model(torch.from_numpy(ids).unsqueeze(0), use_cache=False, output_hidden_states=bool(taps))
+    logits = out.logits[0].float().numpy()  # [S, V]
+    if not taps:
+        return logits, None
+    states = out.hidden_states  # L+1 of [1, S, hidden]
+    if any(not 0 <= tap < len(states) for tap in taps):
+        raise SpecexportError(f"taps {list(taps)} must lie in 0..{len(states) - 1} (the model's layer count)")
+    aux = torch.cat([states[tap][0] for tap in taps], dim=-1)  # [S, n_taps·hidden]
+    return logits, aux.float().numpy()
 
 
 def cache_lengths(max_seq_len: int, tokens: int) -> list[int]:
@@ -178,11 +248,19 @@ def cache_lengths(max_seq_len: int, tokens: int) -> list[int]:
 def validate_model(graphs: list[GraphUnderTest], specs, num_layers: int, num_kv_heads: int, head_dim: int,
                    max_seq_len: int, ref_ids: np.ndarray, ref_logits: np.ndarray,
                    threads: int | None, in_place: bool = False,
-                   keep: list[ModelRunner] | None = None) -> dict[str, dict]:
+                   keep: list[ModelRunner] | None = None,
+                   ref_aux: np.ndarray | None = None, taps: tuple[int, ...] = ()) -> dict[str, dict]:
     """Return graph name -> parity figures and the cost of one run (ms). ``specs`` gives
     (inputs, outputs) per graph name; ``in_place``: the graphs update the cache in place.
     ``keep``: no timing here; the runner is appended to it for the caller, which times every
-    model's graphs in one interleaved schedule (the builder)."""
+    model's graphs in one interleaved schedule (the builder). ``ref_aux`` [S, n_taps·hidden]:
+    the reference's hidden states at ``taps`` (reference_forward), compared with every graph's
+    aux_hidden_states; a graph with that output needs them, and with them every graph needs it."""
+    for g in graphs:
+        if (AUX_HIDDEN_STATES in specs[g.name][1]) != (ref_aux is not None):
+            has = "outputs" if ref_aux is None else "lacks"
+            raise SpecexportError(f"{g.name} {has} {AUX_HIDDEN_STATES} but the model's taps are {list(taps)}; "
+                                  "export the graphs and the reference with the same taps")
     options = EngineOptions(threads=threads)
     engines = [OrtEngine(g.name, g.path, *specs[g.name], options) for g in graphs]
     cache = KVCache(num_layers, 1, num_kv_heads, max_seq_len, head_dim)
@@ -208,9 +286,12 @@ def validate_model(graphs: list[GraphUnderTest], specs, num_layers: int, num_kv_
             # an in-place graph must see its cache bound as its present outputs (otherwise it
             # reads the whole buffer as past); it rewrites these positions with the same K/V
             bound = cache.in_place_outputs() if in_place else None
-            out = engine.run(feeds, [LOGITS, NEXT_TOKENS], bound)
+            outputs = [LOGITS, NEXT_TOKENS] + ([AUX_HIDDEN_STATES] if ref_aux is not None else [])
+            out = engine.run(feeds, outputs, bound)
             want = ref_logits[length : length + graph.tokens]  # [T, V]
             parity.add(out[LOGITS][0], want, out[NEXT_TOKENS][0])  # [T, V], [T, V], [T]
+            if ref_aux is not None:  # [T, n_taps·hidden] each
+                parity.add_aux(out[AUX_HIDDEN_STATES][0], ref_aux[length : length + graph.tokens], taps)
             tested.append(length)
         results[graph.name] = {**parity.to_dict(), "cache_lengths": sorted(tested)}
     # Timing last: an in-place graph writes into the cache it is timed on. Shapes are static,

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specexport.contract import Role
 from specexport.errors import BadInput
 from specexport.runtime.acceptance import Sampling
 from specexport.runtime.adaptive import DepthPolicy
@@ -23,6 +25,7 @@ from specexport.runtime.decode import DecodeStats, decode
 from specexport.runtime.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
 from specexport.runtime.engine import EngineOptions, LazyEngine, open_kv_cache
 from specexport.runtime.integrity import ensure_verified
+from specexport.runtime.kv_cache import KVCache
 from specexport.runtime.manifest import DrafterEntry, EngineEntry, KVUpdate, Manifest
 from specexport.runtime.memory import memory
 from specexport.runtime.runner import ModelRunner
@@ -75,11 +78,26 @@ _log = logging.getLogger(__name__)
 FALLBACK_BACKEND = "onnxruntime"
 
 
+def _from_module(module: str) -> Callable[[DrafterEntry, Pipeline], Drafter]:
+    """A factory in a runtime module (``make(entry, pipe)``), imported on first use."""
+
+    def factory(entry: DrafterEntry, pipe: Pipeline) -> Drafter:
+        return importlib.import_module(module).make(entry, pipe)
+
+    return factory
+
+
 # manifest drafter kind -> factory
 DRAFTER_FACTORIES: dict[str, Callable[[DrafterEntry, Pipeline], Drafter]] = {
     "ngram": _ngram,
     "model": _model,
     "quantized-self": _model,
+    # heads that read the target's hidden states (EAGLE-3 and MTP draft a chain, DFlash and
+    # DSpark a block per call)
+    "eagle3": _from_module("specexport.runtime.chain_drafter"),
+    "mtp": _from_module("specexport.runtime.chain_drafter"),
+    "dflash": _from_module("specexport.runtime.block_drafter"),
+    "dspark": _from_module("specexport.runtime.block_drafter"),
 }
 
 
@@ -94,7 +112,8 @@ class Pipeline:
         self.tuned = tuned
         self._started = started
         self.text = TextCodec(manifest.root, manifest.tokenizer)
-        self._runners: dict[str, ModelRunner] = {}
+        self._runners: dict[tuple[str, frozenset[Role] | None], ModelRunner] = {}
+        self._caches: dict[str, KVCache] = {}  # model -> its one cache, shared by its runners
         self.backends: dict[str, str] = {}  # model -> the backend its engines run on
         self._drafters: dict[str, Drafter] = {"none": NoDrafter()}
         self.target = self.runner("target")
@@ -107,14 +126,20 @@ class Pipeline:
     def max_seq_len(self) -> int:
         return self.manifest.models["target"].max_seq_len
 
-    def runner(self, model: str) -> ModelRunner:
-        """The model's engines and cache, created on first use (sessions once per directory)."""
-        if model not in self._runners:
+    def runner(self, model: str, roles: frozenset[Role] | None = None) -> ModelRunner:
+        """The model's engines and cache, created on first use (sessions once per directory).
+        ``roles``: only the engines of these roles (a chain drafter's catch-up graphs and its
+        step graph take different features, so each set gets its own runner); runners of one
+        model share its cache."""
+        key = (model, roles)
+        if key not in self._runners:
             info = self.manifest.models[model]
             backend = self.backend_of(model)
-            entries = self.manifest.engines_of(model, backend)
+            entries = [e for e in self.manifest.engines_of(model, backend) if roles is None or e.role in roles]
             # the cache first: engines of a device-resident cache bind it when they open
-            cache = open_kv_cache(backend, info, self.options)
+            if model not in self._caches:
+                self._caches[model] = open_kv_cache(backend, info, self.options)
+            cache = self._caches[model]
             engines = [LazyEngine(e, self.manifest.root, self.options, cache) for e in entries]
             # The manifest's role says which graphs decoding runs (decode, catchup, verify,
             # prefill): open those now, so no session is created inside a timed round. Probe
@@ -123,11 +148,11 @@ class Pipeline:
             for entry, engine in zip(entries, engines):
                 if entry.role.decoding:
                     engine.open()
-            self._runners[model] = ModelRunner(model, engines, cache, {e.name: e.tokens for e in entries},
-                                               {e.tokens: self.cost_ms(e) for e in decoding},
-                                               frozenset(e.name for e in entries if e.kv_update == KVUpdate.IN_PLACE),
-                                               roles={e.name: e.role for e in entries})
-        return self._runners[model]
+            self._runners[key] = ModelRunner(model, engines, cache, {e.name: e.tokens for e in entries},
+                                             {e.tokens: self.cost_ms(e) for e in decoding},
+                                             frozenset(e.name for e in entries if e.kv_update == KVUpdate.IN_PLACE),
+                                             roles={e.name: e.role for e in entries})
+        return self._runners[key]
 
     def cost_ms(self, entry: EngineEntry) -> float | None:
         """One run of the engine: measured on this machine by specexport tune, else at build."""
@@ -175,8 +200,20 @@ class Pipeline:
         entry = self.manifest.drafters.get(drafter)
         draft_ms = sync_ms = 0.0
         if entry is not None and entry.model is not None:
-            costs = {e.tokens: self.cost_ms(e) or 0.0
-                     for e in self.manifest.engines_of(entry.model, self.backend_of(entry.model))}
+            engines = self.manifest.engines_of(entry.model, self.backend_of(entry.model))
+            costs = {e.tokens: self.cost_ms(e) or 0.0 for e in engines}
+            blocks = {e.tokens: self.cost_ms(e) for e in engines if e.role == Role.BLOCK}
+            if blocks:
+                # A block drafter pays one call per round whatever its depth (the round's C =
+                # the smallest graph); a skipped round's rows just wait for the next call. So
+                # a depth k >= 1 costs verify(1+k) + one block, depth 0 the verify alone.
+                block_ms = blocks[min(blocks)]
+
+                def with_block(tokens: int) -> float | None:
+                    cost = verify_cost(tokens)
+                    return cost + block_ms / 1e3 if cost and tokens > 1 and block_ms else cost
+
+                return DepthPolicy(with_block)
             draft_ms = costs.get(1, 0.0)
             sync_ms = costs.get(2, draft_ms * 2) / 2  # skipped tokens are caught up two at a time
         return DepthPolicy(verify_cost, draft_cost=draft_ms / 1e3, sync_cost=sync_ms / 1e3)

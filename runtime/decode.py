@@ -115,8 +115,10 @@ def decode(target: ModelRunner, drafter: Drafter, prompt: np.ndarray, *, draft_l
 
     start = time.perf_counter()
     target.rewind(0)
-    target.forward(prompt[:-1])  # chunked prefill; the last prompt token opens round one
-    drafter.reset(prompt)
+    # chunked prefill; the last prompt token opens round one. A drafter that reads the target's
+    # hidden states gets them for the prompt (drafter.needs names them).
+    prefill = target.forward(prompt[:-1], want=drafter.needs)
+    drafter.reset(prompt, prefill.extras)
     stats.prefill_s = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -139,7 +141,7 @@ def decode(target: ModelRunner, drafter: Drafter, prompt: np.ndarray, *, draft_l
 
             verify_before = target.seconds
             out = target.forward(np.concatenate((context[length - 1 : length], draft.tokens)),
-                                 want_logits=not sampling.greedy)
+                                 want_logits=not sampling.greedy, want=drafter.needs)
             stats.verify_s += target.seconds - verify_before
 
             if sampling.greedy:
@@ -149,7 +151,8 @@ def decode(target: ModelRunner, drafter: Drafter, prompt: np.ndarray, *, draft_l
             target.rewind(length + n_accepted)  # keep last + accepted drafts; drop the rest
 
             t0 = time.perf_counter()
-            drafter.accept(n_accepted, next_token)
+            # the drafter sees the target's outputs of the committed positions only
+            drafter.accept(n_accepted, next_token, {name: rows[: 1 + n_accepted] for name, rows in out.extras.items()})
             stats.draft_s += time.perf_counter() - t0
             stats.draft_engine_s += drafter.engine_seconds - engine_before
             if policy is not None:

@@ -1,12 +1,16 @@
 """Drafters: propose k tokens after a context; only the target decides what is kept.
 
-Every drafter has ``propose(context, k, sampling, rng) -> Draft`` and ``accept(n, next_token)``
-(told how many drafts the target kept, so it can resync its own state), and ``reset()``.
-``DRAFTER_KINDS`` maps a manifest drafter kind to its factory.
+Every drafter has ``propose(context, k, sampling, rng) -> Draft`` and ``accept(n, next_token,
+target_out)`` (told how many drafts the target kept, so it can resync its own state), and
+``reset(prompt, target_out)``. A drafter that reads the target's hidden states names the target
+outputs it needs (``needs``); the decode loop asks the target's graphs for them and hands the
+drafter the rows of the positions just committed (runtime/api.py DRAFTER_FACTORIES maps a
+manifest drafter kind to its factory).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 import numpy as np
@@ -15,35 +19,46 @@ from numpy.lib.stride_tricks import sliding_window_view
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
 from specexport.runtime.runner import ModelRunner
 
+TargetOut = Mapping[str, np.ndarray]  # target output name -> [n, ...] rows of committed positions
+
 
 class Drafter(Protocol):
     name: str
+    # target outputs this drafter reads (e.g. AUX_HIDDEN_STATES); empty for most drafters
+    needs: tuple[str, ...]
 
     @property
     def engine_seconds(self) -> float:
         """Seconds inside the drafter's engines so far (0 without any): the rest is host work."""
 
-    def reset(self, prompt: np.ndarray) -> None:
-        """Start a new sequence (neural drafters prefill the prompt here)."""
+    def reset(self, prompt: np.ndarray, target_out: TargetOut) -> None:
+        """Start a new sequence (neural drafters prefill the prompt here). ``target_out``: the
+        needed outputs of the target's prefill, rows for prompt[:-1] (the last prompt token
+        opens round one). Arrays are valid during the call only: copy what you keep."""
 
     def propose(self, context: np.ndarray, k: int, sampling: Sampling, rng: np.random.Generator) -> Draft: ...
 
-    def accept(self, n_accepted: int, next_token: int) -> None: ...
+    def accept(self, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
+        """The target kept ``n_accepted`` drafts and chose ``next_token`` after them.
+        ``target_out``: the needed outputs of the verify pass for the committed positions only,
+        1 + n_accepted rows (the round's first token and the accepted drafts), never a
+        rejected one."""
 
 
 class NoDrafter:
     """The target alone: every round verifies one token. The baseline, through the same engines."""
 
     name = "none"
+    needs: tuple[str, ...] = ()
     engine_seconds = 0.0
 
-    def reset(self, prompt: np.ndarray) -> None:
+    def reset(self, prompt: np.ndarray, target_out: TargetOut) -> None:
         pass
 
     def propose(self, context, k, sampling, rng) -> Draft:
         return EMPTY_DRAFT
 
-    def accept(self, n_accepted: int, next_token: int) -> None:
+    def accept(self, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
         pass
 
 
@@ -51,6 +66,7 @@ class NgramDrafter:
     """Prompt lookup: find the context's last n tokens earlier in the context (longest n
     first, latest occurrence that still has k tokens after it) and propose what followed."""
 
+    needs: tuple[str, ...] = ()
     engine_seconds = 0.0
 
     def __init__(self, name: str = "ngram", max_ngram: int = 3, min_ngram: int = 1):
@@ -58,7 +74,7 @@ class NgramDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def reset(self, prompt: np.ndarray) -> None:
+    def reset(self, prompt: np.ndarray, target_out: TargetOut) -> None:
         pass
 
     def propose(self, context: np.ndarray, k: int, sampling, rng) -> Draft:
@@ -78,13 +94,15 @@ class NgramDrafter:
             return Draft(np.array(context[start : start + k], dtype=np.int64), tag=f"{self.name}/n{n}")
         return EMPTY_DRAFT
 
-    def accept(self, n_accepted: int, next_token: int) -> None:
+    def accept(self, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
         pass
 
 
 class ModelDrafter:
     """A neural drafter (external draft model or the int4 copy of the target) with its own
     KV cache, kept in step with what the target accepted."""
+
+    needs: tuple[str, ...] = ()
 
     def __init__(self, name: str, runner: ModelRunner):
         self.name = name
@@ -96,7 +114,7 @@ class ModelDrafter:
     def engine_seconds(self) -> float:
         return self.runner.seconds
 
-    def reset(self, prompt: np.ndarray) -> None:
+    def reset(self, prompt: np.ndarray, target_out: TargetOut) -> None:
         self.runner.rewind(0)
         self.runner.forward(prompt[:-1])  # as the target: all but the last token
         self._base = self._k = 0
@@ -122,7 +140,7 @@ class ModelDrafter:
         self._base, self._k = len(context), k
         return Draft(tokens, probs if want_logits else None, self.name)
 
-    def accept(self, n_accepted: int, next_token: int) -> None:
+    def accept(self, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
         # The cache holds the context and drafts 1..k-1; keep those the target accepted.
         if self._k == 0:
             return  # nothing was drafted since the last accept: the cache is still a prefix

@@ -136,7 +136,10 @@ class OrtEngine:
         binding = self._binding(feeds, names, bound)
         self._session.run_with_iobinding(binding)
         values = binding.get_outputs()[: len(names)]  # not the bound cache: it is already in place
-        return {name: value.numpy() for name, value in zip(names, values)}
+        # The binding is reused, and so are the buffers onnxruntime allocated for its outputs:
+        # .numpy() is a view that the next run overwrites, so hand out copies (the tokens, the
+        # taps, and the logits when sampling: small next to a step).
+        return {name: value.numpy().copy() for name, value in zip(names, values)}
 
     def _binding(self, feeds: dict[str, np.ndarray], names: list[str], bound: dict[str, np.ndarray]):
         """An I/O binding over the caller's arrays, made once per feeds dict: the runner keeps

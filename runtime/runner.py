@@ -7,13 +7,18 @@ verify, prefill; never a probe, which only ``time_engines`` runs), and among the
 of pieces that costs least by the build's measured costs (a long prompt: prefill chunks; a
 verify: the one engine that holds it), or without costs the smallest engine that holds the
 input. Feed buffers are allocated once per engine and updated in place.
+
+Some graphs take or give more than tokens: a chain drafter's graphs take a feature row per token
+(``inputs={DRAFT_FEATURES: [n, F]}``), and a target that feeds a hidden-state drafter returns its
+tapped hidden states when asked (``want=(AUX_HIDDEN_STATES,)``): rows are padded and sliced
+like the tokens, and the extra outputs come back in ``StepOutput.extras``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,6 +33,7 @@ PAD_ID = 0  # any id works: padded positions are never read back
 class StepOutput:
     next_tokens: np.ndarray  # [n] int64, the argmax at each position
     logits: np.ndarray | None  # [n, V] float32, when asked for
+    extras: dict[str, np.ndarray] = field(default_factory=dict)  # name -> [n, ...] outputs asked for by `want`
 
 
 class ModelRunner:
@@ -46,9 +52,11 @@ class ModelRunner:
             raise ValueError(f"model {name} has no engines to decode with")
         self._first_piece = self._plan_pieces(cost_ms or {}, cache.max_seq_len)
         self._feeds: dict[int, dict[str, np.ndarray]] = {}
-        for tokens in self._by_size:
+        for tokens, engine in self._by_size.items():
             feeds = dict(cache.view())
-            feeds[INPUT_IDS] = np.full((1, tokens), PAD_ID, dtype=np.int64)  # [B, T]
+            # [B, T]; a block drafter's graph takes one anchor token for its T context rows
+            spec = getattr(engine, "inputs", {}).get(INPUT_IDS)
+            feeds[INPUT_IDS] = np.full(spec.shape if spec is not None else (1, tokens), PAD_ID, dtype=np.int64)
             feeds[CACHE_LENGTH] = np.zeros(1, dtype=np.int64)  # [B]
             self._feeds[tokens] = feeds
         presents = present_names(cache.num_layers)
@@ -62,6 +70,7 @@ class ModelRunner:
             (True, False): [NEXT_TOKENS],
             (True, True): [NEXT_TOKENS, LOGITS],
         }
+        self._complete: set[int] = set()  # sizes whose every input has a feed buffer
         self.seconds = 0.0  # time inside engines, for the stats
         self.calls = 0
 
@@ -82,6 +91,10 @@ class ModelRunner:
     def is_open(self, size: int) -> bool:
         """Whether the engine of ``size`` tokens holds a session (lazy engines open on first use)."""
         return bool(getattr(self._by_size[size], "opened", True))
+
+    def engine_at(self, size: int) -> str:
+        """The name of the engine of ``size`` tokens."""
+        return self._by_size[size].name
 
     def engine_size(self, tokens: int) -> int:
         """Token count of the engine that runs ``tokens`` tokens in one call (or the largest)."""
@@ -137,24 +150,46 @@ class ModelRunner:
             choice = max(((t, e) for t, e in self._engines if t <= self.cache.free), key=lambda te: te[0])
         return choice
 
-    def _run(self, size: int, want_logits: bool) -> dict[str, np.ndarray]:
+    def _run(self, size: int, want_logits: bool, want: Sequence[str] = ()) -> dict[str, np.ndarray]:
         """One run of the engine of ``size`` tokens on its feeds; returns its outputs."""
         engine = self._by_size[size]
         in_place = engine.name in self._in_place
         outputs = self._outputs[(in_place, want_logits)]
+        if want:
+            outputs = [*outputs, *want]
+        if size not in self._complete:  # extra inputs never fed yet (features while timing): zeros
+            for name in getattr(engine, "inputs", {}):
+                self._extra_feed(size, name)
+            self._complete.add(size)
         if in_place:
             return engine.run(self._feeds[size], outputs, self._cache_outputs)
         return engine.run(self._feeds[size], outputs)
 
-    def forward(self, tokens: Sequence[int], want_logits: bool = False) -> StepOutput:
+    def _extra_feed(self, size: int, name: str) -> np.ndarray:
+        """The feed buffer of an extra input (features) of the engine of ``size`` tokens, made once."""
+        feeds = self._feeds[size]
+        if name not in feeds:
+            spec = self._by_size[size].inputs.get(name)
+            if spec is None:
+                raise ValueError(f"{self._by_size[size].name} has no input {name!r}")
+            feeds[name] = np.zeros(spec.shape, dtype=spec.dtype)  # [1, T, F]
+        return feeds[name]
+
+    def forward(self, tokens: Sequence[int], want_logits: bool = False,
+                inputs: Mapping[str, np.ndarray] | None = None, want: Sequence[str] = ()) -> StepOutput:
+        """``inputs``: extra per-token inputs, name -> [n, F] rows (padded with zeros);
+        ``want``: extra outputs to return in ``extras``, name -> [n, ...]."""
         n = len(tokens)
         if n > self.cache.free:
             raise ValueError(f"{self.name}: {n} tokens do not fit in the {self.cache.free} free cache slots")
         if n == 0:  # e.g. the prefill of a one-token prompt (all but its last token): nothing to run
-            vocab = self._engines[0][1].outputs[LOGITS].shape[-1]
+            outputs = self._engines[0][1].outputs
+            vocab = outputs[LOGITS].shape[-1]
             logits = np.empty((0, vocab), dtype=np.float32) if want_logits else None  # [0, V]
-            return StepOutput(np.empty(0, dtype=np.int64), logits)
+            extras = {name: np.empty((0, *outputs[name].shape[2:]), dtype=outputs[name].dtype) for name in want}
+            return StepOutput(np.empty(0, dtype=np.int64), logits, extras)
         next_parts, logit_parts = [], []
+        extra_parts: dict[str, list[np.ndarray]] = {name: [] for name in want}
         done = 0
         while done < n:
             size, engine = self._pick(n - done)
@@ -164,8 +199,12 @@ class ModelRunner:
             ids[0, :count] = tokens[done : done + count]
             ids[0, count:] = PAD_ID
             feeds[CACHE_LENGTH][0] = self.cache.length
+            for name, rows in (inputs or {}).items():
+                buffer = self._extra_feed(size, name)  # [1, T, F]
+                buffer[0, :count] = rows[done : done + count]
+                buffer[0, count:] = 0.0
             start = time.perf_counter()
-            result = self._run(size, want_logits)
+            result = self._run(size, want_logits, want)
             self.seconds += time.perf_counter() - start
             if engine.name in self._in_place:
                 self.cache.advance(count)  # the engine wrote its positions into the cache
@@ -175,12 +214,16 @@ class ModelRunner:
             next_parts.append(result[NEXT_TOKENS][0, :count])  # [count]
             if want_logits:
                 logit_parts.append(result[LOGITS][0, :count])  # [count, V]
+            for name in want:
+                extra_parts[name].append(result[name][0, :count])  # [count, ...]
             done += count
-        next_tokens = next_parts[0] if len(next_parts) == 1 else np.concatenate(next_parts)
-        logits = None
-        if want_logits:
-            logits = logit_parts[0] if len(logit_parts) == 1 else np.concatenate(logit_parts)
-        return StepOutput(next_tokens, logits)
+        next_tokens = _joined(next_parts)
+        logits = _joined(logit_parts) if want_logits else None
+        return StepOutput(next_tokens, logits, {name: _joined(parts) for name, parts in extra_parts.items()})
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def time_interleaved(runners: Mapping[str, tuple[ModelRunner, Sequence[int]]], rounds: int,

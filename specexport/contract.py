@@ -36,6 +36,23 @@ LOGITS = "logits"  # [B, T, V] float32
 NEXT_TOKENS = "next_tokens"  # [B, T] int64, the in-graph argmax
 KV_KINDS = ("key", "value")
 
+# Drafters that read the target's hidden states (EAGLE-3, MTP, DFlash, DSpark).
+# The target's graphs gain one output when a recipe has such a drafter: its tapped hidden states,
+# concatenated in the order of ModelEntry.taps (indices in transformers' output_hidden_states
+# convention: i < L is the residual stream entering layer i, L the final-normed output).
+AUX_HIDDEN_STATES = "aux_hidden_states"  # [B, T, n_taps·hidden] float32
+# Chain drafters (EAGLE-3, MTP): each row pairs a token with the features of the position before
+# it: the target's taps (catch-up and prefill graphs) or the drafter's own hidden (step graph).
+DRAFT_FEATURES = "draft_features"  # [B, T, F] float32 input
+HIDDEN_OUT = "hidden_out"  # [B, T, H_draft] float32: the drafter's hidden, the next step's features
+# Block drafters (DFlash, DSpark): one call adds the target's taps of newly committed positions to
+# the drafter's context cache and drafts a whole block after the anchor token (input_ids [B, 1]).
+CONTEXT_FEATURES = "context_features"  # [B, C, n_taps·hidden] float32, rows past context_valid are padding
+CONTEXT_VALID = "context_valid"  # [B] int64: real rows of context_features
+# DSpark: the block's final-normed hidden states of its drafting slots, read by the Markov and
+# confidence heads that run after the block graph (runtime/block_drafter.py).
+BLOCK_HIDDEN = "block_hidden"  # [B, n_drafts, H] float32
+
 
 def past_name(layer: int, kind: str) -> str:
     return f"{PAST}.{layer}.{kind}"
@@ -77,6 +94,8 @@ class Role(str, Enum):
     VERIFY = "verify"  # T = 1 + D: one speculative round
     PREFILL = "prefill"  # T = prefill_chunk: the prompt, chunk by chunk
     PROBE = "probe"  # cost-curve sizes: opened only by bench and calibration
+    STEP = "step"  # T = 1: a chain drafter (EAGLE-3, MTP) fed its own hidden state
+    BLOCK = "block"  # a block drafter (DFlash, DSpark): C context rows in, one block of drafts out
 
     @property
     def decoding(self) -> bool:
@@ -86,7 +105,7 @@ class Role(str, Enum):
 
 # One graph per (model, token count): when two roles want the same size, the first one here
 # names it (a 2-token verify is also the catchup graph).
-ROLE_PRIORITY = (Role.DECODE, Role.VERIFY, Role.CATCHUP, Role.PREFILL, Role.PROBE)
+ROLE_PRIORITY = (Role.DECODE, Role.VERIFY, Role.CATCHUP, Role.PREFILL, Role.PROBE, Role.STEP, Role.BLOCK)
 
 
 def engine_name(model: str, role: Role, batch: int, tokens: int) -> str:
@@ -164,7 +183,7 @@ class EngineEntry:
 @dataclass(frozen=True)
 class ModelEntry:
     name: str
-    kind: str  # target | quantized-self | model
+    kind: str  # target | quantized-self | model | eagle3 | mtp | dflash | dspark
     kv: KVLayout
     vocab_size: int
     weights: str | None = None
@@ -189,6 +208,12 @@ class ModelEntry:
         return self.kv.max_seq_len
 
     @property
+    def taps(self) -> tuple[int, ...]:
+        """The target's tapped layers (AUX_HIDDEN_STATES), in transformers' hidden_states
+        indices; empty when no drafter reads them."""
+        return tuple(int(i) for i in self.info.get("taps", ()))
+
+    @property
     def kv_dtype(self) -> str:
         return self.kv.dtype
 
@@ -196,7 +221,7 @@ class ModelEntry:
 @dataclass(frozen=True)
 class DrafterEntry:
     name: str
-    kind: str  # ngram | quantized-self | model
+    kind: str  # ngram | quantized-self | model | eagle3 | mtp | dflash | dspark
     model: str | None  # the ModelEntry it runs, if any
     params: dict = field(default_factory=dict)
 

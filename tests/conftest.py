@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import io
 import sys
 from contextlib import redirect_stderr, redirect_stdout
@@ -56,27 +57,76 @@ ALL_DRAFTERS = [
 ]
 
 
+# The shape of the shared tiny builds: long enough for 64 new tokens after the test prompts,
+# for the Gemma sliding window (16) to matter, and for a partial last prefill chunk when the
+# build's validation fills the cache (159 tokens in chunks of 16).
+TINY_SHAPE = dict(max_seq_len=160, prefill_chunk=16)
+
+# The (arch, attention) pairs the runtime decodes losslessly (tests/runtime/test_pipeline.py).
+# tests/exporter/test_archs.py checks the parity of every pair through the same builds: these
+# with drafters, the others target-only.
+LOSSLESS_PAIRS = [("llama", "standard"), ("qwen3", "standard"), ("gemma2", "standard"), ("phi3", "standard"),
+                  ("llama", "ort-gqa"), ("gemma2", "ort-gqa")]
+
+
+def drafter_name(spec: dict) -> str:
+    return spec.get("name", spec["kind"])
+
+
+def lossless_drafters(arch: str) -> tuple[str, ...]:
+    """The drafters of ``arch``'s lossless builds. The draft model is a tiny llama whatever the
+    target, and the runtime drives it the same way for every target architecture: it runs
+    beside llama targets (both attention kinds). The int4 copy of the target itself (and its
+    catchup graph) is of the target's architecture: every pair has it, and the n-gram drafter."""
+    names = [drafter_name(d) for d in ALL_DRAFTERS]
+    return tuple(names) if arch == "llama" else tuple(n for n in names if n != "draft-model")
+
+
+# tiny_recipe's keyword defaults: two requests that differ only by spelling a default out
+# (attention="standard", head_dim=None, ...) are the same build.
+_RECIPE_DEFAULTS = {name: p.default for name, p in inspect.signature(tiny_recipe).parameters.items()
+                    if p.kind is p.KEYWORD_ONLY and name not in ("drafters", "name")}
+
+
 class TinyEngines:
     """Builds tiny engine directories on demand, once per session per configuration."""
 
     def __init__(self, root: Path):
         self.root = root
         self._built: dict[tuple, Path] = {}
+        self._recipes: dict[Path, Path] = {}
 
-    def get(self, arch: str = "llama", *, drafters: bool = True, **shape) -> Path:
-        """``shape`` holds tiny_recipe's keyword arguments (max_seq_len, attention, ...)."""
-        key = (arch, drafters, tuple(sorted(shape.items())))
+    def get(self, arch: str = "llama", *, drafters: bool | tuple[str, ...] = True, **shape) -> Path:
+        """``drafters``: all of ALL_DRAFTERS, none, or those named. ``shape`` holds tiny_recipe's
+        keyword arguments (max_seq_len, attention, ...)."""
+        names = tuple(drafter_name(d) for d in ALL_DRAFTERS if drafters is True or
+                      (drafters and drafter_name(d) in drafters))
+        settings = {k: v for k, v in {**_RECIPE_DEFAULTS, **shape}.items() if v is not None}
+        key = (arch, names, tuple(sorted(settings.items())))
         if key not in self._built:
             from specexport.exporter.builder import build
             from specexport.exporter.progress import Reporter
 
-            name = f"{arch}-{'all' if drafters else 'target'}-{len(self._built)}"
+            which = "all" if len(names) == len(ALL_DRAFTERS) else ".".join(names) or "target"
+            name = f"{arch}-{which}-{len(self._built)}"
             recipe = tiny_recipe(self.root / f"{name}.yaml", arch, name=name,
-                                 drafters=ALL_DRAFTERS if drafters else [], **shape)
+                                 drafters=[d for d in ALL_DRAFTERS if drafter_name(d) in names], **shape)
             # A draft model must share the target's tokenizer: the byte tokenizer always does.
             build(recipe, self.root / name, False, Reporter(quiet=True))
             self._built[key] = self.root / name
+            self._recipes[self.root / name] = recipe
         return self._built[key]
+
+    def recipe(self, engines: Path) -> Path:
+        """The recipe file a directory from ``get`` was built from."""
+        return self._recipes[engines]
+
+    def for_arch(self, arch: str, attention: str) -> Path:
+        """The one build of ``arch`` with ``attention`` that parity and losslessness tests share:
+        TINY_SHAPE, with lossless_drafters(arch) for LOSSLESS_PAIRS and target-only otherwise."""
+        gemma = {"head_dim": 16} if arch.startswith("gemma") else {}  # the default, spelled out for Gemma
+        drafters = lossless_drafters(arch) if (arch, attention) in LOSSLESS_PAIRS else False
+        return self.get(arch, drafters=drafters, attention=attention, **gemma, **TINY_SHAPE)
 
 
 @pytest.fixture(scope="session")

@@ -16,9 +16,7 @@ from specexport.contract import (
     Manifest,
     Role,
     dumps,
-    engine_from_json,
     engine_name,
-    engine_to_json,
     graph_inputs,
     graph_outputs,
     manifest_from_json,
@@ -91,7 +89,7 @@ def test_a_tensorrt_manifest_written_by_the_same_path_reads_back(tiny_engines, t
             continue  # MatMulNBits: no TensorRT importer (compile_engines skips these)
         plan = dst / f"{entry.name}.plan"
         plan.write_bytes(b"placeholder engine " + entry.name.encode())
-        compiled.append(engine_from_json(_entry(engine_to_json(entry), plan, "10.13.0.35", device, options)))
+        compiled.append(_entry(entry, plan, "10.13.0.35", device, options))
     updated = with_tensorrt_engines(manifest, compiled, dst, options, "2026-11-30T00:00:00+00:00")
     written = write_manifest(dst, updated)
     again = assert_round_trip(dst)

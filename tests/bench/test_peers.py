@@ -1,6 +1,6 @@
 """The bench's peers: other stacks on the same model must produce our greedy output exactly.
 
-Fast tests use the tiny llama of recipes/tiny-llama.yaml (built once here, in process). The
+Fast tests use the tiny llama of recipes/tiny-llama.yaml (the session's shared tiny build). The
 onnxruntime-genai peers run when onnxruntime-genai is installed (`make bench-peers`) and are
 skipped otherwise. The default-model test is marked slow.
 """
@@ -16,7 +16,7 @@ import pytest
 from specexport.bench import peers as peers_mod
 from specexport.bench.peers import PEER_NAMES, PeerRun, make_peers
 from specexport.errors import BadInput
-from tests.conftest import PROMPTS, REPO
+from tests.conftest import PROMPTS, REPO, TINY_SHAPE
 
 HAVE_ORT_GENAI = importlib.util.find_spec("onnxruntime_genai") is not None
 needs_ort_genai = pytest.mark.skipif(not HAVE_ORT_GENAI, reason="onnxruntime-genai is not installed (make bench-peers)")
@@ -37,13 +37,10 @@ def keep_torch_threads():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from specexport.exporter.builder import build
-    from specexport.exporter.progress import Reporter
-
-    out = tmp_path_factory.mktemp("peers") / "tiny-llama"
-    build(REPO / "recipes" / "tiny-llama.yaml", out, False, Reporter(quiet=True))
-    return out
+def tiny(tiny_engines) -> Path:
+    """The session's shared tiny llama build: its target is recipes/tiny-llama.yaml's
+    (test_the_shared_build_has_the_shipped_tiny_target)."""
+    return tiny_engines.get("llama", **TINY_SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +67,13 @@ def tiny_peers(tiny, target, cache) -> dict:
     assert skipped == []
     assert [p.name for p in made] == names
     return {p.name: p for p in made}
+
+
+def test_the_shared_build_has_the_shipped_tiny_target(target):
+    from specexport.exporter.recipe import load_recipe
+
+    shipped, _ = load_recipe(REPO / "recipes" / "tiny-llama.yaml")
+    assert target == shipped.target.model_dump(mode="json")
 
 
 def prompts(pipe) -> dict[str, list[int]]:

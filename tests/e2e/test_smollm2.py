@@ -57,12 +57,16 @@ def hf():
 def test_manifest_parity(engines):
     manifest = json.loads((engines / "manifest.json").read_text())
     assert manifest["plan"]["group_size"] == 3 and manifest["plan"]["tile_draft_len"] == 41
+    kinds = {name: model["kind"] for name, model in manifest["models"].items()}
+    assert manifest["models"]["target"]["taps"] == [2, 15, 27]  # EAGLE-3's default taps for 30 layers
     for engine in manifest["engines"]:
         parity = engine["parity"]
-        if engine["model"] == "target":  # enforced at build time: fp32 limits from the one table
+        if kinds[engine["model"]] in ("target", "eagle3"):  # enforced at build time: fp32 limits from the one table
             assert parity["enforced"] is True and parity["precision"] == "fp32", engine["name"]
             assert parity["argmax_agreement"] == 1.0, engine["name"]
             assert parity["max_abs_logit_diff"] <= parity["max_abs_logit_diff_limit"], engine["name"]
+            if engine["model"] == "target":  # the taps the EAGLE-3 head reads, against transformers
+                assert parity["max_rel_aux_diff"] <= parity["max_rel_aux_diff_limit"], engine["name"]
         else:  # int4: recorded, not enforced; still a sane drafter
             assert parity["enforced"] is False and parity["precision"] == "int4", engine["name"]
             assert parity["argmax_agreement"] > 0.5, engine["name"]
@@ -86,7 +90,7 @@ def test_greedy_lossless_every_drafter(pipe, hf, prompt):
     with torch.no_grad():
         reference = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):]
     assert_lossless(pipe, ids, reference.tolist(), baseline.token_ids, f"{prompt['id']}/none vs transformers")
-    for drafter in ("ngram", "quantized-self"):
+    for drafter in ("ngram", "quantized-self", "eagle3"):
         result = pipe.generate(prompt_ids=ids, drafter=drafter, max_new_tokens=NEW_TOKENS)
         assert_lossless(pipe, ids, baseline.token_ids, result.token_ids, f"{prompt['id']}/{drafter}")
         if baseline.stop_reason == "max_new_tokens":

@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def save_tiny_hf(path: Path, arch: str = "llama", *, seed: int = 0, shuffle_vocab: bool = False, **fields) -> Path:
+def save_tiny_hf(path: Path, arch: str = "llama", *, seed: int = 0, shuffle_vocab: bool = False,
+                 embedding_rows: int | None = None, **fields) -> Path:
+    """``shuffle_vocab``: the same vocabulary size, another token->id map. ``embedding_rows``: an
+    embedding table (and tied head) of that many rows, the tokenizer unchanged."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -26,6 +29,8 @@ def save_tiny_hf(path: Path, arch: str = "llama", *, seed: int = 0, shuffle_voca
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|im_start|>",
                                             eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                             chat_template=CHAT_TEMPLATE)
+    if embedding_rows is not None:
+        model.resize_token_embeddings(embedding_rows)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from specexport.exporter.archs import ARCHITECTURES
-from tests.conftest import run_cli, tiny_recipe
+from tests.conftest import LOSSLESS_PAIRS, TINY_SHAPE, run_cli, tiny_recipe
 
 # recipe arch name -> transformers model_type
 TESTED = {
@@ -26,23 +26,28 @@ def test_every_supported_architecture_has_a_parity_test():
 
 @pytest.mark.parametrize("attention", ["standard", "ort-gqa"])
 @pytest.mark.parametrize("arch", sorted(TESTED))
-def test_tiny_parity(arch, attention, tmp_path):
-    # Long enough (48) that the Gemma sliding window (16) matters, a partial last prefill
-    # chunk, and qwen2 with biases, qwen3/gemma3 with q/k norms, phi3 with fused projections.
-    recipe = tiny_recipe(tmp_path / "r.yaml", arch, max_seq_len=48, prefill_chunk=8, max_draft=3,
-                         head_dim=16 if arch.startswith("gemma") else None, attention=attention)
-    code, out, err = run_cli("build", recipe, "-o", tmp_path / "engines", "--json")
-    assert code == 0, err
-    result = json.loads(out)
-    manifest = json.loads((tmp_path / "engines" / "manifest.json").read_text())
+def test_tiny_parity(tiny_engines, arch, attention):
+    # The session's one build of this pair (shared with tests/runtime/test_pipeline.py's lossless
+    # decoding): long enough (160) that the Gemma sliding window (16) matters, a partial last
+    # prefill chunk when validation fills the cache, and qwen2 with biases, qwen3/gemma3 with
+    # q/k norms, phi3 with fused projections.
+    engines = tiny_engines.for_arch(arch, attention)
+    manifest = json.loads((engines / "manifest.json").read_text())
     assert manifest["models"]["target"]["model_type"] == TESTED[arch]
-    tokens = sorted(e["tokens"] for e in result["engines"])
-    assert tokens == [1, 4, 8]  # decode, verify (1+D), prefill
-    for engine in result["engines"]:
+    assert manifest["recipe"]["attention"] == attention
+    max_seq_len, chunk = TINY_SHAPE["max_seq_len"], TINY_SHAPE["prefill_chunk"]
+    draft_len = manifest["plan"]["draft_len"]
+    assert draft_len == 4
+    target = [e for e in manifest["engines"] if e["model"] == "target"]
+    tokens = sorted(e["tokens"] for e in target)
+    # decode, verify (1+D), prefill; and the catchup the int4 drafter is made from, when built
+    catchup = [2] if (arch, attention) in LOSSLESS_PAIRS else []
+    assert tokens == sorted([1, *catchup, 1 + draft_len, chunk])
+    for engine in target:
         parity = engine["parity"]
         assert parity["argmax_agreement"] == 1.0, engine
         assert parity["max_abs_logit_diff"] < 1e-3, engine
-        assert parity["cache_lengths"][0] == 0 and parity["cache_lengths"][-1] == 48 - engine["tokens"]
+        assert parity["cache_lengths"][0] == 0 and parity["cache_lengths"][-1] == max_seq_len - engine["tokens"]
 
 
 def test_build_fails_when_parity_fails(tmp_path):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,35 @@ def built(tmp_path_factory):
     code, out, err = run_cli("build", recipe, "-o", root / "engines", "--json")
     assert code == 0, err
     return root, recipe, json.loads(out)
+
+
+# One quiet target-only build serves the tests below that need a built directory before
+# they rebuild, tamper or check the output: each copies it. It starts beside the partial
+# directory a killed build left (test_stale_partial_from_a_killed_build_is_swept).
+SMALL = dict(max_seq_len=32, prefill_chunk=8)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small")
+    recipe = tiny_recipe(root / "r.yaml", "llama", **SMALL)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = root / f".engines.partial-{dead.pid}"
+    stale.mkdir()
+    (stale / "half.onnx").write_bytes(b"x")
+    code, out, err = run_cli("build", recipe, "-o", root / "engines", "-q")
+    return {"root": root, "recipe": recipe, "engines": root / "engines", "stale": stale, "code": code, "out": out,
+            "err": err}
+
+
+def _copy_small(small, tmp_path):
+    """The shared small build and its recipe, copied into ``tmp_path`` (as "r.yaml", "engines")."""
+    assert small["code"] == 0, small["err"]
+    recipe = tmp_path / "r.yaml"
+    shutil.copy2(small["recipe"], recipe)
+    shutil.copytree(small["engines"], tmp_path / "engines")
+    return recipe, tmp_path / "engines"
 
 
 def test_directory_and_manifest(built):
@@ -144,10 +174,8 @@ def test_unchanged_rebuild_is_reused(built):
     assert {name: (out_dir / name).stat().st_mtime_ns for name in built_files} == before
 
 
-def test_changed_recipe_or_force_rebuilds(tmp_path):
-    recipe = tiny_recipe(tmp_path / "r.yaml", "llama", max_seq_len=32, prefill_chunk=8)
-    out = tmp_path / "engines"
-    assert run_cli("build", recipe, "-o", out, "-q")[0] == 0
+def test_changed_recipe_or_force_rebuilds(small, tmp_path):
+    recipe, out = _copy_small(small, tmp_path)
     first = json.loads((out / "manifest.json").read_text())
     assert first["plan"]["draft_len"] == 4
     inode = (out / "manifest.json").stat().st_ino
@@ -156,7 +184,7 @@ def test_changed_recipe_or_force_rebuilds(tmp_path):
     assert (out / "manifest.json").stat().st_ino != inode  # a new directory was swapped in
     forced = json.loads((out / "manifest.json").read_text())
     assert forced["inputs_sha256"] == first["inputs_sha256"]  # same inputs, rebuilt anyway
-    tiny_recipe(recipe, "llama", max_seq_len=32, prefill_chunk=8, max_draft=2)
+    tiny_recipe(recipe, "llama", **SMALL, max_draft=2)
     code, text, _ = run_cli("build", recipe, "-o", out, "--json")
     assert code == 0 and json.loads(text)["reused"] is False
     changed = json.loads((out / "manifest.json").read_text())
@@ -166,10 +194,8 @@ def test_changed_recipe_or_force_rebuilds(tmp_path):
     assert not list(tmp_path.glob(".engines.*"))
 
 
-def test_tampered_engine_directory_is_rebuilt_not_reused(tmp_path):
-    recipe = tiny_recipe(tmp_path / "r.yaml", "llama", max_seq_len=32, prefill_chunk=8)
-    out = tmp_path / "engines"
-    assert run_cli("build", recipe, "-o", out, "-q")[0] == 0
+def test_tampered_engine_directory_is_rebuilt_not_reused(small, tmp_path):
+    recipe, out = _copy_small(small, tmp_path)
     with open(out / "target.weights", "r+b") as fh:
         fh.seek(100)
         fh.write(b"\x13\x37")
@@ -202,15 +228,12 @@ def test_interrupted_build_leaves_nothing(tmp_path):
     assert not list(tmp_path.glob(".engines.*"))
 
 
-def test_stale_partial_from_a_killed_build_is_swept(tmp_path):
-    recipe = tiny_recipe(tmp_path / "r.yaml", "llama", max_seq_len=32, prefill_chunk=8)
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    stale = tmp_path / f".engines.partial-{dead.pid}"
-    stale.mkdir()
-    (stale / "half.onnx").write_bytes(b"x")
-    assert run_cli("build", recipe, "-o", tmp_path / "engines", "-q")[0] == 0
-    assert not stale.exists()
+def test_stale_partial_from_a_killed_build_is_swept(small):
+    # the shared small build started beside the partial directory of a dead process
+    assert small["code"] == 0, small["err"]
+    assert (small["engines"] / "manifest.json").is_file()
+    assert not small["stale"].exists()
+    assert not list(small["root"].glob(".engines.*"))
 
 
 def test_local_transformers_directory_builds_offline(tmp_path, monkeypatch):
@@ -234,15 +257,14 @@ def test_local_transformers_directory_builds_offline(tmp_path, monkeypatch):
     assert manifest["models"]["target"]["model_type"] == "qwen3"
 
 
-def test_progress_shows_every_step(tmp_path):
-    recipe = tiny_recipe(tmp_path / "r.yaml", "llama", max_seq_len=32, prefill_chunk=8,
-                         drafters=[{"kind": "quantized-self"}])
+def test_progress_shows_every_step(small, tmp_path):
+    recipe = tiny_recipe(tmp_path / "r.yaml", "llama", **SMALL, drafters=[{"kind": "quantized-self"}])
     code, _, err = run_cli("build", recipe, "-o", tmp_path / "engines")
     assert code == 0
     for step in ("load", "plan", "export", "quantize", "validate", "write"):
         assert f" {step} " in f" {err} ", step
-    code, out, err = run_cli("build", recipe, "-o", tmp_path / "other", "--quiet")
-    assert code == 0 and err == "" and out == ""
+    # a full build with --quiet (the shared small one, -q) prints nothing at all
+    assert small["code"] == 0 and small["err"] == "" and small["out"] == ""
 
 
 if os.name != "posix":  # pragma: no cover

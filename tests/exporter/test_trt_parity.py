@@ -11,11 +11,12 @@ from specexport.errors import SpecexportError
 from specexport.exporter.trt_parity import check, compare, onnx_runner, parity_feeds, parity_record
 from specexport.exporter.validate import TOLERANCES, cache_lengths
 from specexport.runtime.manifest import Manifest
+from tests.conftest import TINY_SHAPE
 
 
 @pytest.fixture(scope="module")
 def verify_graph(tiny_engines):
-    root = tiny_engines.get("llama", drafters=False, max_seq_len=64, prefill_chunk=8)
+    root = tiny_engines.get("llama", **TINY_SHAPE)  # the session's shared tiny llama build
     entry = next(e for e in Manifest.load(root).engines_of("target", "onnxruntime") if e.role == "verify")
     return entry, root / entry.path
 

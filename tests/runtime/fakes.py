@@ -31,7 +31,7 @@ class MarkovRunner:
         del self.fed[length:]
         self.cache.length = length
 
-    def forward(self, tokens, want_logits: bool = False) -> StepOutput:
+    def forward(self, tokens, want_logits: bool = False, inputs=None, want=()) -> StepOutput:
         """As ModelRunner.forward: a ValueError past the cache; no input runs nothing (no call
         counted) and returns empty outputs of the usual dtypes."""
         tokens = [int(t) for t in tokens]
@@ -58,7 +58,9 @@ class OracleDrafter:
     def __init__(self, table: np.ndarray):
         self.table = table
 
-    def reset(self, prompt) -> None:
+    needs: tuple[str, ...] = ()
+
+    def reset(self, prompt, target_out=None) -> None:
         pass
 
     def propose(self, context, k, sampling, rng):
@@ -70,7 +72,7 @@ class OracleDrafter:
             tokens.append(last)
         return Draft(np.array(tokens, dtype=np.int64))
 
-    def accept(self, n, token) -> None:
+    def accept(self, n, token, target_out=None) -> None:
         pass
 
 
@@ -83,7 +85,9 @@ class FixedDrafter:
     def __init__(self, tokens):
         self.tokens = np.array(tokens, dtype=np.int64)
 
-    def reset(self, prompt) -> None:
+    needs: tuple[str, ...] = ()
+
+    def reset(self, prompt, target_out=None) -> None:
         pass
 
     def propose(self, context, k, sampling, rng):
@@ -91,5 +95,5 @@ class FixedDrafter:
 
         return Draft(self.tokens[:k])
 
-    def accept(self, n, token) -> None:
+    def accept(self, n, token, target_out=None) -> None:
         pass

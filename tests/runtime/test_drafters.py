@@ -43,12 +43,12 @@ def test_model_drafter_resyncs_after_partial_acceptance():
     runner = MarkovRunner(table)
     drafter = ModelDrafter("m", runner)
     prompt = np.array([1, 2, 3])
-    drafter.reset(prompt)
+    drafter.reset(prompt, {})
     assert runner.fed == [1, 2]
     draft = drafter.propose(prompt, 4, Sampling(), RNG).tokens.tolist()
     # fed the last prompt token, then drafts 1..3 (the 4th is never fed)
     assert runner.fed == [1, 2, 3, *draft[:3]]
-    drafter.accept(1, 4)  # target kept draft 1, then chose token 4
+    drafter.accept(1, 4, {})  # target kept draft 1, then chose token 4
     assert runner.fed == [1, 2, 3, draft[0]]
     context = np.array([1, 2, 3, draft[0], 4])
     drafter.propose(context, 2, Sampling(), RNG)
@@ -86,7 +86,7 @@ def test_sampled_model_drafter_keeps_only_the_warped_rows_it_drew_from():
     table = random_table(7, seed=3)
     drafter = ModelDrafter("m", MarkovRunner(table))
     prompt = np.array([1, 2])
-    drafter.reset(prompt)
+    drafter.reset(prompt, {})
     sampling = Sampling(0.9, top_k=4, top_p=0.8)
     draft = drafter.propose(prompt, 3, sampling, np.random.default_rng(1))
     assert len(draft.probs) == 3 and all(isinstance(q, Kept) for q in draft.probs)  # no [k, V] array

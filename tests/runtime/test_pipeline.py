@@ -8,7 +8,7 @@ import pytest
 
 from specexport.runtime import load
 from specexport.runtime.acceptance import Sampling, warp
-from tests.conftest import run_cli, tiny_recipe
+from tests.conftest import LOSSLESS_PAIRS, TINY_SHAPE, lossless_drafters, run_cli, tiny_recipe
 from tests.lossless import assert_lossless, chi_square_passes, exact_sequence_probs, target_margin_at
 
 PROMPTS = [
@@ -17,19 +17,22 @@ PROMPTS = [
     "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
     "Once upon a time",
 ]
-SHAPE = dict(max_seq_len=160, prefill_chunk=16)
+SHAPE = TINY_SHAPE
 
 
-@pytest.mark.parametrize("arch, attention", [("llama", "standard"), ("qwen3", "standard"), ("gemma2", "standard"),
-                                             ("phi3", "standard"), ("llama", "ort-gqa"), ("gemma2", "ort-gqa")])
+@pytest.mark.parametrize("arch, attention", LOSSLESS_PAIRS)
 def test_greedy_lossless_for_every_drafter(tiny_engines, arch, attention):
-    pipe = load(tiny_engines.get(arch, attention=attention, **SHAPE))
-    assert set(pipe.drafter_names) == {"none", "ngram", "quantized-self", "draft-model"}
+    # the session's one build of the pair, whose parity tests/exporter/test_archs.py checks
+    # (the draft model, a tiny llama, runs beside the llama targets: conftest.lossless_drafters)
+    pipe = load(tiny_engines.for_arch(arch, attention))
+    drafters = lossless_drafters(arch)
+    assert "quantized-self" in drafters and ("draft-model" in drafters) == (arch == "llama")
+    assert set(pipe.drafter_names) == {"none", *drafters}
     for prompt in PROMPTS:
         ids = pipe.prompt_ids(prompt)
         baseline = pipe.generate(prompt_ids=ids, drafter="none", max_new_tokens=64)
         assert baseline.stats.acceptance_length == 1.0
-        for drafter in ("ngram", "quantized-self", "draft-model"):
+        for drafter in drafters:
             result = pipe.generate(prompt_ids=ids, drafter=drafter, max_new_tokens=64)
             assert_lossless(pipe, ids, baseline.token_ids, result.token_ids,
                             f"{arch}/{attention}/{drafter}/{prompt[:12]!r}")

@@ -1,0 +1,149 @@
+"""What a hidden-state drafter head gets from the builder, and what it gives back.
+
+A head's module loads its checkpoint into a ``LoadedHead`` (which target layers it reads, and
+how to build its graphs). The builder merges every head's taps into the target's one
+``aux_hidden_states`` output, exports and validates the target, then calls ``head.build(ctx)``
+for each head. ``HeadContext`` is everything a head needs to write graphs into the engine
+directory the same way the builder does: a weights file, graph entries with roles, parity
+checked against the precision's limits, the target's hidden states on the reference text, and
+its runners timed with every other graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import onnx
+import torch
+
+from specexport.contract import DrafterEntry, EngineEntry, KVUpdate, ModelEntry, Role, engine_name
+from specexport.exporter.onnx_export import WeightStore, tensor_specs
+from specexport.exporter.validate import check_parity, reference_ids
+
+if TYPE_CHECKING:
+    from specexport.exporter.builder import Builder
+    from specexport.exporter.plan import DraftPlanResult
+    from specexport.exporter.sources import LoadedModel
+    from specexport.runtime.runner import ModelRunner
+
+
+class LoadedHead(Protocol):
+    # the target's hidden states this head reads, in transformers' output_hidden_states indices
+    # (i < L: the stream entering layer i; L: after the final norm), in the head's own order
+    taps: tuple[int, ...]
+
+    def build(self, ctx: HeadContext) -> None:
+        """Export, validate and register the head's graphs and model entry through ``ctx``."""
+
+    def drafter_entry(self, name: str) -> DrafterEntry:
+        """The manifest's drafter entry (kind, model = name, params the runtime reads)."""
+
+
+def merged_taps(heads: list[LoadedHead]) -> tuple[int, ...]:
+    """The target's tapped layers for every head together: sorted, each once. A head finds its
+    own columns with ``tap_columns``."""
+    return tuple(sorted({i for head in heads for i in head.taps}))
+
+
+def tap_columns(target_taps: tuple[int, ...], head_taps: tuple[int, ...], hidden: int) -> list[int]:
+    """Column indices of ``aux_hidden_states`` [.., len(target_taps)·hidden] holding the head's
+    taps, in the head's order (a head graph gathers them itself, so the runtime passes the
+    target's tensor through untouched)."""
+    columns: list[int] = []
+    for tap in head_taps:
+        start = target_taps.index(tap) * hidden
+        columns += range(start, start + hidden)
+    return columns
+
+
+@dataclass
+class HeadContext:
+    builder: Builder
+    tmp: Path  # the engine directory being written
+    name: str  # the drafter's name: its model's name in the manifest and its graphs' prefix
+    plan: DraftPlanResult  # draft_len (D), tokens_per_verify
+    target: LoadedModel  # the transformers target (the reference for taps)
+    target_taps: tuple[int, ...]  # the target's aux_hidden_states columns, in this order
+    threads: int | None = None
+    _hidden: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict)
+
+    @property
+    def recipe(self):
+        return self.builder.recipe
+
+    @property
+    def batch(self) -> int:
+        return self.builder.recipe.shapes.batch
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.builder.recipe.shapes.max_seq_len
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.builder.recipe.shapes.prefill_chunk
+
+    @property
+    def opset(self) -> int:
+        return self.builder.recipe.opset
+
+    def step(self, kind: str, what: str):
+        """A progress step (``with ctx.step("export", graph) as s: s.detail = ...``)."""
+        return self.builder.rep.step(kind, what)
+
+    def weights(self) -> WeightStore:
+        """The head's one weights file (close it when every graph is saved)."""
+        return WeightStore(self.tmp / f"{self.name}.weights")
+
+    def save_graph(self, proto: onnx.ModelProto, role: Role, tokens: int, store: WeightStore,
+                   kv_update: KVUpdate = KVUpdate.APPEND) -> tuple[str, Path]:
+        """Write one graph (weights into ``store``) and register its engine entry; returns its
+        engine name and path. ``tokens``: the graph's T (rows of input_ids)."""
+        name = engine_name(self.name, role, self.batch, tokens)
+        path = self.tmp / f"{name}.onnx"
+        inputs, outputs = tensor_specs(proto, "inputs"), tensor_specs(proto, "outputs")
+        store.save(proto, path)
+        onnx.checker.check_model(str(path))
+        self.builder.specs[name] = (inputs, outputs)
+        self.builder.engines.append(EngineEntry(
+            name=name, model=self.name, role=role, backend="onnxruntime", path=path.name, batch=self.batch,
+            tokens=tokens, inputs=inputs, outputs=outputs, kv_update=kv_update, weights=store.location,
+        ))
+        return name, path
+
+    def add_model(self, entry: ModelEntry) -> None:
+        self.builder.models[entry.name] = entry
+
+    def record_parity(self, graph: str, figures: dict[str, Any], reference: str, precision: str = "fp32") -> None:
+        """Check ``graph``'s figures (validate.Parity.to_dict()) against the precision's limits
+        (raises a one-line error: the build fails and leaves nothing) and record them."""
+        limits = self.recipe.validation
+        if limits.enforce == "never":
+            applied = {"precision": precision, "enforced": False}
+        else:
+            applied = check_parity(graph, figures, precision, limits.max_abs_logit_diff,
+                                   limits.min_argmax_agreement, reference=reference)
+        for i, entry in enumerate(self.builder.engines):
+            if entry.name == graph:
+                self.builder.engines[i] = replace(entry, parity={**figures, **applied, "reference": reference})
+
+    def time_with(self, runner: ModelRunner) -> None:
+        """Time ``runner``'s graphs in the builder's one interleaved schedule (cost_ms)."""
+        self.builder.timing[self.name] = runner
+
+    def reference_ids(self, length: int) -> np.ndarray:
+        """Real text from the target's tokenizer (the builder's validation corpus): [length]."""
+        return reference_ids(self.target.tokenizer, length)
+
+    def target_hidden_states(self, ids: np.ndarray) -> tuple[np.ndarray, ...]:
+        """transformers' output_hidden_states of the target on ``ids`` [S]: L+1 arrays [S, hidden]
+        (index i < L: the stream entering layer i; L: after the final norm). Cached per length."""
+        key = hash(ids.tobytes())
+        if key not in self._hidden:
+            with torch.no_grad():
+                out = self.target.model(torch.from_numpy(ids).unsqueeze(0), use_cache=False, output_hidden_states=True)
+            self._hidden[key] = tuple(h[0].float().numpy() for h in out.hidden_states)
+        return self._hidden[key]

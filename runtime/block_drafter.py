@@ -1,0 +1,283 @@
+"""Block drafters (DFlash, DSpark): one graph call drafts a whole block from the target's features.
+
+The drafter keeps its own KV cache of the *context*: the target's tapped features of every
+committed position but the last (the anchor, which the target has not seen yet). After the
+prefill and after each verify pass the committed rows wait as pending context; ``propose``
+hands them to the block graph of the right size (C = 1+D each round, the prefill chunk for a
+prompt), which appends them to the cache and drafts the block after the anchor. The block's own
+positions are never cached, so nothing is rewound when drafts are rejected.
+
+DSpark adds two small heads that run here in numpy after the graph (the block graph gives their
+inputs, ``block_hidden``): a Markov head that refines the block serially (slot k's logits get a
+low-rank bias from the token drafted before it) and a confidence head whose running product
+predicts how far the drafts will be accepted; with ``confidence_threshold`` > 0 the draft is cut
+where the product falls below it (a depth signal on top of the adaptive depth's own choice).
+Sampling stays exact: each draft's q is the warped distribution it was drawn from, over target
+ids (a reduced draft vocabulary is mapped back through d2t).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from specexport.contract import (
+    AUX_HIDDEN_STATES,
+    BLOCK_HIDDEN,
+    CACHE_LENGTH,
+    CONTEXT_FEATURES,
+    CONTEXT_VALID,
+    INPUT_IDS,
+    LOGITS,
+    NEXT_TOKENS,
+    Role,
+    present_names,
+)
+from specexport.errors import BadInput
+from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
+from specexport.runtime.engine import Engine
+from specexport.runtime.kv_cache import KVCache
+
+PAD_ID = 0  # the anchor of a call whose drafts are thrown away (a prompt chunk)
+
+
+class BlockRunner:
+    """A block head's graphs, one per context size C, over its own KV cache. Also what the
+    build's interleaved timing runs (``sizes``, ``time_run``, ``end_timing``, ``engine_at``)."""
+
+    def __init__(self, name: str, engines: Sequence[Engine], cache: KVCache, tokens_of: dict[str, int]):
+        self.name = name
+        self.cache = cache
+        self._by_size = dict(sorted(((tokens_of[e.name], e) for e in engines), key=lambda pair: pair[0]))
+        self._feeds: dict[int, dict[str, np.ndarray]] = {}
+        for size, engine in self._by_size.items():
+            feeds = dict(cache.view())
+            for input_name in (INPUT_IDS, CONTEXT_FEATURES, CONTEXT_VALID, CACHE_LENGTH):
+                spec = engine.inputs[input_name]
+                feeds[input_name] = np.zeros(spec.shape, dtype=spec.dtype)
+            self._feeds[size] = feeds
+        self._presents = present_names(cache.num_layers)
+        self.seconds = 0.0
+        self.calls = 0
+
+    @property
+    def sizes(self) -> list[int]:
+        return list(self._by_size)
+
+    def engine_at(self, size: int) -> str:
+        return self._by_size[size].name
+
+    def fitting(self, rows: int) -> int:
+        """The smallest graph that takes ``rows`` context rows (the largest when none does)."""
+        return next((s for s in self._by_size if s >= rows), self.sizes[-1])
+
+    def _wanted(self, size: int, want_logits: bool) -> list[str]:
+        extra = [BLOCK_HIDDEN] if BLOCK_HIDDEN in self._by_size[size].outputs else []
+        return [NEXT_TOKENS, *self._presents, *([LOGITS] if want_logits else []), *extra]
+
+    def run(self, size: int, anchor: int, rows: np.ndarray, want_logits: bool = False) -> dict[str, np.ndarray]:
+        """Append ``rows`` [n <= size, F] to the cache and draft the block after ``anchor``."""
+        count = len(rows)
+        if count > self.cache.free:
+            raise ValueError(f"{self.name}: {count} context rows do not fit in {self.cache.free} free cache slots")
+        feeds = self._feeds[size]
+        feeds[INPUT_IDS][0, 0] = anchor
+        features = feeds[CONTEXT_FEATURES]  # [1, C, F]
+        features[0, :count] = rows
+        features[0, count:] = 0.0
+        feeds[CONTEXT_VALID][0] = count
+        feeds[CACHE_LENGTH][0] = self.cache.length
+        start = time.perf_counter()
+        out = self._by_size[size].run(feeds, self._wanted(size, want_logits))
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        self.cache.write(out, count)
+        return out
+
+    def time_run(self, size: int, want_logits: bool = False) -> float:
+        """Seconds of one run of the graph of ``size`` rows over a half-full cache (nothing written)."""
+        feeds = self._feeds[size]
+        feeds[CACHE_LENGTH][0] = (self.cache.max_seq_len - size) // 2
+        feeds[CONTEXT_VALID][0] = size
+        start = time.perf_counter()
+        self._by_size[size].run(feeds, self._wanted(size, want_logits))
+        return time.perf_counter() - start
+
+    def end_timing(self, sizes: Sequence[int]) -> None:
+        pass  # append graphs only read the cache while timed
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+class BlockHeads:
+    """DSpark's Markov and confidence heads (and a reduced vocabulary's d2t), in numpy.
+    The math, per drafting slot k with prev_0 = the anchor and prev_k = the token drafted at
+    slot k-1 (target ids), h_k = block_hidden[k], e = W1[prev_k] (rank r):
+
+        vanilla  bias = W2 e
+        gated    bias = W2 (sigmoid(G [h; e] + g) * e)
+        rnn      (a, c, o) = J [s; e; h] + j;  s <- sig(a) s + (1 - sig(a)) tanh(c);  bias = W2 tanh(o)
+        logits_k = base_k + bias                                   (draft vocabulary)
+        conf_k   = sigmoid(w . [h; e] + b)   (w . h + b without the Markov features)
+    """
+
+    def __init__(self, arrays: dict[str, np.ndarray], markov: str | None, with_markov: bool):
+        self.d2t = arrays.get("d2t")  # [V_draft] target ids, or None
+        self.markov = markov
+        self.w1, self.w2 = arrays.get("markov_w1"), arrays.get("markov_w2")  # [V_t, r], [V_d, r]
+        self.gate_w, self.gate_b = arrays.get("markov_gate_w"), arrays.get("markov_gate_b")  # [r, H+r], [r]
+        self.joint_w, self.joint_b = arrays.get("markov_joint_w"), arrays.get("markov_joint_b")  # [3r, 2r+H], [3r]
+        self.conf_w, self.conf_b = arrays.get("confidence_w"), arrays.get("confidence_b")  # [H(+r)], [1]
+        self.with_markov = with_markov
+        self._state: np.ndarray | None = None  # the rnn head's state [r]
+
+    @property
+    def serial(self) -> bool:
+        """Whether slots depend on the drafts before them (a Markov head), or a confidence head reads them."""
+        return self.markov is not None or self.conf_w is not None
+
+    def start(self) -> None:
+        self._state = None if self.w1 is None else np.zeros(self.w1.shape[1], dtype=np.float32)
+
+    def step(self, base: np.ndarray, hidden: np.ndarray, prev: int) -> tuple[np.ndarray, float | None]:
+        """Slot k: (corrected logits [V_d], confidence or None) given the token before it."""
+        emb = self.w1[prev] if self.w1 is not None else None  # [r]
+        logits = base
+        if self.markov == "vanilla":
+            logits = base + self.w2 @ emb
+        elif self.markov == "gated":
+            gate = _sigmoid(self.gate_w @ np.concatenate((hidden, emb)) + self.gate_b)  # [r]
+            logits = base + self.w2 @ (gate * emb)
+        elif self.markov == "rnn":
+            a, c, o = np.split(self.joint_w @ np.concatenate((self._state, emb, hidden)) + self.joint_b, 3)
+            self._state = _sigmoid(a) * self._state + (1 - _sigmoid(a)) * np.tanh(c)
+            logits = base + self.w2 @ np.tanh(o)
+        confidence = None
+        if self.conf_w is not None:
+            feats = np.concatenate((hidden, emb)) if self.with_markov else hidden
+            confidence = float(_sigmoid(self.conf_w @ feats + self.conf_b[0]))
+        return logits, confidence
+
+    def target_id(self, draft_id: int) -> int:
+        return int(self.d2t[draft_id]) if self.d2t is not None else int(draft_id)
+
+    def kept(self, row: Kept) -> Kept:
+        """A warped row over the draft vocabulary as one over target ids (ascending)."""
+        if self.d2t is None:
+            return row
+        ids = self.d2t if row.ids is None else self.d2t[row.ids]
+        order = np.argsort(ids, kind="stable")
+        return Kept(ids[order], np.asarray(row.probs)[order])
+
+
+class BlockDrafter:
+    """Drafter protocol (runtime/drafters.py) over a BlockRunner."""
+
+    needs = (AUX_HIDDEN_STATES,)
+
+    def __init__(self, name: str, runner: BlockRunner, heads: BlockHeads, drafts: int, round_rows: int,
+                 confidence_threshold: float = 0.0):
+        self.name = name
+        self.runner = runner
+        self.heads = heads
+        self.drafts = drafts  # drafting slots per block
+        self.round_rows = round_rows  # C of a round's graph (1+D)
+        self.threshold = confidence_threshold
+        self._pending: list[np.ndarray] = []  # committed rows not yet in the cache: [n, F] each
+        self.last_confidence: np.ndarray | None = None  # the last proposal's running products
+
+    @property
+    def engine_seconds(self) -> float:
+        return self.runner.seconds
+
+    def reset(self, prompt: np.ndarray, target_out) -> None:
+        self.runner.cache.rewind(0)
+        self._pending = [np.array(target_out[AUX_HIDDEN_STATES], dtype=np.float32)]  # rows of prompt[:-1]
+
+    def accept(self, n_accepted: int, next_token: int, target_out) -> None:
+        # the round's first token and the accepted drafts (next_token is the next anchor); a
+        # round without a proposal leaves its rows pending too
+        self._pending.append(np.array(target_out[AUX_HIDDEN_STATES], dtype=np.float32))
+
+    def _flush(self, anchor: int, want_logits: bool) -> dict[str, np.ndarray]:
+        """Feed every pending row (whole prompt chunks first), the last call drafting after ``anchor``."""
+        rows = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]  # [n, F]
+        self._pending = []
+        largest = self.runner.sizes[-1]
+        while len(rows) > largest:  # a long prompt: whole chunks, their drafts unused
+            self.runner.run(largest, PAD_ID, rows[:largest])
+            rows = rows[largest:]
+        size = self.round_rows if len(rows) <= self.round_rows else self.runner.fitting(len(rows))
+        return self.runner.run(size, anchor, rows, want_logits)
+
+    def propose(self, context: np.ndarray, k: int, sampling: Sampling, rng: np.random.Generator) -> Draft:
+        serial = self.heads.serial
+        out = self._flush(int(context[-1]), serial or not sampling.greedy)
+        k = min(k, self.drafts)
+        if k <= 0:
+            return EMPTY_DRAFT
+        if serial:
+            return self._serial(out, int(context[-1]), k, sampling, rng)
+        return self._parallel(out, k, sampling, rng)
+
+    def _parallel(self, out, k, sampling, rng) -> Draft:
+        """DFlash: every slot's distribution is fixed by the block; each is drawn on its own."""
+        if sampling.greedy:
+            return Draft(out[NEXT_TOKENS][0, :k].astype(np.int64), None, self.name)
+        probs = [self.heads.kept(warp_row(out[LOGITS][0, j], sampling)) for j in range(k)]
+        return Draft(np.array([p.draw(rng) for p in probs], dtype=np.int64), probs, self.name)
+
+    def _serial(self, out, anchor, k, sampling, rng) -> Draft:
+        """DSpark: slot by slot, each conditioned on the token drafted before it."""
+        heads = self.heads
+        base, hidden = out[LOGITS][0], out[BLOCK_HIDDEN][0]  # [n, V_d], [n, H]
+        heads.start()
+        tokens, probs, products = [], [], []
+        running, prev = 1.0, anchor
+        for j in range(k):
+            logits, confidence = heads.step(base[j], hidden[j], prev)  # [V_d]
+            if confidence is not None:
+                running *= confidence
+                if self.threshold > 0 and running < self.threshold and j > 0:
+                    break  # the drafts from here on are predicted to be rejected
+                products.append(running)
+            if sampling.greedy:
+                token = heads.target_id(int(np.argmax(logits)))
+            else:
+                probs.append(heads.kept(warp_row(logits, sampling)))
+                token = probs[-1].draw(rng)
+            tokens.append(token)
+            prev = token
+        self.last_confidence = np.array(products) if products else None
+        return Draft(np.array(tokens, dtype=np.int64), probs if not sampling.greedy else None, self.name)
+
+
+def make(entry, pipe) -> BlockDrafter:
+    """The drafter of a manifest entry of kind dflash or dspark (runtime/api.py DRAFTER_FACTORIES)."""
+    from specexport.runtime.engine import LazyEngine, open_kv_cache
+
+    model = entry.model or entry.name
+    info = pipe.manifest.models[model]
+    backend = pipe.backend_of(model)
+    entries = [e for e in pipe.manifest.engines_of(model, backend) if e.role == Role.BLOCK]
+    if not entries:
+        raise BadInput(f"{pipe.manifest.root}: drafter '{entry.name}' has no block graphs")
+    cache = open_kv_cache(backend, info, pipe.options)
+    engines = [LazyEngine(e, pipe.manifest.root, pipe.options, cache) for e in entries]
+    for engine in engines:
+        engine.open()  # no session is created inside a timed round
+    runner = BlockRunner(model, engines, cache, {e.name: e.tokens for e in entries})
+    params = entry.params
+    arrays: dict[str, np.ndarray] = {}
+    if params.get("heads_file"):
+        with np.load(Path(pipe.manifest.root) / params["heads_file"], allow_pickle=False) as data:
+            arrays = {key: data[key] for key in data.files}
+    heads = BlockHeads(arrays, params.get("markov"), bool(params.get("confidence_with_markov", False)))
+    # the smallest graph takes a round's rows (C = 1+D), the largest a prompt's chunks
+    return BlockDrafter(entry.name, runner, heads, int(params["drafts"]), runner.sizes[0],
+                        float(params.get("confidence_threshold", 0.0)))

@@ -1,0 +1,156 @@
+"""Tiny random chain-head checkpoints in every published layout (EAGLE-3: SafeAILab and
+speculators; MTP: DeepSeek-V3/GLM, Qwen3-Next, MiMo, speculators), over a tiny target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+STD = 0.3  # spread of random matrices: clear logit margins on tiny shapes
+
+
+def _rand(g: torch.Generator, *shape: int, std: float = STD) -> torch.Tensor:
+    return torch.randn(*shape, generator=g) * std
+
+
+def _norm(g: torch.Generator, n: int) -> torch.Tensor:
+    return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+
+def decoder_layer(g, prefix: str, hidden: int, heads: int, kv: int, hd: int, inter: int, width: int | None = None,
+                  qk_norm: bool = False, input_norm: bool = True, bias: bool = False) -> dict[str, torch.Tensor]:
+    width = width or hidden
+    t = {
+        f"{prefix}self_attn.q_proj.weight": _rand(g, heads * hd, width),
+        f"{prefix}self_attn.k_proj.weight": _rand(g, kv * hd, width),
+        f"{prefix}self_attn.v_proj.weight": _rand(g, kv * hd, width),
+        f"{prefix}self_attn.o_proj.weight": _rand(g, hidden, heads * hd),
+        f"{prefix}post_attention_layernorm.weight": _norm(g, hidden),
+        f"{prefix}mlp.gate_proj.weight": _rand(g, inter, hidden),
+        f"{prefix}mlp.up_proj.weight": _rand(g, inter, hidden),
+        f"{prefix}mlp.down_proj.weight": _rand(g, hidden, inter),
+    }
+    if input_norm:
+        t[f"{prefix}input_layernorm.weight"] = _norm(g, hidden)
+    if bias:  # Qwen2's q/k/v biases
+        for proj, rows in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd)):
+            t[f"{prefix}self_attn.{proj}_proj.bias"] = _rand(g, rows)
+    if qk_norm:
+        t[f"{prefix}self_attn.q_norm.weight"] = _norm(g, hd)
+        t[f"{prefix}self_attn.k_norm.weight"] = _norm(g, hd)
+    return t
+
+
+def vocab_map(g, vocab: int, draft_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t [draft] int64, t2d [vocab] bool): a random sorted subset of target ids."""
+    chosen = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    d2t = chosen - torch.arange(draft_vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[chosen] = True
+    return d2t.long(), t2d
+
+
+def write_eagle3(folder: Path, target_cfg, layout: str = "safeailab", *, seed: int = 1, draft_vocab: int = 96,
+                 layer_ids: list[int] | None = None, norm_before_residual: bool = False, with_embed: bool = False,
+                 drop: str | None = None, reshape: str | None = None, config_edit: dict | None = None) -> Path:
+    """An EAGLE-3 head for ``target_cfg`` (a transformers config). ``drop``/``reshape``: a tensor
+    to leave out or truncate (malformed checkpoints); ``config_edit``: keys to set in config.json."""
+    g = torch.Generator().manual_seed(seed)
+    h, heads, kv = target_cfg.hidden_size, target_cfg.num_attention_heads, target_cfg.num_key_value_heads
+    hd = getattr(target_cfg, "head_dim", None) or h // heads
+    inter, vocab = target_cfg.intermediate_size, target_cfg.vocab_size
+    layer_prefix = "midlayer." if layout == "safeailab" else "layers.0."
+    t = decoder_layer(g, layer_prefix, h, heads, kv, hd, inter, width=2 * h)
+    t[f"{layer_prefix}hidden_norm.weight"] = _norm(g, h)
+    t["fc.weight"] = _rand(g, h, 3 * h, std=STD / 2)
+    t["norm.weight"] = _norm(g, h)
+    t["lm_head.weight"] = _rand(g, draft_vocab, h)
+    t["d2t"], t["t2d"] = vocab_map(g, vocab, draft_vocab)
+    if with_embed:
+        t["embed_tokens.weight"] = _rand(g, vocab, h)
+    layer = {"model_type": "llama", "hidden_size": h, "num_attention_heads": heads, "num_key_value_heads": kv,
+             "head_dim": hd, "intermediate_size": inter, "num_hidden_layers": 1, "rms_norm_eps": 1e-6,
+             "hidden_act": "silu", "vocab_size": vocab, "max_position_embeddings": 4096, "rope_theta": 10000.0}
+    if layout == "safeailab":
+        config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab}
+        if layer_ids is not None:
+            config["eagle_aux_hidden_state_layer_ids"] = layer_ids
+    else:
+        config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+                  "transformer_layer_config": layer, "draft_vocab_size": draft_vocab,
+                  "norm_before_residual": norm_before_residual, "eagle_aux_hidden_state_layer_ids": layer_ids}
+    return _write(folder, t, config, drop, reshape, config_edit)
+
+
+def _write(folder: Path, t: dict, config: dict, drop, reshape, config_edit, name: str = "model.safetensors") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    if drop:
+        del t[drop]
+    if reshape:
+        t[reshape] = t[reshape][..., :-1].contiguous()
+    config.update(config_edit or {})
+    save_file({k: v.contiguous() for k, v in t.items()}, str(folder / name))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+MTP_LAYOUTS = ("deepseek", "qwen3-next", "mimo", "speculators")
+
+
+def mtp_tensors(target_cfg, layout: str, seed: int = 2) -> tuple[dict[str, torch.Tensor], str]:
+    """(tensors, the decoder layer's prefix) of an MTP module in ``layout`` for ``target_cfg``."""
+    g = torch.Generator().manual_seed(seed)
+    h, heads, kv = target_cfg.hidden_size, target_cfg.num_attention_heads, target_cfg.num_key_value_heads
+    hd = getattr(target_cfg, "head_dim", None) or h // heads
+    inter, vocab, n = target_cfg.intermediate_size, target_cfg.vocab_size, target_cfg.num_hidden_layers
+    qk = target_cfg.model_type == "qwen3"
+    if layout == "deepseek":
+        p = f"model.layers.{n}."
+        t = {p + "enorm.weight": _norm(g, h), p + "hnorm.weight": _norm(g, h), p + "eh_proj.weight": _rand(g, h, 2 * h),
+             p + "shared_head.norm.weight": _norm(g, h), p + "shared_head.head.weight": _rand(g, vocab, h)}
+        layer = p
+    elif layout == "qwen3-next":  # Qwen3NextRMSNorm weights sit near 0 (applied as 1 + w)
+        p = "mtp."
+        t = {p + "fc.weight": _rand(g, h, 2 * h), p + "pre_fc_norm_embedding.weight": _norm(g, h) - 1,
+             p + "pre_fc_norm_hidden.weight": _norm(g, h) - 1, p + "norm.weight": _norm(g, h) - 1}
+        layer = p + "layers.0."
+    else:
+        p = "model.mtp_layers.0." if layout == "mimo" else "mtp_layers.0."
+        t = {p + "token_layernorm.weight": _norm(g, h), p + "hidden_layernorm.weight": _norm(g, h),
+             p + "input_proj.weight": _rand(g, h, 2 * h), p + "final_layernorm.weight": _norm(g, h)}
+        layer = p
+    t.update(decoder_layer(g, layer, h, heads, kv, hd, inter, qk_norm=qk, bias=target_cfg.model_type == "qwen2"))
+    return t, layer
+
+
+def write_mtp_target(folder: Path, arch: str, layouts: str | tuple[str, ...], *, seed: int = 0,
+                     drop: str | None = None, reshape: str | None = None, num_layers: int = 2, **fields) -> Path:
+    """A tiny transformers target directory whose own safetensors also hold MTP modules (one per
+    layout: their names do not collide)."""
+    from safetensors.torch import load_file
+
+    from tests.exporter.hf_dirs import save_tiny_hf
+
+    save_tiny_hf(folder, arch, seed=seed, num_layers=num_layers, **fields)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    for i, layout in enumerate((layouts,) if isinstance(layouts, str) else layouts):
+        weights.update(mtp_tensors(cfg, layout, seed=2 + i)[0])
+    if drop:
+        del weights[drop]
+    if reshape:
+        weights[reshape] = weights[reshape][..., :-1].contiguous()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def write_mtp_speculators(folder: Path, target_cfg, *, drop=None, reshape=None, config_edit=None) -> Path:
+    t, _ = mtp_tensors(target_cfg, "speculators")
+    config = {"speculators_model_type": "mtp", "architectures": ["MTPDraftModel"],
+              "transformer_layer_config": target_cfg.to_dict(), "num_speculative_steps": 3}
+    return _write(folder, t, config, drop, reshape, config_edit)

@@ -1,0 +1,157 @@
+"""EAGLE-3 heads from tiny random checkpoints in both published layouts: build with parity,
+greedy losslessness, exact sampling, the layer-index convention, the d2t mapping, and every
+malformed-checkpoint error."""
+
+from __future__ import annotations
+
+import pytest
+
+from specexport.errors import BadInput, SpecexportError
+from tests.heads.chain_checkpoints import write_eagle3
+from tests.heads.common import build, check_greedy_lossless, check_parity, check_sampling
+
+TARGET = {"source": "tiny", "arch": "llama", "num_layers": 6}
+
+
+def target_config():
+    from specexport.exporter.recipe import TinySource
+    from specexport.exporter.tiny import byte_tokenizer, tiny_config
+
+    return tiny_config(TinySource(**TARGET), len(byte_tokenizer()))
+
+
+def recipe(*drafters) -> dict:
+    return {"name": "eagle3", "target": TARGET, "drafters": list(drafters)}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """One build, both layouts: SafeAILab (default taps, target embedding) and speculators
+    (explicit ids, norm_before_residual, its own embedding)."""
+    root = tmp_path_factory.mktemp("eagle3")
+    cfg = target_config()
+    write_eagle3(root / "safe", cfg, "safeailab")
+    write_eagle3(root / "spec", cfg, "speculators", seed=3, layer_ids=[0, 1, 3], norm_before_residual=True,
+                 with_embed=True)
+    return build(recipe({"kind": "eagle3", "name": "e-safe", "path": "safe"},
+                        {"kind": "eagle3", "name": "e-spec", "path": "spec"}), root, root / "out")
+
+
+@pytest.fixture(scope="module")
+def pipe(engines):
+    from specexport.runtime import load
+
+    return load(engines)
+
+
+def test_both_layouts_build_with_parity(engines):
+    import json
+
+    manifest = json.loads((engines / "manifest.json").read_text())
+    assert manifest["models"]["e-safe"]["taps"] == [2, 3, 3]  # [2, L//2, L-3]
+    assert manifest["models"]["e-spec"]["taps"] == [0, 1, 3]  # speculators ids: hidden_states[i]
+    assert manifest["models"]["target"]["taps"] == [0, 1, 2, 3]
+    for name in ("e-safe", "e-spec"):
+        check_parity(engines, name)
+
+
+@pytest.mark.parametrize("drafter", ["e-safe", "e-spec"])
+def test_greedy_is_lossless(pipe, drafter):
+    check_greedy_lossless(pipe, drafter)
+
+
+def test_sampling_is_exact(pipe):
+    check_sampling(pipe, "e-spec")
+
+
+def test_drafts_map_through_d2t(pipe):
+    """The step graph's next token is the draft argmax mapped by d2t, its logits -inf off the
+    draft vocabulary."""
+    import numpy as np
+
+    from specexport.contract import DRAFT_FEATURES, HIDDEN_OUT
+    from specexport.runtime.chain_drafter import STEP_ROLES
+
+    runner = pipe.runner("e-safe", STEP_ROLES)
+    runner.rewind(0)
+    hidden = np.random.default_rng(0).normal(size=(1, 64)).astype(np.float32)
+    out = runner.forward([40], want_logits=True, inputs={DRAFT_FEATURES: hidden}, want=(HIDDEN_OUT,))
+    finite = np.flatnonzero(np.isfinite(out.logits[0]))
+    from safetensors.torch import load_file
+
+    d2t = load_file(str(pipe.manifest.root.parent / "safe" / "model.safetensors"))["d2t"].numpy()
+    assert finite.tolist() == (np.arange(len(d2t)) + d2t).tolist()
+    assert out.next_tokens[0] == int(np.argmax(out.logits[0])) and out.next_tokens[0] in finite
+    runner.rewind(0)
+
+
+def _break(monkeypatch, what: str):
+    from specexport.exporter.heads import eagle3
+
+    if what == "convention":  # read speculators ids as z-lab's (output of layer i: i + 1)
+        monkeypatch.setitem(eagle3.CONVENTIONS, "speculators", lambda i: i + 1)
+    elif what == "mapping":  # gate and up swapped: same shapes, wrong tensors
+        names = dict(eagle3.LAYER_NAMES, gate_w="mlp.up_proj.weight", up_w="mlp.gate_proj.weight")
+        monkeypatch.setattr(eagle3, "LAYER_NAMES", names)
+    elif what == "d2t":
+        import torch
+  # the draft ids taken as target ids shifted by one
+        class Flipped(eagle3.Tensors):
+            def get(self, name, shape=None, dtype="float"):
+                t = super().get(name, shape, dtype)
+                if name != "d2t":
+                    return t
+                # still a valid injective map into the target vocabulary, but the wrong one
+                mapped = (torch.arange(len(t)) + t).flip(0)
+                return mapped - torch.arange(len(t))
+
+        monkeypatch.setattr(eagle3, "Tensors", Flipped)  # the loader's reader only
+
+
+@pytest.mark.parametrize("what", ["convention", "mapping", "d2t"])
+def test_a_broken_loader_fails_parity(tmp_path, monkeypatch, what):
+    """The reference reads the checkpoint on its own: a loader that reads the layer ids in the
+    wrong convention, swaps two tensors or mis-maps d2t makes the build fail."""
+    write_eagle3(tmp_path / "spec", target_config(), "speculators", layer_ids=[0, 1, 3])
+    _break(monkeypatch, what)
+    with pytest.raises(SpecexportError, match="validation failed for e.catchup|validation failed for e.prefill"):
+        build(recipe({"kind": "eagle3", "name": "e", "path": "spec"}), tmp_path, tmp_path / "out")
+
+
+MALFORMED = [
+    ({"drop": "fc.weight"}, "tensor 'fc.weight' is missing"),
+    ({"drop": "midlayer.self_attn.q_proj.weight"}, "tensor 'midlayer.self_attn.q_proj.weight' is missing"),
+    ({"drop": "d2t"}, "tensor 'd2t' is missing"),
+    ({"reshape": "lm_head.weight"}, "tensor 'lm_head.weight' in model.safetensors has shape"),
+    ({"reshape": "midlayer.hidden_norm.weight"}, "tensor 'midlayer.hidden_norm.weight' in model.safetensors has shape"),
+    ({"config_edit": {"hidden_size": "big"}}, "'hidden_size' must be a positive integer"),
+    ({"config_edit": {"eagle_aux_hidden_state_layer_ids": [2, 99, 5]}}, "layer ids"),
+    ({"config_edit": {"draft_vocab_size": 0}}, "'draft_vocab_size' must be a positive integer"),
+]
+
+
+@pytest.mark.parametrize("broken,message", MALFORMED, ids=[m for _, m in MALFORMED])
+def test_malformed_checkpoints_are_one_line_errors(tmp_path, broken, message):
+    from specexport.exporter.heads.eagle3 import load
+    from specexport.exporter.recipe import Eagle3Drafter, TinySource
+    from specexport.exporter.sources import load_source
+
+    write_eagle3(tmp_path / "head", target_config(), "safeailab", **broken)
+    target = load_source(TinySource(**TARGET), tmp_path, "target")
+    spec = Eagle3Drafter(kind="eagle3", path="head")
+    with pytest.raises(BadInput, match=message) as err:
+        load(spec, target, tmp_path, "drafters.0")
+    assert "\n" not in str(err.value) and str(err.value).startswith("drafters.0")
+
+
+def test_the_cli_exits_2_on_a_malformed_head(tmp_path):
+    import yaml
+
+    from tests.conftest import run_cli
+
+    write_eagle3(tmp_path / "head", target_config(), "speculators", drop="layers.0.mlp.down_proj.weight")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump({**recipe({"kind": "eagle3", "path": "head"}),
+                                                    "shapes": {"max_seq_len": 48, "prefill_chunk": 8}}))
+    code, _, err = run_cli("build", tmp_path / "r.yaml", "--out", tmp_path / "out")
+    assert code == 2, err
+    assert "layers.0.mlp.down_proj.weight" in err and "Traceback" not in err

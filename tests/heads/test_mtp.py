@@ -1,0 +1,135 @@
+"""MTP heads from tiny random checkpoints in the four published layouts, read from the target's
+own safetensors (DeepSeek, Qwen3-Next, MiMo) or a speculators folder: build with parity, greedy
+losslessness, exact sampling, a broken mapping failing parity, and the one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from specexport.errors import BadInput, SpecexportError
+from tests.heads.chain_checkpoints import write_mtp_speculators, write_mtp_target
+from tests.heads.common import build, check_greedy_lossless, check_parity, check_sampling
+
+
+def mtp_recipe(target_path: str, *drafters: dict) -> dict:
+    return {"name": "mtp", "target": {"source": "hf", "path": target_path},
+            "drafters": list(drafters) or [{"kind": "mtp"}]}
+
+
+# drafter name -> layout; the three in-target layouts live side by side in one qwen3 target
+# (q/k norms), MiMo also in a qwen2 target (biases), speculators in a folder beside the target
+IN_QWEN3 = {"m-deepseek": "deepseek", "m-qwen3-next": "qwen3-next"}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """drafter name -> engine directory (two builds)."""
+    from transformers import AutoConfig
+
+    root = tmp_path_factory.mktemp("mtp")
+    write_mtp_target(root / "t-qwen3", "qwen3", tuple(IN_QWEN3.values()))
+    write_mtp_speculators(root / "spec", AutoConfig.from_pretrained(root / "t-qwen3"))
+    heads = [{"kind": "mtp", "name": name, "layout": layout} for name, layout in IN_QWEN3.items()]
+    qwen3 = build(mtp_recipe("t-qwen3", *heads, {"kind": "mtp", "name": "m-speculators", "path": "spec"}),
+                  root, root / "out-qwen3")
+    write_mtp_target(root / "t-qwen2", "qwen2", "mimo")
+    qwen2 = build(mtp_recipe("t-qwen2", {"kind": "mtp", "name": "m-mimo"}), root, root / "out-qwen2")
+    return {**dict.fromkeys([*IN_QWEN3, "m-speculators"], qwen3), "m-mimo": qwen2}
+
+
+@pytest.mark.parametrize("name", [*IN_QWEN3, "m-mimo", "m-speculators"])
+def test_layout_builds_with_parity_and_decodes_losslessly(built, name):
+    from specexport.runtime import load
+
+    check_parity(built[name], name)
+    check_greedy_lossless(load(built[name]), name)
+
+
+def test_layouts_are_detected_from_the_files(tmp_path):
+    from specexport.exporter.heads.chain import Tensors, safetensors_files
+    from specexport.exporter.heads.mtp import detect_layout
+
+    for layout in ("deepseek", "qwen3-next", "mimo"):
+        folder = write_mtp_target(tmp_path / layout, "llama", layout)
+        assert detect_layout({}, Tensors(safetensors_files(folder, "t"), "t"))[0] == layout
+
+
+def test_sampling_is_exact(built):
+    from specexport.runtime import load
+
+    check_sampling(load(built["m-mimo"]), "m-mimo", draws=400)
+
+
+@pytest.mark.parametrize("what", ["concat order", "swapped tensors"])
+def test_a_broken_loader_fails_parity(tmp_path, monkeypatch, what):
+    """MiMo concatenates [hidden, embedding]: read in DeepSeek's order, or with gate/up
+    swapped in the mapping table, the graph no longer matches the reference."""
+    from dataclasses import replace
+
+    from specexport.exporter.heads import mtp
+
+    if what == "concat order":
+        monkeypatch.setitem(mtp.LAYOUTS, "mimo", replace(mtp.LAYOUTS["mimo"], hidden_first=False))
+    else:
+        monkeypatch.setattr(mtp, "LAYER_NAMES", dict(mtp.LAYER_NAMES, gate_w="mlp.up_proj.weight",
+                                                     up_w="mlp.gate_proj.weight"))
+    write_mtp_target(tmp_path / "t", "qwen2", "mimo")
+    with pytest.raises(SpecexportError, match="validation failed for mtp"):
+        build(mtp_recipe("t"), tmp_path, tmp_path / "out")
+
+
+MALFORMED = [
+    ("deepseek", {"drop": "model.layers.2.eh_proj.weight"}, "no MTP weights found"),
+    ("deepseek", {"drop": "model.layers.2.enorm.weight"}, "tensor 'model.layers.2.enorm.weight' is missing"),
+    ("qwen3-next", {"drop": "mtp.layers.0.mlp.down_proj.weight"}, "tensor 'mtp.layers.0.mlp.down_proj.weight' is missing"),
+    ("mimo", {"reshape": "model.mtp_layers.0.input_proj.weight"}, "tensor 'model.mtp_layers.0.input_proj.weight' in model.safetensors has shape"),
+    ("qwen3-next", {"reshape": "mtp.pre_fc_norm_hidden.weight"}, "'mtp.pre_fc_norm_hidden.weight' in model.safetensors has shape"),
+]
+
+
+@pytest.mark.parametrize("layout,broken,message", MALFORMED, ids=[m for *_, m in MALFORMED])
+def test_malformed_checkpoints_are_one_line_errors(tmp_path, layout, broken, message):
+    from specexport.exporter.heads.mtp import load
+    from specexport.exporter.recipe import HfSource, MtpDrafter
+    from specexport.exporter.sources import load_source
+
+    write_mtp_target(tmp_path / "t", "llama", layout, **broken)
+    target = load_source(HfSource(source="hf", path=tmp_path / "t"), tmp_path, "target")
+    with pytest.raises(BadInput, match=message) as err:
+        load(MtpDrafter(kind="mtp"), target, tmp_path, "drafters.0")
+    assert "\n" not in str(err.value) and str(err.value).startswith("drafters.0")
+
+
+def test_unreachable_layers_and_targets_are_refused(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from specexport.exporter.heads.mtp import load
+    from specexport.exporter.recipe import HfSource, MtpDrafter, TinySource
+    from specexport.exporter.sources import load_source
+
+    folder = write_mtp_target(tmp_path / "t", "llama", "deepseek")
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["model.layers.2.mlp.experts.0.up_proj.weight"] = torch.zeros(4, 4)  # an MoE layer
+    save_file(weights, str(folder / "model.safetensors"))
+    target = load_source(HfSource(source="hf", path=folder), tmp_path, "target")
+    with pytest.raises(BadInput, match="mixture-of-experts"):
+        load(MtpDrafter(kind="mtp"), target, tmp_path, "drafters.0")
+    tiny = load_source(TinySource(source="tiny"), tmp_path, "target")
+    with pytest.raises(BadInput, match="needs a transformers directory target"):
+        load(MtpDrafter(kind="mtp"), tiny, tmp_path, "drafters.0")
+
+
+def test_a_malformed_speculators_config_is_one_line(tmp_path):
+    import yaml
+    from transformers import AutoConfig
+
+    from tests.conftest import run_cli
+
+    write_mtp_target(tmp_path / "t", "llama", "deepseek")
+    write_mtp_speculators(tmp_path / "spec", AutoConfig.from_pretrained(tmp_path / "t"),
+                          drop="mtp_layers.0.token_layernorm.weight")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump({**mtp_recipe("t", {"kind": "mtp", "path": "spec"}),
+                                                    "shapes": {"max_seq_len": 48, "prefill_chunk": 8}}))
+    code, _, err = run_cli("build", tmp_path / "r.yaml", "--out", tmp_path / "out")
+    assert code == 2 and "mtp_layers.0.token_layernorm.weight" in err and "Traceback" not in err, err
