@@ -38,6 +38,7 @@ from specexport.contract import (
 )
 from specexport.errors import BadInput
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
+from specexport.runtime.drafters import DraftCost
 from specexport.runtime.engine import Engine
 from specexport.runtime.kv_cache import KVCache
 
@@ -194,6 +195,11 @@ class BlockDrafter:
     @property
     def engine_seconds(self) -> float:
         return self.runner.seconds
+
+    @property
+    def draft_cost(self) -> DraftCost:
+        # a round: one block call, whatever k (the prompt's context rows aside)
+        return DraftCost(per_round=(self.runner, self.runner.fitting(self.round_rows)), first_drafts=self.drafts)
 
     def reset(self, prompt: np.ndarray, target_out) -> None:
         self.runner.cache.rewind(0)

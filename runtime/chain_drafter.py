@@ -14,7 +14,7 @@ import numpy as np
 
 from specexport.contract import AUX_HIDDEN_STATES, DRAFT_FEATURES, HIDDEN_OUT, DrafterEntry, Role
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
-from specexport.runtime.drafters import TargetOut
+from specexport.runtime.drafters import DraftCost, TargetOut
 from specexport.runtime.runner import ModelRunner
 
 CATCHUP_ROLES = frozenset({Role.CATCHUP, Role.PREFILL})
@@ -33,6 +33,12 @@ class ChainDrafter:
     @property
     def engine_seconds(self) -> float:
         return self.catchup.seconds + self.step.seconds
+
+    @property
+    def draft_cost(self) -> DraftCost:
+        # a round: one catch-up call (the committed rows; its last row gives the first draft),
+        # then one step per further draft
+        return DraftCost(per_draft=(self.step, 1), per_round=(self.catchup, self.catchup.engine_size(1)), first_drafts=1)
 
     def reset(self, prompt: np.ndarray, target_out: TargetOut) -> None:
         self.catchup.rewind(0)

@@ -11,7 +11,8 @@ manifest drafter kind to its factory).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -22,6 +23,28 @@ from specexport.runtime.runner import ModelRunner
 TargetOut = Mapping[str, np.ndarray]  # target output name -> [n, ...] rows of committed positions
 
 
+@dataclass(frozen=True)
+class DraftCost:
+    """Which graphs a round that drafts k > 0 tokens runs, for the bench's prediction: the
+    ``per_round`` graph once (a chain head's catch-up, a block head's block), which already
+    gives ``first_drafts`` drafts, then the ``per_draft`` graph for each further draft.
+    Each part is (runner, engine size); None: no such graph."""
+
+    per_draft: tuple[Any, int] | None = None
+    per_round: tuple[Any, int] | None = None
+    first_drafts: int = 0
+
+    def seconds(self, k: int, draft_s: float, round_s: float) -> float:
+        """Engine time of drafting ``k`` tokens, given one run of each part."""
+        if k <= 0:
+            return 0.0
+        further = max(k - self.first_drafts, 0) if self.per_draft else 0
+        return (round_s if self.per_round else 0.0) + further * draft_s
+
+
+NO_COST = DraftCost()
+
+
 class Drafter(Protocol):
     name: str
     # target outputs this drafter reads (e.g. AUX_HIDDEN_STATES); empty for most drafters
@@ -30,6 +53,10 @@ class Drafter(Protocol):
     @property
     def engine_seconds(self) -> float:
         """Seconds inside the drafter's engines so far (0 without any): the rest is host work."""
+
+    @property
+    def draft_cost(self) -> DraftCost:
+        """The graphs a round of drafting runs (NO_COST for drafters without engines)."""
 
     def reset(self, prompt: np.ndarray, target_out: TargetOut) -> None:
         """Start a new sequence (neural drafters prefill the prompt here). ``target_out``: the
@@ -51,6 +78,7 @@ class NoDrafter:
     name = "none"
     needs: tuple[str, ...] = ()
     engine_seconds = 0.0
+    draft_cost = NO_COST
 
     def reset(self, prompt: np.ndarray, target_out: TargetOut) -> None:
         pass
@@ -68,6 +96,7 @@ class NgramDrafter:
 
     needs: tuple[str, ...] = ()
     engine_seconds = 0.0
+    draft_cost = NO_COST
 
     def __init__(self, name: str = "ngram", max_ngram: int = 3, min_ngram: int = 1):
         self.name = name
@@ -113,6 +142,10 @@ class ModelDrafter:
     @property
     def engine_seconds(self) -> float:
         return self.runner.seconds
+
+    @property
+    def draft_cost(self) -> DraftCost:
+        return DraftCost(per_draft=(self.runner, self.runner.engine_size(1)))  # one step per draft
 
     def reset(self, prompt: np.ndarray, target_out: TargetOut) -> None:
         self.runner.rewind(0)

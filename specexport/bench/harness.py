@@ -64,25 +64,39 @@ def cost_curve(pipe, repeats: int) -> list[dict]:
 
 def measure_costs(pipe, drafters: list[str], repeats: int, want_logits: bool, draft_len: int) -> dict:
     """What the prediction is made of, measured apart from the decode runs: the target's pass
-    at every engine size (the cost curve) and each neural drafter's one-token step, all taken
-    in turn round after round, so a drift of the machine hits them alike; medians."""
-    runners = {"target": (pipe.target, pipe.target.sizes)}
+    at every engine size (the cost curve) and the graphs each drafter's round runs (a draft
+    step; a chain head's catch-up or a block head's block once per round: Drafter.draft_cost),
+    all taken in turn round after round, so a drift of the machine hits them alike; medians."""
+    parts = {("target", size): (pipe.target, size) for size in pipe.target.sizes}
+    shapes = {}
     for name in drafters:
-        runner = getattr(pipe.drafter(name), "runner", None)  # neural drafters only
-        if runner is not None:
-            runners[name] = (runner, [runner.engine_size(1)])  # the engine of one draft step
-    samples: dict[str, dict[int, list[float]]] = {name: defaultdict(list) for name in runners}
+        cost = pipe.drafter(name).draft_cost
+        for part in ("per_draft", "per_round"):
+            if getattr(cost, part) is not None:
+                parts[(name, part)] = getattr(cost, part)
+        shapes[name] = cost
+    samples: dict[tuple, list[float]] = defaultdict(list)
     for _ in range(repeats):
-        for name, (runner, sizes) in runners.items():
-            for size, seconds in runner.time_engines(sizes, 1, want_logits=want_logits).items():
-                samples[name][size].append(seconds)
-    median = {name: {size: statistics.median(v) for size, v in by_size.items()} for name, by_size in samples.items()}
-    target = median.pop("target")
+        for key, (runner, size) in parts.items():
+            samples[key].append(runner.time_run(size, want_logits))
+    for runner, size in parts.values():
+        runner.end_timing([size])
+    median = {key: statistics.median(v) for key, v in samples.items()}
+    target = {size: median[("target", size)] for size in pipe.target.sizes}
+
+    def ms(name: str, part: str) -> float:
+        return round(median.get((name, part), 0.0) * 1e3, 3)
+
     return {
         "curve": _curve(target),
         # the pass a round with k drafts runs (the engine that holds 1+k tokens), k = 0..D
         "verify_ms": [round(target[pipe.target.engine_size(1 + k)] * 1e3, 3) for k in range(draft_len + 1)],
-        "draft_step_ms": {name: round(min(by_size.values()) * 1e3, 3) for name, by_size in median.items()},
+        # per drafter with engines: the ms of drafting k = 0..D tokens in one round
+        "draft_ms": {name: [round(cost.seconds(k, ms(name, "per_draft"), ms(name, "per_round")), 3)
+                            for k in range(draft_len + 1)]
+                     for name, cost in shapes.items() if cost.per_draft or cost.per_round},
+        "draft_step_ms": {name: ms(name, "per_draft") for name, cost in shapes.items() if cost.per_draft},
+        "draft_round_ms": {name: ms(name, "per_round") for name, cost in shapes.items() if cost.per_round},
         "repeats": repeats,
         "logits": want_logits,
     }

@@ -64,9 +64,11 @@ def markdown(result: dict) -> str:
     if costs:
         verify = ", ".join(f"k={k}: {ms:.2f}" for k, ms in enumerate(costs["verify_ms"]))
         steps = ", ".join(f"{name}: {ms:.2f}" for name, ms in costs["draft_step_ms"].items()) or "none"
+        rounds = ", ".join(f"{name}: {ms:.2f}" for name, ms in costs.get("draft_round_ms", {}).items()) or "none"
         lines += ["", f"## Costs behind the prediction (ms, medians of {costs['repeats']} round-robin timings"
                   f"{', logits copied out' if costs['logits'] else ''})", "",
-                  f"- verify pass with k drafts: {verify}", f"- one draft step: {steps}"]
+                  f"- verify pass with k drafts: {verify}", f"- one draft step: {steps}",
+                  f"- once per round (a head's catch-up or block): {rounds}"]
     if result["peers"] or result["peers_skipped"]:
         lines += ["", "## Peers (same model, fp32)", "", "| peer | threads | prompt | tok/s | vs our baseline | same greedy output |",
                   "|---|---|---|---|---|---|"]

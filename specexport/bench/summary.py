@@ -7,7 +7,10 @@ measured apart from the runs (``harness.measure_costs``: the verify cost curve a
 drafter's step, timed round-robin, medians) and only the acceptance taken from the runs: for
 the rounds that drafted k tokens (k = 0..D, from the run's draft sizes),
 
-    predicted = tokens · T_verify(1) / Σ_k rounds_k · (T_verify(1+k) + k · t_step)
+    predicted = tokens · T_verify(1) / Σ_k rounds_k · (T_verify(1+k) + T_draft(k))
+
+where T_draft(k) is the drafter's engines for k drafts: k steps (a draft model), one catch-up
+call and k − 1 steps (a chain head), one block call (a block head).
 
 So it predicts from the engines alone: host time and the drafter's catch-up after rounds it
 skipped are outside it, and the gap between predicted and measured is what they (and the
@@ -27,11 +30,12 @@ def rounds_by_draft_size(rounds: int, proposed_at: list[int]) -> list[int]:
 
 
 def predict_speedup(tokens: int, rounds: int, proposed_at: list[int], verify_ms: list[float],
-                    step_ms: float) -> float | None:
+                    draft_ms: list[float] | None) -> float | None:
     """The equation's speedup for the run's acceptance (tokens, rounds and draft sizes) at the
-    costs measured apart: verify_ms[k], the pass that verifies k drafts; step_ms, one draft."""
+    costs measured apart: verify_ms[k], the pass that verifies k drafts; draft_ms[k], drafting
+    k tokens in one round (None: a drafter without engines)."""
     per_size = rounds_by_draft_size(rounds, proposed_at)
-    seconds = sum(n * (verify_ms[k] + k * step_ms) for k, n in enumerate(per_size))
+    seconds = sum(n * (verify_ms[k] + (draft_ms[k] if draft_ms else 0.0)) for k, n in enumerate(per_size))
     return tokens * verify_ms[0] / seconds if seconds and tokens else None
 
 
@@ -61,8 +65,7 @@ def _per_prompt(records: list[dict], baseline: dict[str, dict], costs: dict) -> 
         depth = len(runs[0]["accepted_at"])
         accepted = [sum(r["accepted_at"][i] for r in runs) for i in range(depth)]
         proposed = [sum(r["proposed_at"][i] for r in runs) for i in range(depth)]
-        predicted = predict_speedup(tokens, rounds, proposed, costs["verify_ms"],
-                                    costs["draft_step_ms"].get(drafter, 0.0))
+        predicted = predict_speedup(tokens, rounds, proposed, costs["verify_ms"], costs["draft_ms"].get(drafter))
         results.append({
             "drafter": drafter,
             "prompt_id": prompt_id,
@@ -170,7 +173,7 @@ def summarize(pipe, options, prompts, drafters, records, peer_records, skipped, 
         "categories": _by_category(results),
         "cost_curve": curve,
         # what predicted_speedup is made of, measured apart from the runs
-        "costs": {k: costs[k] for k in ("verify_ms", "draft_step_ms", "repeats", "logits")},
+        "costs": {k: costs[k] for k in ("verify_ms", "draft_ms", "draft_step_ms", "draft_round_ms", "repeats", "logits")},
         "tile_point": {"tokens": tile_tokens, "group_size": plan["group_size"],
                        "measured": any(c["tokens"] == tile_tokens for c in curve)},
         "peers": _peers(peer_records, baseline),

@@ -133,14 +133,27 @@ def test_rounds_by_draft_size():
 
 def test_prediction_arithmetic():
     verify_ms = [10.0, 12.0, 13.0, 15.0]  # the pass that verifies k = 0..3 drafts
+    steps = [0.0, 1.0, 2.0, 3.0]  # a draft model: 1 ms per draft
     # every round drafts 3 and keeps all: E[L] = 4 at 15 ms + 3 steps of 1 ms against 10 ms per token
-    assert predict_speedup(40, 10, [10, 10, 10], verify_ms, 1.0) == pytest.approx(40 * 10 / (10 * 18))
-    # the target alone: one token per 10 ms round, exactly 1
-    assert predict_speedup(7, 7, [0, 0, 0], verify_ms, 0.0) == 1.0
-    # mixed depths: 2 rounds of 0, 1 of 1, 2 of 3 drafts
-    mixed = predict_speedup(12, 5, [3, 2, 2], verify_ms, 0.5)
+    assert predict_speedup(40, 10, [10, 10, 10], verify_ms, steps) == pytest.approx(40 * 10 / (10 * 18))
+    # the target alone (and a drafter without engines): one token per 10 ms round, exactly 1
+    assert predict_speedup(7, 7, [0, 0, 0], verify_ms, None) == 1.0
+    # mixed depths: 2 rounds of 0, 1 of 1, 2 of 3 drafts, 0.5 ms per draft
+    mixed = predict_speedup(12, 5, [3, 2, 2], verify_ms, [0.0, 0.5, 1.0, 1.5])
     assert mixed == pytest.approx(12 * 10 / (2 * 10 + (12 + 0.5) + 2 * (15 + 1.5)))
-    assert predict_speedup(0, 0, [0, 0, 0], verify_ms, 0.0) is None
+    assert predict_speedup(0, 0, [0, 0, 0], verify_ms, None) is None
+
+
+def test_a_round_s_draft_cost_per_drafter_shape():
+    """A draft model pays one step per draft; a chain head one catch-up call (its first draft)
+    and a step per further draft; a block head one block call whatever k; nothing for k = 0."""
+    from specexport.runtime.drafters import NO_COST, DraftCost
+
+    model, chain, block = DraftCost(per_draft=("r", 1)), DraftCost(("s", 1), ("c", 6), 1), DraftCost(None, ("b", 6), 7)
+    assert [model.seconds(k, 2.0, 0.0) for k in range(4)] == [0.0, 2.0, 4.0, 6.0]
+    assert [chain.seconds(k, 2.0, 3.5) for k in range(4)] == [0.0, 3.5, 5.5, 7.5]
+    assert [block.seconds(k, 0.0, 9.0) for k in range(4)] == [0.0, 9.0, 9.0, 9.0]
+    assert NO_COST.seconds(3, 1.0, 1.0) == 0.0
 
 
 def _fake_record(drafter, total_s, draft_s, verify_s, tokens=12, rounds=4, proposed_at=(4, 4), accepted_at=(3, 2)):
@@ -158,7 +171,8 @@ def test_prediction_comes_from_costs_measured_apart_not_from_the_run():
     options = SimpleNamespace(threads=2, max_new_tokens=12, repeats=1, temperature=0.0, adaptive=True, draft_len=2,
                               prompts="p.jsonl")
     costs = {"curve": [{"tokens": 1, "ms": 10.0, "relative": 1.0}], "verify_ms": [10.0, 11.0, 12.0],
-             "draft_step_ms": {"m": 2.0}, "repeats": 3, "logits": False}
+             "draft_ms": {"m": [0.0, 2.0, 4.0]}, "draft_step_ms": {"m": 2.0}, "draft_round_ms": {},
+             "repeats": 3, "logits": False}
 
     def predicted(draft_s, verify_s):
         records = [_fake_record("none", 1.2, 0.0, 1.0, rounds=12, proposed_at=(0, 0), accepted_at=(0, 0)),

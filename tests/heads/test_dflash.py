@@ -321,3 +321,16 @@ def test_tune_times_the_block_graphs_too(engines, tmp_path):
     costs = json.loads((copy / COSTS).read_text())["engines"]["onnxruntime"]
     blocks = [e.name for e in Manifest.load(copy).engines if e.role == Role.BLOCK]
     assert blocks and all(costs[name] > 0 for name in blocks)
+
+
+def test_the_bench_costs_a_round_as_one_block_call(pipe):
+    """A block head drafts the whole block in one call: the bench's prediction charges one
+    block per round whatever k (it crashed on block heads before: they have no step graph)."""
+    from specexport.bench.harness import measure_costs
+
+    names = [n for n in pipe.drafter_names if n != "none"]
+    costs = measure_costs(pipe, names, repeats=3, want_logits=False, draft_len=pipe.manifest.draft_len)
+    for name in names:
+        draft = costs["draft_ms"][name]  # k = 0..D
+        assert draft[0] == 0.0 and draft[1] > 0 and len(set(draft[1:])) == 1
+        assert name not in costs["draft_step_ms"]

@@ -155,3 +155,17 @@ def test_the_cli_exits_2_on_a_malformed_head(tmp_path):
     code, _, err = run_cli("build", tmp_path / "r.yaml", "--out", tmp_path / "out")
     assert code == 2, err
     assert "layers.0.mlp.down_proj.weight" in err and "Traceback" not in err
+
+
+def test_the_bench_costs_a_round_as_one_catch_up_and_a_step_per_further_draft(pipe):
+    """The bench's prediction charges what a chain round runs: the catch-up call (which gives
+    the first draft), then one step graph per further draft."""
+    from specexport.bench.harness import measure_costs
+
+    names = [n for n in pipe.drafter_names if n != "none"]
+    costs = measure_costs(pipe, names, repeats=3, want_logits=False, draft_len=pipe.manifest.draft_len)
+    for name in names:
+        draft = costs["draft_ms"][name]  # k = 0..D
+        step, catchup = costs["draft_step_ms"][name], costs["draft_round_ms"][name]
+        assert draft[0] == 0.0 and draft[1] == pytest.approx(catchup) and step > 0 and catchup > 0
+        assert all(b - a == pytest.approx(step, abs=2e-3) for a, b in zip(draft[1:], draft[2:]))
