@@ -192,7 +192,7 @@ def build(raw: dict, base: Path, out: Path) -> Path:
     from specexport.exporter.progress import Reporter
     from specexport.exporter.recipe import parse_recipe
 
-    build_recipe(parse_recipe(raw, "recipe"), base, out, False, Reporter(quiet=True), threads=1)
+    build_recipe(parse_recipe(raw, "recipe"), base, out, False, Reporter(quiet=True))
     return out
 
 
@@ -206,7 +206,7 @@ def build_head_only(raw: dict, base: Path, tmp: Path):
     from specexport.exporter.sources import load_source
 
     parsed = parse_recipe(raw, "recipe")
-    builder = Builder(parsed, base, tmp / "out", Reporter(quiet=True), threads=1)
+    builder = Builder(parsed, base, tmp / "out", Reporter(quiet=True))
     target = load_source(parsed.target, base, "target")
     spec = parsed.drafters[0]
     head = load_head(spec, target, base, "drafters.0")

@@ -19,7 +19,7 @@ def build(recipe: dict, base: Path, out: Path) -> Path:
     from specexport.exporter.recipe import parse_recipe
 
     recipe = {"shapes": SHAPES, "draft": {"max_draft": 3}, **recipe}
-    build_recipe(parse_recipe(recipe, "recipe"), base, out, False, Reporter(quiet=True), threads=1)
+    build_recipe(parse_recipe(recipe, "recipe"), base, out, False, Reporter(quiet=True))
     return out
 
 

@@ -58,7 +58,7 @@ def engines(folders):
 def pipe(engines):
     from specexport.runtime import load
 
-    return load(engines, threads=1)
+    return load(engines)
 
 
 def test_every_layout_builds_with_parity(engines):
