@@ -289,16 +289,21 @@ class Builder:
             s.detail = f"max |Δlogit| {worst:.2e}, argmax agreement {agree:.1%}"
             if taps:
                 s.detail += f", max |Δh|/scale {max(r['max_rel_aux_diff'] for r in results.values()):.2e}"
+        for name, figures in results.items():
+            self.record_parity(name, dict(figures), "transformers fp32", precision)
+
+    def record_parity(self, graph: str, figures: dict, reference: str, precision: str) -> None:
+        """Check ``graph``'s figures against the limits for ``precision`` (raises a one-line
+        error on a graph out of limits: the temporary directory is dropped) and record them in
+        its entry. Heads record theirs through HeadContext.record_parity."""
         limits = self.recipe.validation
-        for i, entry in enumerate(self.engines):
-            if entry.name in results:
-                r = dict(results[entry.name])
-                if limits.enforce == "never":
-                    applied = {"precision": precision, "enforced": False}
-                else:  # raises on a graph out of limits: the temporary directory is dropped
-                    applied = check_parity(entry.name, r, precision, limits.max_abs_logit_diff,
-                                           limits.min_argmax_agreement)
-                self.engines[i] = replace(entry, parity={**r, **applied, "reference": "transformers fp32"})
+        if limits.enforce == "never":
+            applied = {"precision": precision, "enforced": False}
+        else:
+            applied = check_parity(graph, figures, precision, limits.max_abs_logit_diff,
+                                   limits.min_argmax_agreement, reference=reference)
+        self.engines = [replace(e, parity={**figures, **applied, "reference": reference}) if e.name == graph else e
+                        for e in self.engines]
 
     def measure_costs(self, rounds: int = 9) -> None:
         """One run's cost of every graph of every model, all taken in one interleaved schedule

@@ -148,16 +148,7 @@ class BlockHeads:
     def step(self, base: np.ndarray, hidden: np.ndarray, prev: int) -> tuple[np.ndarray, float | None]:
         """Slot k: (corrected logits [V_d], confidence or None) given the token before it."""
         emb = self.w1[prev] if self.w1 is not None else None  # [r]
-        logits = base
-        if self.markov == "vanilla":
-            logits = base + self.w2 @ emb
-        elif self.markov == "gated":
-            gate = _sigmoid(self.gate_w @ np.concatenate((hidden, emb)) + self.gate_b)  # [r]
-            logits = base + self.w2 @ (gate * emb)
-        elif self.markov == "rnn":
-            a, c, o = np.split(self.joint_w @ np.concatenate((self._state, emb, hidden)) + self.joint_b, 3)
-            self._state = _sigmoid(a) * self._state + (1 - _sigmoid(a)) * np.tanh(c)
-            logits = base + self.w2 @ np.tanh(o)
+        logits = base if self.markov is None else base + self.w2 @ MARKOV_FEATURES[self.markov](self, hidden, emb)
         confidence = None
         if self.conf_w is not None:
             feats = np.concatenate((hidden, emb)) if self.with_markov else hidden
@@ -174,6 +165,25 @@ class BlockHeads:
         ids = self.d2t if row.ids is None else self.d2t[row.ids]
         order = np.argsort(ids, kind="stable")
         return Kept(ids[order], np.asarray(row.probs)[order])
+
+
+def _vanilla(heads: BlockHeads, hidden: np.ndarray, emb: np.ndarray) -> np.ndarray:
+    return emb  # [r]
+
+
+def _gated(heads: BlockHeads, hidden: np.ndarray, emb: np.ndarray) -> np.ndarray:
+    gate = _sigmoid(heads.gate_w @ np.concatenate((hidden, emb)) + heads.gate_b)  # [r]
+    return gate * emb
+
+
+def _rnn(heads: BlockHeads, hidden: np.ndarray, emb: np.ndarray) -> np.ndarray:
+    a, c, o = np.split(heads.joint_w @ np.concatenate((heads._state, emb, hidden)) + heads.joint_b, 3)  # [r] x3
+    heads._state = _sigmoid(a) * heads._state + (1 - _sigmoid(a)) * np.tanh(c)
+    return np.tanh(o)
+
+
+# Markov head kind -> the rank-r features W2 turns into the slot's logit bias
+MARKOV_FEATURES = {"vanilla": _vanilla, "gated": _gated, "rnn": _rnn}
 
 
 class BlockDrafter:

@@ -11,7 +11,7 @@ its runners timed with every other graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -21,7 +21,7 @@ import torch
 
 from specexport.contract import DrafterEntry, EngineEntry, KVUpdate, ModelEntry, Role, engine_name
 from specexport.exporter.onnx_export import WeightStore, tensor_specs
-from specexport.exporter.validate import check_parity, reference_ids
+from specexport.exporter.validate import reference_ids
 
 if TYPE_CHECKING:
     from specexport.exporter.builder import Builder
@@ -120,15 +120,7 @@ class HeadContext:
     def record_parity(self, graph: str, figures: dict[str, Any], reference: str, precision: str = "fp32") -> None:
         """Check ``graph``'s figures (validate.Parity.to_dict()) against the precision's limits
         (raises a one-line error: the build fails and leaves nothing) and record them."""
-        limits = self.recipe.validation
-        if limits.enforce == "never":
-            applied = {"precision": precision, "enforced": False}
-        else:
-            applied = check_parity(graph, figures, precision, limits.max_abs_logit_diff,
-                                   limits.min_argmax_agreement, reference=reference)
-        for i, entry in enumerate(self.builder.engines):
-            if entry.name == graph:
-                self.builder.engines[i] = replace(entry, parity={**figures, **applied, "reference": reference})
+        self.builder.record_parity(graph, figures, reference, precision)
 
     def time_with(self, runner: ModelRunner) -> None:
         """Time ``runner``'s graphs in the builder's one interleaved schedule (cost_ms)."""

@@ -19,6 +19,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -364,7 +365,7 @@ def read_published(files) -> dict[str, torch.Tensor]:
     return out
 
 
-class Reference:
+class Reference(Protocol):
     """What a kind's module gives validation: a full-sequence forward written from the published
     code. ``run(tokens [n], states, own_last)``: rows p = 0..n-1 (token tokens[p], the target's
     features of position p from ``states``), the last row fed ``own_last`` (the head's own hidden
@@ -373,7 +374,7 @@ class Reference:
     name: str
 
     def run(self, tokens: torch.Tensor, states: TargetStates, own_last: torch.Tensor | None):
-        raise NotImplementedError
+        """(logits [n, V_target], hidden [n, H])."""
 
 
 @dataclass

@@ -27,7 +27,6 @@ from specexport.exporter.heads.chain import (
     ChainLayer,
     ChainSpec,
     Eagle3Stem,
-    Reference,
     TargetStates,
     Tensors,
     config_int,
@@ -201,7 +200,7 @@ def load(spec, target, base: Path, origin: str) -> ChainHead:
     return ChainHead(spec_out, Eagle3Reference(folder, files, config, target, origin), {"layout": layout})
 
 
-class Eagle3Reference(Reference):
+class Eagle3Reference:
     """EAGLE-3 written from the published code over transformers' own decoder layer (its q/k/v
     widened to 2H as speculators does), reading the checkpoint by its published names."""
 

@@ -44,7 +44,6 @@ from specexport.exporter.heads.chain import (
     ChainLayer,
     ChainSpec,
     MtpStem,
-    Reference,
     TargetStates,
     Tensors,
     read_config,
@@ -227,7 +226,7 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-class MtpReference(Reference):
+class MtpReference:
     """Each family's MTP forward as vLLM writes it, over the target's own transformers decoder
     layer class loaded from the checkpoint's published names."""
 
