@@ -19,6 +19,7 @@ import onnx
 from specexport import __version__
 from specexport.contract import (
     AUX_HIDDEN_STATES,
+    BATCHED_ROLES,
     KV_UPDATE_OF_ATTENTION,
     ROLE_PRIORITY,
     DrafterEntry,
@@ -56,10 +57,12 @@ from specexport.exporter.sources import (
     load_source,
 )
 from specexport.exporter.validate import (
+    BatchedGraph,
     GraphUnderTest,
     check_parity,
     reference_forward,
     reference_ids,
+    validate_batched,
     validate_model,
 )
 from specexport.runtime.integrity import ensure_verified
@@ -171,7 +174,8 @@ class Builder:
         self.threads = threads
         self.engines: list[EngineEntry] = []
         self.models: dict[str, ModelEntry] = {}
-        self.graph_files: dict[str, list[GraphUnderTest]] = {}
+        self.graph_files: dict[str, list[GraphUnderTest]] = {}  # batch 1, checked against transformers
+        self.batched_files: dict[str, list[BatchedGraph]] = {}  # larger batches, checked row by row against batch 1
         self.specs: dict[str, tuple] = {}
         self.timing: dict[str, ModelRunner] = {}  # model (or head part) -> its validated graphs, timed together at the end
         self.heads: dict[str, LoadedHead] = {}  # hidden-state drafters by name (exporter/heads)
@@ -216,15 +220,23 @@ class Builder:
         stores = {name: WeightStore(tmp / f"{name}.weights")}
         if int4 is not None:
             stores[int4[0]] = WeightStore(tmp / f"{int4[0]}.weights")
+        # ort-gqa: one graph per model with a symbolic token count, every size an entry of it,
+        # so that onnxruntime holds (and pre-packs) the weights once per model, not once per
+        # size. The standard graph stays one static graph per size (TensorRT's need).
+        # With batch sizes above 1 its batch is symbolic too: every batch size shares the weights.
+        shared = self.recipe.attention == "ort-gqa"
+        batched = shapes.batches != [1]
         try:
-            for tokens, graph_name in graphs.names(shapes.batch).items():
-                with self.rep.step("export", graph_name) as s:
-                    proto = export_graph(decoder, shapes.batch, tokens, self.recipe.opset)
-                    s.detail = f"{len(proto.graph.node)} nodes"
-                if int4 is not None and tokens in int4[2].sizes:
+            exports = [(None, f"{name} (every size)")] if shared else list(graphs.names(1).items())
+            for tokens, label in exports:
+                with self.rep.step("export", label) as s:
+                    proto = export_graph(decoder, None if batched else 1, tokens, self.recipe.opset)
+                    s.detail = f"{len(proto.graph.node)} nodes" + (
+                        f", {'batch and ' if batched else ''}token count symbolic" if shared else "")
+                if int4 is not None and (tokens is None or tokens in int4[2].sizes):
                     q_name, q_spec, q_graphs = int4
-                    q_graph = q_graphs.names(shapes.batch)[tokens]
-                    with self.rep.step("quantize", q_graph) as s:
+                    q_label = f"{q_name} (every size)" if tokens is None else q_graphs.names(1)[tokens]
+                    with self.rep.step("quantize", q_label) as s:
                         copy = onnx.ModelProto()
                         copy.CopyFrom(proto)
                         drop_outputs(copy, {AUX_HIDDEN_STATES})  # the heads read the fp32 target's taps
@@ -233,8 +245,8 @@ class Builder:
                         quantized = quantize_int4(copy, q_spec.block_size, q_spec.symmetric, q_spec.accuracy_level,
                                                   keep_head=not q_spec.quantize_head)
                         s.detail = f"{count_quantized(quantized)} MatMulNBits, block {q_spec.block_size}"
-                    self._save(tmp, q_name, q_graph, tokens, "quantized-self", quantized, stores[q_name], q_graphs)
-                self._save(tmp, name, graph_name, tokens, kind, proto, stores[name], graphs)
+                    self._save(tmp, q_name, tokens, "quantized-self", quantized, stores[q_name], q_graphs)
+                self._save(tmp, name, tokens, kind, proto, stores[name], graphs)
         finally:
             for store in stores.values():
                 store.close()
@@ -252,19 +264,35 @@ class Builder:
             self.models[q_name] = ModelEntry(q_name, "quantized-self", kv, vocab, f"{q_name}.weights",
                                              self.recipe.attention, {**untapped, **quant})
 
-    def _save(self, tmp: Path, model: str, graph_name: str, tokens: int, kind: str, proto: onnx.ModelProto,
+    def _save(self, tmp: Path, model: str, tokens: int | None, kind: str, proto: onnx.ModelProto,
               store: WeightStore, graphs: GraphSet) -> None:
-        path = tmp / f"{graph_name}.onnx"
-        inputs, outputs = tensor_specs(proto, "inputs"), tensor_specs(proto, "outputs")
+        """Write one graph and its manifest entries: the graph of ``tokens`` tokens, or with
+        ``tokens=None`` the model's shared graph, one entry per size of ``graphs`` at batch 1,
+        and per decoding size (decode, catch-up, verify) at each larger batch of the recipe."""
+        names = graphs.names(1)
+        sizes = sorted(graphs.sizes) if tokens is None else [tokens]
+        path = tmp / (f"{model}.onnx" if tokens is None else f"{names[tokens]}.onnx")
         store.save(proto, path)
         onnx.checker.check_model(str(path))
-        self.specs[graph_name] = (inputs, outputs)
-        self.graph_files.setdefault(model, []).append(GraphUnderTest(graph_name, path, tokens))
-        self.engines.append(EngineEntry(
-            name=graph_name, model=model, role=graphs.sizes[tokens], backend="onnxruntime", path=path.name,
-            batch=self.recipe.shapes.batch, tokens=tokens, inputs=inputs, outputs=outputs,
-            kv_update=KV_UPDATE_OF_ATTENTION[self.recipe.attention], weights=store.location,
-        ))
+        batches = self.recipe.shapes.batches if tokens is None else [1]
+        for batch in batches:
+            for size in sizes:
+                role = graphs.sizes[size]
+                if batch > 1 and role not in BATCHED_ROLES:
+                    continue
+                graph_name = engine_name(model, role, batch, size)
+                inputs = tensor_specs(proto, "inputs", size, batch)
+                outputs = tensor_specs(proto, "outputs", size, batch)
+                self.specs[graph_name] = (inputs, outputs)
+                if batch == 1:
+                    self.graph_files.setdefault(model, []).append(GraphUnderTest(graph_name, path, size))
+                else:
+                    self.batched_files.setdefault(model, []).append(BatchedGraph(graph_name, path, size, batch))
+                self.engines.append(EngineEntry(
+                    name=graph_name, model=model, role=role, backend="onnxruntime", path=path.name,
+                    batch=batch, tokens=size, inputs=inputs, outputs=outputs,
+                    kv_update=KV_UPDATE_OF_ATTENTION[self.recipe.attention], weights=store.location,
+                ))
 
     def validate(self, model: str, reference: LoadedModel, precision: str) -> None:
         """Run ``model``'s graphs against transformers and record the figures; fail the build on
@@ -291,6 +319,15 @@ class Builder:
                 s.detail += f", max |Δh|/scale {max(r['max_rel_aux_diff'] for r in results.values()):.2e}"
         for name, figures in results.items():
             self.record_parity(name, dict(figures), "transformers fp32", precision)
+        batched = self.batched_files.get(model, [])
+        if batched:
+            with self.rep.step("validate", f"{model} batched graphs") as s:
+                single = {g.tokens: g.name for g in self.graph_files[model]}
+                rows = validate_batched(batched, single, self.specs, kept[0].cache, ids, self.threads)
+                worst = max(r["max_abs_logit_diff"] for r in rows.values())
+                s.detail = f"{len(rows)} graphs, ragged rows and an idle row against batch 1: max |Δlogit| {worst:.2e}"
+            for name, figures in rows.items():
+                self.record_parity(name, dict(figures), "the batch-1 graph, row by row", precision)
 
     def record_parity(self, graph: str, figures: dict, reference: str, precision: str) -> None:
         """Check ``graph``'s figures against the limits for ``precision`` (raises a one-line

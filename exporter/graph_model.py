@@ -5,6 +5,7 @@ changes. Conventions (design.md, "Graphs"):
 
   inputs   input_ids                     int64 [B, T]
            cache_length                  int64 [B]      tokens already in the cache
+           valid_tokens                  int64 [B]      ort-gqa only: real tokens of each row
            past_key_values.{i}.key|value float [B, n_kv, S_max, head_dim]
   outputs  logits                        float [B, T, V]
            next_tokens                   int64 [B, T]   argmax of logits (greedy needs no logits)
@@ -129,6 +130,7 @@ class StaticDecoder(nn.Module):
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}")
         self.attention = attention
+        self.takes_valid_tokens = attention == "ort-gqa"  # VALID_TOKENS, after cache_length
         # The standard graph stays plain ONNX (TensorRT, any runtime).
         self.fusions = (fusions or OrtFusions()) if attention == "ort-gqa" else NO_FUSIONS
         self.parts_summary = parts.summary()
@@ -169,8 +171,10 @@ class StaticDecoder(nn.Module):
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def forward(self, input_ids: torch.Tensor, cache_length: torch.Tensor, *past: torch.Tensor):
-        # input_ids [B, T]; cache_length [B]; past: 2·L tensors [B, n_kv, S_max, head_dim]
+    def forward(self, input_ids: torch.Tensor, cache_length: torch.Tensor, *inputs: torch.Tensor):
+        # input_ids [B, T]; cache_length [B]; inputs: valid_tokens [B] (ort-gqa), then the past:
+        # 2·L tensors [B, n_kv, S_max, head_dim]
+        valid_tokens, past = (inputs[0], inputs[1:]) if self.takes_valid_tokens else (None, inputs)
         batch, tokens = input_ids.shape
         s_max = self.max_seq_len
         offsets = torch.arange(tokens, dtype=torch.int64)  # [T]
@@ -213,8 +217,11 @@ class StaticDecoder(nn.Module):
             masks[window] = torch.where(visible, zero, float("-inf")).view(batch, 1, 1, tokens, s_max + tokens)
 
         if self.attention == "ort-gqa":
-            total = cache_length + tokens  # [B] filled length after this step
-            gqa_lengths = ((total - 1).to(torch.int32), total.max().to(torch.int32))  # seqlens_k, total
+            total = cache_length + valid_tokens  # [B] filled length after this step
+            # seqlens_k (an idle row at length 0 still needs >= 0); an upper bound of the totals
+            # that is at least T (the op's check), as if every row's T were real; query_seqlens
+            gqa_lengths = ((total - 1).clamp(min=0).to(torch.int32), (cache_length + tokens).max().to(torch.int32),
+                           valid_tokens.to(torch.int32))
 
         presents: list[torch.Tensor] = []
         tapped: dict[int, torch.Tensor] = {}  # hidden_states index -> [B, T, hidden]
@@ -339,9 +346,13 @@ class StaticDecoder(nn.Module):
         if layer.sliding_window is not None:
             attrs["local_window_size"] = int(layer.sliding_window)
         tables = (getattr(self, f"rope_cos_half_{layer.rope_table}"), getattr(self, f"rope_sin_half_{layer.rope_table}"))
+        seqlens_k, total, query_seqlens = lengths
+        # the op's optional inputs between the rotary tables and query_seqlens: position_ids,
+        # attention_bias, head_sink, k_scale, v_scale, q_norm_weight, k_norm_weight (unused)
+        unused = (None,) * 7
         out, present_k, present_v = torch.onnx.ops.symbolic_multi_out(
             "com.microsoft::GroupQueryAttention",
-            (q, k, v, past_k, past_v, *lengths, *tables),
+            (q, k, v, past_k, past_v, seqlens_k, total, *tables, *unused, query_seqlens),
             attrs,
             dtypes=(x.dtype, past_k.dtype, past_v.dtype),
             shapes=((batch, tokens, self.n_heads * hd), past_k.shape, past_v.shape),

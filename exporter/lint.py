@@ -256,7 +256,9 @@ def graph_files(target: Path) -> list[Path]:
     if target.is_file():
         return [target]
     if (target / MANIFEST).is_file():  # an engine directory: read through the one manifest reader
-        paths = [target / e.path for e in read_manifest(target).engines if e.backend == "onnxruntime"]
+        # each file once: the entries of an ort-gqa model are sizes of one graph
+        paths = list(dict.fromkeys(target / e.path for e in read_manifest(target).engines
+                                   if e.backend == "onnxruntime"))
     else:
         paths = sorted(target.glob("*.onnx"))
     if not paths:

@@ -19,7 +19,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from specexport.contract import AUX_HIDDEN_STATES, TensorSpec, graph_inputs, graph_outputs
+from specexport.contract import AUX_HIDDEN_STATES, INPUT_IDS, TensorSpec, graph_inputs, graph_outputs
 from specexport.errors import SpecexportError
 from specexport.exporter.graph_model import StaticDecoder
 
@@ -29,29 +29,48 @@ _EXTERNAL_MIN_BYTES = 1024
 _ALIGN = 4096
 
 
-def graph_io(num_layers: int, taps: tuple[int, ...] = ()) -> tuple[list[str], list[str]]:
+def graph_io(num_layers: int, taps: tuple[int, ...] = (), valid_tokens: bool = False) -> tuple[list[str], list[str]]:
     """Input and output names, in the order StaticDecoder.forward takes and returns them."""
-    return graph_inputs(num_layers), graph_outputs(num_layers) + ([AUX_HIDDEN_STATES] if taps else [])
+    return graph_inputs(num_layers, valid_tokens), graph_outputs(num_layers) + ([AUX_HIDDEN_STATES] if taps else [])
 
 
 def example_inputs(decoder: StaticDecoder, batch: int, tokens: int) -> tuple[torch.Tensor, ...]:
     ids = torch.zeros(batch, tokens, dtype=torch.int64)  # [B, T]
     cache_length = torch.zeros(batch, dtype=torch.int64)  # [B]
+    valid = (torch.full((batch,), tokens, dtype=torch.int64),) if decoder.takes_valid_tokens else ()  # [B]
     kv_shape = (batch, decoder.n_kv, decoder.max_seq_len, decoder.head_dim)
     past = [torch.zeros(kv_shape) for _ in range(2 * decoder.num_layers)]  # [B, n_kv, S_max, hd]
-    return (ids, cache_length, *past)
+    return (ids, cache_length, *valid, *past)
 
 
-def export_graph(decoder: StaticDecoder, batch: int, tokens: int, opset: int) -> onnx.ModelProto:
-    """torch.export-based ONNX export of a decoder graph; every dimension static."""
-    inputs, outputs = graph_io(decoder.num_layers, decoder.taps)
-    return export_module(decoder, example_inputs(decoder, batch, tokens), inputs, outputs, opset)
+# The symbolic dimensions of a shared graph (one graph per model for every size).
+TOKENS_DIM = "tokens"
+BATCH_DIM = "batch"
+MAX_BATCH = 256
+
+
+def export_graph(decoder: StaticDecoder, batch: int | None, tokens: int | None, opset: int) -> onnx.ModelProto:
+    """torch.export-based ONNX export of a decoder graph; every dimension static, or with
+    ``tokens=None`` the token count symbolic (``TOKENS_DIM``) and with ``batch=None`` the batch
+    too (``BATCH_DIM``): one graph serving every size."""
+    inputs, outputs = graph_io(decoder.num_layers, decoder.taps, decoder.takes_valid_tokens)
+    if tokens is not None and batch is not None:
+        return export_module(decoder, example_inputs(decoder, batch, tokens), inputs, outputs, opset)
+    # Traced at 2 rows of 4 tokens (torch.export specializes sizes 0 and 1).
+    t = None if tokens is not None else {1: torch.export.Dim(TOKENS_DIM, min=1, max=decoder.max_seq_len)}
+    b = torch.export.Dim(BATCH_DIM, min=1, max=MAX_BATCH) if batch is None else None
+    rows = {0: b} if b is not None else None
+    dims = {"input_ids": {**(t or {}), **(rows or {})} or None, "cache_length": rows,
+            "inputs": tuple(rows for _ in range(len(inputs) - 2))}
+    example = example_inputs(decoder, 2 if batch is None else batch, 4 if tokens is None else tokens)
+    return export_module(decoder, example, inputs, outputs, opset, dims)
 
 
 def export_module(module: torch.nn.Module, example: tuple[torch.Tensor, ...], inputs: list[str],
-                  outputs: list[str], opset: int) -> onnx.ModelProto:
+                  outputs: list[str], opset: int, dynamic_shapes: dict | None = None) -> onnx.ModelProto:
     """torch.export-based ONNX export of any module (decoders, drafter heads): the example
-    inputs fix every dimension; ``inputs``/``outputs`` name them in forward's order."""
+    inputs fix every dimension, but those ``dynamic_shapes`` (torch.export's form, by forward's
+    argument names) makes symbolic; ``inputs``/``outputs`` name them in forward's order."""
     # The exporter narrates each stage on stdout and warns about unrelated optional
     # packages; our own progress display says what is happening.
     quiet_loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "onnxscript", "onnx_ir")]
@@ -61,8 +80,13 @@ def export_module(module: torch.nn.Module, example: tuple[torch.Tensor, ...], in
             lg.setLevel(logging.ERROR)
         with warnings.catch_warnings(), redirect_stdout(io.StringIO()), torch.no_grad():
             warnings.simplefilter("ignore")
+            traced = module
+            if dynamic_shapes is not None:
+                # torch.onnx.export turns the tuple of a *args entry into a list, which
+                # torch.export then refuses: export first, then translate the program.
+                traced = torch.export.export(module, example, dynamic_shapes=dynamic_shapes)
             program = torch.onnx.export(
-                module,
+                traced,
                 example,
                 None,
                 input_names=inputs,
@@ -77,7 +101,24 @@ def export_module(module: torch.nn.Module, example: tuple[torch.Tensor, ...], in
             lg.setLevel(level)
     model = program.model_proto
     _drop_unused_optional_outputs(model)
+    if dynamic_shapes is not None:
+        _name_symbolic_dims(model)
     return model
+
+
+def _name_symbolic_dims(model: onnx.ModelProto) -> None:
+    """torch names a symbolic size after its symbol (s70); give the graph's inputs and
+    outputs the dimension's own name: ``BATCH_DIM`` on axis 0, ``TOKENS_DIM`` on axis 1 of
+    input_ids."""
+    ids = next(v for v in model.graph.input if v.name == INPUT_IDS).type.tensor_type.shape.dim
+    names = {d.dim_param: name for d, name in zip(ids, (BATCH_DIM, TOKENS_DIM)) if d.dim_param}
+    symbols = {d.dim_param for v in model.graph.input for d in v.type.tensor_type.shape.dim if d.dim_param}
+    if not names or symbols - set(names):
+        raise SpecexportError(f"a shared graph's symbolic sizes must be input_ids' batch and tokens; found {sorted(symbols)}")
+    for value in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
+        for d in value.type.tensor_type.shape.dim:
+            if d.dim_param in names:
+                d.dim_param = names[d.dim_param]
 
 
 # Fused onnxruntime kernels whose optional outputs we never read: (domain, op) -> output indices.
@@ -159,14 +200,26 @@ class WeightStore:
             tensor.data_location = onnx.TensorProto.EXTERNAL
 
 
-def tensor_specs(model: onnx.ModelProto, which: str) -> dict[str, TensorSpec]:
-    """name -> dtype and static shape of the graph's inputs or outputs, for the manifest."""
+def tensor_specs(model: onnx.ModelProto, which: str, tokens: int | None = None,
+                 batch: int = 1) -> dict[str, TensorSpec]:
+    """name -> dtype and static shape of the graph's inputs or outputs, for the manifest. A
+    shared graph's ``TOKENS_DIM`` takes ``tokens`` and its ``BATCH_DIM`` ``batch``: each
+    manifest entry is one static size of it."""
     values = model.graph.input if which == "inputs" else model.graph.output
     specs = {}
     for value in values:
         ttype = value.type.tensor_type
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type)).name
-        if not all(d.HasField("dim_value") for d in ttype.shape.dim):  # the runtime's buffers are static
-            raise SpecexportError(f"graph {which[:-1]} {value.name} has a dynamic shape; every dimension must be static")
-        specs[value.name] = TensorSpec(dtype, tuple(d.dim_value for d in ttype.shape.dim))
+        shape = []
+        for d in ttype.shape.dim:
+            if d.HasField("dim_value"):
+                shape.append(d.dim_value)
+            elif d.dim_param == TOKENS_DIM and tokens is not None:
+                shape.append(tokens)
+            elif d.dim_param == BATCH_DIM:
+                shape.append(batch)
+            else:  # the runtime's buffers are static
+                raise SpecexportError(f"graph {which[:-1]} {value.name} has a dynamic shape; every dimension "
+                                      f"must be static{'' if tokens is None else ' but the token count'}")
+        specs[value.name] = TensorSpec(dtype, tuple(shape))
     return specs

@@ -8,9 +8,10 @@ G·(1+D) should be a multiple of the tile, since a partly filled tile costs a fu
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from specexport.contract import DraftSchedule
 from specexport.errors import BadInput
 
 
@@ -25,6 +26,7 @@ class DraftPlanResult:
     tiles: int  # tiles a verify pass occupies per KV head
     reason: str
     warnings: list[str] = field(default_factory=list)
+    schedule: list[list[int]] | None = None  # [[batch upper bound, depth], ...] (contract.DraftSchedule)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -98,7 +100,19 @@ def calibration_file(recipe, base: Path) -> Path | None:
 
 
 def plan_recipe_draft(recipe, base: Path, heads: int, kv_heads: int | None) -> DraftPlanResult:
-    """The recipe's plan, with a calibration file's measured D when the recipe names one."""
+    """The recipe's plan, with a calibration file's measured D when the recipe names one, and
+    its depth by batch size (draft.schedule or draft.disable_by_batch_size), depths capped at D."""
+    plan = _plan_depth(recipe, base, heads, kv_heads)
+    draft = recipe.draft
+    steps = None
+    if draft.schedule is not None:
+        steps = [[bound, min(depth, plan.draft_len)] for bound, depth in sorted(draft.schedule.items())]
+    elif draft.disable_by_batch_size is not None:
+        steps = DraftSchedule.disable_by_batch_size(draft.disable_by_batch_size, plan.draft_len).to_json()
+    return replace(plan, schedule=steps)
+
+
+def _plan_depth(recipe, base: Path, heads: int, kv_heads: int | None) -> DraftPlanResult:
     draft = recipe.draft
     path = calibration_file(recipe, base)
     if path is not None and path.is_file():

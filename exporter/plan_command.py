@@ -48,6 +48,17 @@ def render_plan(result: dict) -> None:
     table.add_row("tile rows used G·(1+D)", f"{result['tile_rows_used']} of {tile} × {result['tiles']}")
     table.add_row("graphs (tokens)", ", ".join(f"{k} {v}" for k, v in result["graphs"].items()))
     table.add_row("reason", result["reason"])
+    if result.get("schedule"):
+        table.add_row("depth by batch size", schedule_text(result["schedule"]))
     console.print(table)
     for warning in result["warnings"]:
         console.print(f"[yellow]warning:[/] {warning}")
+
+
+def schedule_text(steps: list[list[int]]) -> str:
+    """[[4, 4], [8, 2]] -> 'batch 1-4: 4, 5-8: 2, above 8: 0'"""
+    parts, low = [], 1
+    for bound, depth in steps:
+        parts.append(f"{low}-{bound}: {depth}" if bound > low else f"{low}: {depth}")
+        low = bound + 1
+    return "batch " + ", ".join(parts) + f", above {steps[-1][0]}: 0"

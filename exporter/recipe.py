@@ -182,10 +182,28 @@ DrafterSpec = Annotated[
 # --- shapes and planning -------------------------------------------------------------------
 
 
+MAX_BATCH = 256  # exporter/onnx_export.py's symbolic batch range
+
+
 class Shapes(_Strict):
-    batch: int = Field(1, ge=1)
+    # Batch sizes the decode, catch-up and verify graphs are built for: one number or a list
+    # ([1, 2, 4, 8]); batch 1 is always built (prefill, probes and drafter heads run at batch 1).
+    batch: int | list[int] = 1
     max_seq_len: int = Field(1024, ge=2)
     prefill_chunk: int = Field(64, ge=1)
+
+    @property
+    def batches(self) -> list[int]:
+        """Every batch size built, 1 first."""
+        sizes = [self.batch] if isinstance(self.batch, int) else list(self.batch)
+        return sorted({1, *sizes})
+
+    @model_validator(mode="after")
+    def _batches_in_range(self) -> Shapes:
+        sizes = [self.batch] if isinstance(self.batch, int) else list(self.batch)
+        if not sizes or any(not 1 <= b <= MAX_BATCH for b in sizes):
+            raise ValueError(f"batch sizes must lie in 1..{MAX_BATCH} (got {sizes})")
+        return self
 
     @model_validator(mode="after")
     def _chunk_fits(self) -> Shapes:
@@ -201,6 +219,11 @@ class DraftPlan(_Strict):
     tile: int = Field(128, ge=1)
     max_draft: int | None = Field(None, ge=1)
     draft_len: int | None = Field(None, ge=1)
+    # Depth by the number of sequences decoded together (TensorRT-LLM's draft_len_schedule: keys
+    # are upper bounds on the batch size, {4: 4, 8: 2, 32: 1}; past the last key no drafting),
+    # or vLLM's disable_by_batch_size: no drafting once that many sequences run. One of the two.
+    schedule: dict[int, int] | None = None
+    disable_by_batch_size: int | None = Field(None, ge=2)
     # Why the cap or override was chosen (measured costs, say); shown in `plan`'s reason.
     why: str | None = None
     # A file written by `specexport plan --calibrate` (relative to the recipe): when it exists,
@@ -262,6 +285,23 @@ class Recipe(_Strict):
             raise ValueError(f"drafter names must be unique; repeated: {', '.join(dupes)}")
         if "target" in names or "none" in names:
             raise ValueError("'target' and 'none' are reserved and cannot name a drafter")
+        return self
+
+    @model_validator(mode="after")
+    def _one_schedule(self) -> Recipe:
+        if self.draft.schedule is not None and self.draft.disable_by_batch_size is not None:
+            raise ValueError("draft: give schedule or disable_by_batch_size, not both")
+        if self.draft.schedule is not None:
+            steps = sorted(self.draft.schedule.items())
+            if not steps or steps[0][0] < 1 or any(depth < 0 for _, depth in steps):
+                raise ValueError("draft.schedule: keys are batch sizes >= 1 (upper bounds), values depths >= 0")
+        return self
+
+    @model_validator(mode="after")
+    def _batched_graphs_need_gqa(self) -> Recipe:
+        if self.shapes.batches != [1] and self.attention != "ort-gqa":
+            raise ValueError("shapes.batch: batch sizes above 1 need attention: ort-gqa (its graphs take "
+                             "each row's valid tokens; the standard graph is built for batch 1 only)")
         return self
 
 

@@ -16,12 +16,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specexport.contract import AUX_HIDDEN_STATES, CACHE_LENGTH, INPUT_IDS, LOGITS, NEXT_TOKENS
+from specexport.contract import (
+    AUX_HIDDEN_STATES,
+    CACHE_LENGTH,
+    INPUT_IDS,
+    LOGITS,
+    NEXT_TOKENS,
+    VALID_TOKENS,
+    present_of,
+)
 from specexport.errors import SpecexportError
-from specexport.runtime.engine import EngineOptions
+from specexport.runtime.engine import EngineOptions, SharedGraphs
 from specexport.runtime.kv_cache import KVCache
 from specexport.runtime.ort_engine import OrtEngine
-from specexport.runtime.runner import ModelRunner
+from specexport.runtime.runner import PAD_ID, ModelRunner
 
 # Real text (prose, code, numbers) so the sequence exercises ordinary predictions.
 CORPUS = """\
@@ -262,7 +270,8 @@ def validate_model(graphs: list[GraphUnderTest], specs, num_layers: int, num_kv_
             raise SpecexportError(f"{g.name} {has} {AUX_HIDDEN_STATES} but the model's taps are {list(taps)}; "
                                   "export the graphs and the reference with the same taps")
     options = EngineOptions(threads=threads)
-    engines = [OrtEngine(g.name, g.path, *specs[g.name], options) for g in graphs]
+    shared = SharedGraphs()  # sizes of one shared graph file run on one session, as at run time
+    engines = [OrtEngine(g.name, g.path, *specs[g.name], options, shared) for g in graphs]
     cache = KVCache(num_layers, 1, num_kv_heads, max_seq_len, head_dim)
     runner = ModelRunner("validate", engines, cache, {g.name: g.tokens for g in graphs},
                          in_place=frozenset(g.name for g in graphs) if in_place else frozenset())
@@ -283,6 +292,8 @@ def validate_model(graphs: list[GraphUnderTest], specs, num_layers: int, num_kv_
             feeds = dict(cache.view())
             feeds[INPUT_IDS] = ref_ids[length : length + graph.tokens][None, :]  # [1, T]
             feeds[CACHE_LENGTH] = np.array([length], dtype=np.int64)  # [1]
+            if VALID_TOKENS in engine.inputs:
+                feeds[VALID_TOKENS] = np.array([graph.tokens], dtype=np.int64)  # [1]
             # an in-place graph must see its cache bound as its present outputs (otherwise it
             # reads the whole buffer as past); it rewrites these positions with the same K/V
             bound = cache.in_place_outputs() if in_place else None
@@ -303,4 +314,70 @@ def validate_model(graphs: list[GraphUnderTest], specs, num_layers: int, num_kv_
     costs = runner.time_engines([g.tokens for g in graphs], rounds=9)
     for graph in graphs:
         results[graph.name]["cost_ms"] = round(costs[graph.tokens] * 1e3, 3)
+    return results
+
+
+# -- batched graphs: every row against the batch-1 graph --------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchedGraph:
+    name: str
+    path: Path
+    tokens: int
+    batch: int
+
+
+def row_plan(batch: int, tokens: int, max_seq_len: int) -> list[tuple[int, int]]:
+    """(cache length, valid tokens) of each row of a batched check: lengths spread over the
+    cache, counts T, T-1, ... (right-padded rows), and with 2 rows or more the last one idle."""
+    last = max_seq_len - tokens
+    rows = []
+    for r in range(batch):
+        if batch > 1 and r == batch - 1:
+            rows.append((0, 0))  # idle: nothing read, nothing written
+        else:
+            rows.append(((last * (r + 1)) // batch, tokens - r % tokens))
+    return rows
+
+
+def validate_batched(graphs: list[BatchedGraph], single_name: dict[int, str], specs, single: KVCache,
+                     ref_ids: np.ndarray, threads: int | None) -> dict[str, dict]:
+    """Each batched (in-place, ort-gqa) graph on rows at different cache lengths with different
+    valid counts and an idle row, against the batch-1 graph of its size on each row alone:
+    graph name -> Parity figures (the batch-1 graph as reference), plus whether padding and the
+    idle row left the cache untouched (a one-line error when not). ``single``: a batch-1 cache
+    filled with ``ref_ids`` (validate_model's), ``single_name``: tokens -> batch-1 graph name."""
+    shared = SharedGraphs()
+    options = EngineOptions(threads=threads)
+    results = {}
+    for graph in graphs:
+        engine = OrtEngine(graph.name, graph.path, *specs[graph.name], options, shared)
+        one = OrtEngine(single_name[graph.tokens], graph.path, *specs[single_name[graph.tokens]], options, shared)
+        rows = row_plan(graph.batch, graph.tokens, single.max_seq_len)
+        filled = single.view()  # name -> [1, n_kv, S_max, hd]
+        cache = {name: np.repeat(array, graph.batch, axis=0) for name, array in filled.items()}  # [B, n_kv, S_max, hd]
+        before = {name: array.copy() for name, array in cache.items()}
+        ids = np.full((graph.batch, graph.tokens), PAD_ID, dtype=np.int64)  # [B, T]
+        for r, (length, valid) in enumerate(rows):
+            ids[r, :valid] = ref_ids[length : length + valid]
+        feeds = {**cache, INPUT_IDS: ids,
+                 CACHE_LENGTH: np.array([length for length, _ in rows], dtype=np.int64),  # [B]
+                 VALID_TOKENS: np.array([valid for _, valid in rows], dtype=np.int64)}  # [B]
+        presents = {present_of(name): array for name, array in cache.items()}
+        out = engine.run(feeds, [LOGITS, NEXT_TOKENS], presents)  # logits [B, T, V]
+        parity = Parity()
+        for r, (length, valid) in enumerate(rows):
+            if valid == 0:
+                continue
+            row_feeds = {**filled, INPUT_IDS: ids[r : r + 1], CACHE_LENGTH: np.array([length], dtype=np.int64),
+                         VALID_TOKENS: np.array([valid], dtype=np.int64)}
+            want = one.run(row_feeds, [LOGITS], single.in_place_outputs())[LOGITS][0, :valid]  # [valid, V]
+            parity.add(out[LOGITS][r, :valid], want, out[NEXT_TOKENS][r, :valid])
+        untouched = all(np.array_equal(cache[name][r, :, length + valid :], before[name][r, :, length + valid :])
+                        for name in cache for r, (length, valid) in enumerate(rows))
+        if not untouched:
+            raise SpecexportError(f"{graph.name}: the batched graph wrote cache positions past a row's valid "
+                                  "tokens (padding or an idle row); its valid_tokens input is not honoured")
+        results[graph.name] = {**parity.to_dict(), "rows": [list(row) for row in rows], "padding_untouched": True}
     return results

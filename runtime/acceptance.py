@@ -105,6 +105,12 @@ class Draft:
     def size(self) -> int:
         return len(self.tokens)
 
+    def trimmed(self, keep: int) -> Draft:
+        """The first ``keep`` drafts (a prefix of a draft is a draft: acceptance reads left to right)."""
+        if keep >= self.size:
+            return self
+        return Draft(self.tokens[:keep], None if self.probs is None else self.probs[:keep], self.tag)
+
 
 EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int64))
 

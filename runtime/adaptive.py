@@ -57,6 +57,10 @@ class DepthPolicy:
             self._tags[tag] = _TagStats()
         return self._tags[tag]
 
+    def alpha(self, tag: str) -> float:
+        """The estimated probability that a draft of ``tag`` is kept (given the ones before it were)."""
+        return self._stats(tag).alpha(self.prior)
+
     def best_depth(self, tag: str, limit: int, sunk: bool = False) -> int:
         """The depth <= limit with the best expected tokens per second. ``sunk``: the drafts
         already exist, so only the verify cost counts."""
@@ -93,7 +97,7 @@ class DepthPolicy:
         keep = self.best_depth(draft.tag, draft.size, sunk=True)
         if keep >= draft.size:
             return draft
-        return Draft(draft.tokens[:keep], None if draft.probs is None else draft.probs[:keep], draft.tag)
+        return draft.trimmed(keep)
 
     def update(self, tag: str, proposed: int, accepted: int) -> None:
         if proposed == 0:

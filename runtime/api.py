@@ -23,7 +23,7 @@ from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.costs import TunedCosts, load_tuned
 from specexport.runtime.decode import DecodeStats, decode
 from specexport.runtime.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
-from specexport.runtime.engine import EngineOptions, LazyEngine, open_kv_cache
+from specexport.runtime.engine import EngineOptions, LazyEngine, SharedGraphs, open_kv_cache
 from specexport.runtime.integrity import ensure_verified
 from specexport.runtime.kv_cache import KVCache
 from specexport.runtime.manifest import DrafterEntry, EngineEntry, KVUpdate, Manifest
@@ -114,6 +114,8 @@ class Pipeline:
         self.text = TextCodec(manifest.root, manifest.tokenizer)
         self._runners: dict[tuple[str, frozenset[Role] | None], ModelRunner] = {}
         self._caches: dict[str, KVCache] = {}  # model -> its one cache, shared by its runners
+        self.sessions = SharedGraphs()  # graph file -> its one session, shared by the engines of its sizes
+        self._batched: tuple | None = None  # (max_batch, BatchedTarget) of generate_batch, made on first use
         self.backends: dict[str, str] = {}  # model -> the backend its engines run on
         self._drafters: dict[str, Drafter] = {"none": NoDrafter()}
         self.target = self.runner("target")
@@ -140,7 +142,7 @@ class Pipeline:
             if model not in self._caches:
                 self._caches[model] = open_kv_cache(backend, info, self.options)
             cache = self._caches[model]
-            engines = [LazyEngine(e, self.manifest.root, self.options, cache) for e in entries]
+            engines = [LazyEngine(e, self.manifest.root, self.options, cache, self.sessions) for e in entries]
             # The manifest's role says which graphs decoding runs (decode, catchup, verify,
             # prefill): open those now, so no session is created inside a timed round. Probe
             # graphs (the bench's cost curve) open on demand and the runner never chooses them.
@@ -275,6 +277,56 @@ class Pipeline:
         return Generation(text.text, out, ids, stats.stop_reason, chosen.name, stats,
                           {m: self.backend_of(m) for m in models}, self.costs_source,
                           None if first_at is None else first_at - called, since_load)
+
+    def generate_batch(self, prompts: Sequence[str | dict | Sequence[int]], *, chat: bool = False,
+                       drafter: str = "none", max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                       top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
+                       draft_len: int | None = None, max_batch: int | None = None,
+                       schedule: bool = True, per_sequence: bool = False) -> list[Generation]:
+        """Decode many prompts together (runtime/batch_decode.py): up to ``max_batch`` (default:
+        the largest batch size built) share each verify pass, joining as others finish. A prompt
+        is text, a {"messages": [...]} or {"prompt": "..."} record (the bench's format), or token
+        ids. Each result is what ``generate`` gives for that prompt alone (greedy: the same
+        tokens). Sequence i samples with seed ``seed + i``. Rounds draft at most the manifest's
+        depth for the number of running sequences (the plan's schedule, unless ``schedule`` is
+        False) and ``draft_len``; ``per_sequence``: each round's width from every row's own
+        acceptance and the measured batch costs instead (runtime/goodput.py)."""
+        from specexport.runtime.batch_decode import STATELESS_DRAFTERS, BatchedTarget, Request, decode_batch
+
+        if max_new_tokens < 1:
+            raise BadInput(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+        chosen = self.drafter(drafter)
+        kind = "none" if chosen.name == "none" else self.manifest.drafters[chosen.name].kind
+        if kind not in STATELESS_DRAFTERS:
+            raise BadInput(f"drafter '{drafter}' ({kind}) cannot run batched yet; batched decoding runs "
+                           f"{' and '.join(STATELESS_DRAFTERS)}")
+        depth = self.manifest.draft_len if draft_len is None else draft_len
+        if not 0 <= depth <= self.manifest.draft_len:
+            raise BadInput(f"draft length must be between 0 and {self.manifest.draft_len} (got {depth})")
+        if self._batched is None or (max_batch is not None and max_batch != self._batched[0]):
+            target = BatchedTarget(self.manifest, self.backend, self.options, self.sessions, max_batch, self.cost_ms)
+            self._batched = (max_batch, target)
+        target = self._batched[1]
+        requests, trackers, ids_of = [], [], []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, dict):
+                ids = self.prompt_ids(prompt.get("prompt"), chat=chat, messages=prompt.get("messages"))
+            elif isinstance(prompt, str):
+                ids = self.prompt_ids(prompt, chat=chat)
+            else:
+                ids = self.prompt_ids(ids=prompt)
+            tracker = _TextTracker(self.text.stream(), stop)
+            rng = np.random.default_rng(None if seed is None else seed + i)
+            requests.append(Request(np.asarray(ids, dtype=np.int64), max_new_tokens,
+                                    Sampling(temperature, top_k, top_p), rng, tracker.add))
+            trackers.append(tracker)
+            ids_of.append(ids)
+        done = decode_batch(target, chosen, requests, draft_len=depth, eos_ids=self.text.eos_ids,
+                            schedule=self.manifest.draft_schedule if schedule else None,
+                            per_sequence=per_sequence)
+        return [Generation(tracker.text, result.tokens, ids, result.stats.stop_reason, chosen.name, result.stats,
+                           {"target": self.backend_of("target")}, self.costs_source)
+                for tracker, result, ids in zip(trackers, done, ids_of)]
 
     def generate(self, prompt: str | None = None, **kwargs) -> Generation:
         stream = self.stream(prompt, **kwargs)

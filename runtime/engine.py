@@ -7,7 +7,7 @@ one whose package is missing raises an error naming the extra to install.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,7 +42,26 @@ class Engine(Protocol):
         ...
 
 
-# backend name -> "module:factory"; a factory takes (EngineEntry, engine dir, EngineOptions).
+class SharedGraphs:
+    """The graph sessions of one load, by file: engines whose entries point at the same graph
+    file (an ort-gqa model's one graph with a symbolic token count) share one backend session,
+    so its weights are loaded and pre-packed once however many sizes the manifest lists."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[tuple, Any] = {}
+
+    def get(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """The session of ``key`` (backend, file, ...), made by ``make`` on first use."""
+        if key not in self._sessions:
+            self._sessions[key] = make()
+        return self._sessions[key]
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+
+# backend name -> "module:factory"; a factory takes (EngineEntry, engine dir, EngineOptions,
+# SharedGraphs | None).
 BACKENDS: dict[str, str] = {
     "onnxruntime": "specexport.runtime.ort_engine:open_ort_engine",
     "tensorrt": "specexport.runtime.trt_engine:open_trt_engine",
@@ -62,11 +81,12 @@ def _factory(target: str) -> Any:
     return getattr(importlib.import_module(module_name), factory)
 
 
-def open_engine(entry: EngineEntry, root: Path, options: EngineOptions) -> Engine:
+def open_engine(entry: EngineEntry, root: Path, options: EngineOptions, shared: SharedGraphs | None = None) -> Engine:
+    """``shared``: the load's sessions by file; engines of one file share a session (None: its own)."""
     target = BACKENDS.get(entry.backend)
     if target is None:
         raise BadInput(f"engine {entry.name}: unknown backend '{entry.backend}' (known: {', '.join(BACKENDS)})")
-    return _factory(target)(entry, root, options)
+    return _factory(target)(entry, root, options, shared)
 
 
 def open_kv_cache(backend: str, model: ModelEntry, options: EngineOptions) -> KVCache:
@@ -84,14 +104,15 @@ def device_resident(cache: object) -> bool:
 
 
 class LazyEngine:
-    """Opens its backend engine on first use. Every session holds its own (prepacked) copy of
-    the weights, so graphs a run never needs (probe sizes, say) should cost no memory."""
+    """Opens its backend engine on first use: a graph a run never needs (a probe size, a
+    static graph's own session with its own copy of the weights) costs no memory."""
 
-    def __init__(self, entry: EngineEntry, root: Path, options: EngineOptions, kv_cache: object | None = None):
+    def __init__(self, entry: EngineEntry, root: Path, options: EngineOptions, kv_cache: object | None = None,
+                 shared: SharedGraphs | None = None):
         self.name = entry.name
         self.inputs = entry.inputs
         self.outputs = entry.outputs
-        self._open = lambda: open_engine(entry, root, options)
+        self._open = lambda: open_engine(entry, root, options, shared)
         # a device-resident cache is bound when the engine opens (TrtEngine.bind_kv_cache)
         self._bind_to = kv_cache if device_resident(kv_cache) else None
         self._engine: Engine | None = None

@@ -1,4 +1,12 @@
-"""onnxruntime backend: one InferenceSession per graph, CPU by default.
+"""onnxruntime backend: one InferenceSession per graph file, CPU by default.
+
+An ort-gqa model has one graph with a symbolic token count; each manifest entry is one static
+size of it, and all of them run on one session (``SharedGraphs``), which holds and pre-packs
+the weights once. Measured on the 2-core VM, SmolLM2-135M, one session over the shared graph
+against three static graphs (1, 6, 64 tokens), 2 threads, interleaved runs: peak RSS 710 MB
+against 1963 MB, session load 0.6 s against 1.7-2.4 s, per-run time the same (decode 20.3-21.7
+against 22.5-23.8 ms, verify of 6 25.2-26.0 against 25.3-27.8 ms, prefill of 64 136 against
+130-139 ms).
 
 CUDA and TensorRT execution providers are selectable with ``EngineOptions.device`` when the
 installed onnxruntime has them (onnxruntime-gpu).
@@ -34,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from specexport.errors import BadInput, missing_extra
-from specexport.runtime.engine import EngineOptions, check_feeds
+from specexport.runtime.engine import EngineOptions, SharedGraphs, check_feeds
 from specexport.runtime.manifest import EngineEntry, TensorSpec
 
 _PROVIDERS = {
@@ -106,7 +114,10 @@ def session_options(ort, threads: int | None, pool: SharedPool = SHARED_POOL):
 
 class OrtEngine:
     def __init__(self, name: str, path: Path, inputs: dict[str, TensorSpec], outputs: dict[str, TensorSpec],
-                 options: EngineOptions):
+                 options: EngineOptions, shared: SharedGraphs | None = None):
+        """One static size of a graph: ``inputs``/``outputs`` are this engine's shapes. With
+        ``shared``, engines of the same file (a graph with a symbolic token count) run on one
+        session; each keeps its own feeds and bindings."""
         ort = _onnxruntime()
         providers = _PROVIDERS.get(options.device)
         if providers is None:
@@ -119,7 +130,11 @@ class OrtEngine:
         self.inputs = inputs
         self.outputs = outputs
         self.threads = SHARED_POOL.size
-        self._session = ort.InferenceSession(str(path), so, providers=providers)
+        def make():
+            return ort.InferenceSession(str(path), so, providers=providers)
+
+        key = ("onnxruntime", str(Path(path).resolve()), options.device)
+        self._session = make() if shared is None else shared.get(key, make)
         self._ortvalue = ort.OrtValue.ortvalue_from_numpy
         self._checked = False
         self._bindings: dict[tuple, tuple] = {}  # outputs -> (feeds, bound, binding)
@@ -161,5 +176,6 @@ class OrtEngine:
         return binding
 
 
-def open_ort_engine(entry: EngineEntry, root: Path, options: EngineOptions) -> OrtEngine:
-    return OrtEngine(entry.name, root / entry.path, entry.inputs, entry.outputs, options)
+def open_ort_engine(entry: EngineEntry, root: Path, options: EngineOptions,
+                    shared: SharedGraphs | None = None) -> OrtEngine:
+    return OrtEngine(entry.name, root / entry.path, entry.inputs, entry.outputs, options, shared)

@@ -22,7 +22,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specexport.contract import CACHE_LENGTH, INPUT_IDS, LOGITS, NEXT_TOKENS, Role, present_names
+from specexport.contract import (
+    CACHE_LENGTH,
+    INPUT_IDS,
+    LOGITS,
+    NEXT_TOKENS,
+    VALID_TOKENS,
+    Role,
+    present_names,
+)
 from specexport.runtime.engine import Engine
 from specexport.runtime.kv_cache import KVCache
 
@@ -58,6 +66,8 @@ class ModelRunner:
             spec = getattr(engine, "inputs", {}).get(INPUT_IDS)
             feeds[INPUT_IDS] = np.full(spec.shape if spec is not None else (1, tokens), PAD_ID, dtype=np.int64)
             feeds[CACHE_LENGTH] = np.zeros(1, dtype=np.int64)  # [B]
+            if VALID_TOKENS in getattr(engine, "inputs", {}):  # ort-gqa: the real tokens of the row
+                feeds[VALID_TOKENS] = np.full(1, tokens, dtype=np.int64)  # [B]
             self._feeds[tokens] = feeds
         presents = present_names(cache.num_layers)
         # engines that update the cache in place (attention: ort-gqa) get it bound as their
@@ -109,7 +119,10 @@ class ModelRunner:
 
     def time_run(self, size: int, want_logits: bool = False) -> float:
         """Seconds of one run of the engine of ``size`` tokens over a half-full cache."""
-        self._feeds[size][CACHE_LENGTH][0] = (self.cache.max_seq_len - size) // 2
+        feeds = self._feeds[size]
+        feeds[CACHE_LENGTH][0] = (self.cache.max_seq_len - size) // 2
+        if VALID_TOKENS in feeds:
+            feeds[VALID_TOKENS][0] = size
         start = time.perf_counter()
         self._run(size, want_logits=want_logits)
         return time.perf_counter() - start
@@ -146,7 +159,7 @@ class ModelRunner:
         else:
             choice = next(((t, e) for t, e in self._engines if t >= remaining), self._engines[-1])
         if choice[1].name in self._in_place and choice[0] > self.cache.free:
-            # an in-place graph writes all its positions, padding too: take one that fits
+            # an in-place (GroupQueryAttention) graph checks the padded length against the cache: take one that fits
             choice = max(((t, e) for t, e in self._engines if t <= self.cache.free), key=lambda te: te[0])
         return choice
 
@@ -199,6 +212,8 @@ class ModelRunner:
             ids[0, :count] = tokens[done : done + count]
             ids[0, count:] = PAD_ID
             feeds[CACHE_LENGTH][0] = self.cache.length
+            if VALID_TOKENS in feeds:
+                feeds[VALID_TOKENS][0] = count
             for name, rows in (inputs or {}).items():
                 buffer = self._extra_feed(size, name)  # [1, T, F]
                 buffer[0, :count] = rows[done : done + count]

@@ -409,7 +409,8 @@ class TrtEngine:
             self._stream = None
 
 
-def open_trt_engine(entry: EngineEntry, root: Path, options: EngineOptions) -> TrtEngine:
+def open_trt_engine(entry: EngineEntry, root: Path, options: EngineOptions, shared: object = None) -> TrtEngine:
+    """``shared`` is not used: a TensorRT plan is one static size, its own engine."""
     require_tensorrt()
     import tensorrt as trt
 

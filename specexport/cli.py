@@ -161,14 +161,26 @@ def build(recipe: Path | None, out: Path | None, from_onnx: Path | None, precisi
                    "(default: on the GPU, read and appended in place).")
 @click.option("--stream", is_flag=True, help="Print text as tokens are accepted.")
 @click.option("--json", "as_json", is_flag=True, help="Print text, token ids, stop reason and stats as JSON.")
+@click.option("--prompts-file", type=click.Path(path_type=Path), default=None,
+              help="JSONL prompts ({id, messages} or {id, prompt}, the bench's format), decoded together in "
+                   "batches (engines built with shapes.batch); with --json one line per prompt.")
+@click.option("--max-batch", type=click.IntRange(1), default=None,
+              help="With --prompts-file: sequences decoded together at most (default: the largest batch built).")
 def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, chat: bool, drafter: str,
              draft_len: int | None, adaptive: bool, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
              seed: int | None, stop: tuple[str, ...], threads: int | None, backend: str | None, device: str,
-             host_kv: bool, stream: bool, as_json: bool) -> None:
+             host_kv: bool, stream: bool, as_json: bool, prompts_file: Path | None, max_batch: int | None) -> None:
     """Generate text from ENGINE_DIR with a drafter, losslessly."""
     from specexport.errors import BadInput
     from specexport.runtime import load
 
+    if prompts_file is not None:
+        if prompt is not None or prompt_file is not None:
+            raise BadInput("give --prompts-file alone, without --prompt or --prompt-file")
+        _generate_batch(engine_dir, prompts_file, max_batch, as_json, dict(
+            chat=chat, drafter=drafter, draft_len=draft_len, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_k=top_k, top_p=top_p, seed=seed, stop=stop), dict(threads=threads, backend=backend, device=device))
+        return
     if prompt_file is not None:
         if prompt is not None:
             raise BadInput("give --prompt or --prompt-file, not both")
@@ -207,6 +219,25 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
         )
 
 
+
+
+def _generate_batch(engine_dir: Path, prompts_file: Path, max_batch: int | None, as_json: bool, settings: dict,
+                    load_options: dict) -> None:
+    """`generate --prompts-file`: every prompt through the batched loop, one result per prompt."""
+    from specexport.bench.harness import load_prompts
+    from specexport.runtime import load
+
+    records = load_prompts(prompts_file)
+    pipe = load(engine_dir, **load_options)
+    results = pipe.generate_batch(records, max_batch=max_batch, **settings)
+    for record, result in zip(records, results):
+        if as_json:
+            click.echo(json.dumps({"id": record["id"], **result.to_dict()}, default=str))
+        else:
+            click.echo(f"[{record['id']}] {result.text}")
+    if not as_json:
+        tokens = sum(r.stats.tokens for r in results)
+        click.echo(f"{len(results)} prompts, {tokens} tokens ({results[0].drafter})", err=True)
 @cli.command()
 @click.argument("engine_dir", type=click.Path(path_type=Path))
 @click.option("--prompts", type=click.Path(path_type=Path), default=Path("bench/prompts/dev.jsonl"),
@@ -229,15 +260,36 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
               help="Compare ratios with this baseline; exit 1 on a regression.")
 @click.option("--update-baseline", is_flag=True, help="Write the results as the new --baseline.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result JSON.")
+@click.option("--batch", "batch", default=None,
+              help="Batch sizes (1,2,4,8): throughput of the batched loop by batch size, the target alone against "
+                   "each stateless drafter (ngram) at fixed depths and the manifest's schedule, instead of the "
+                   "single-sequence bench.")
 def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, drafters: str | None, peers: str,
           temperature: float, threads: int, draft_len: int | None, adaptive: bool, backend: str | None, host_kv: bool,
-          out: Path, baseline: Path | None, update_baseline: bool, as_json: bool) -> None:
+          out: Path, baseline: Path | None, update_baseline: bool, as_json: bool, batch: str | None) -> None:
     """Benchmark every drafter against the target alone (and peers) on ENGINE_DIR."""
     from specexport.bench.harness import BenchOptions, run_bench
     from specexport.bench.render import print_checks, print_summary
     from specexport.bench.report import write
     from specexport.errors import BadInput
     from specexport.progress import Reporter
+
+    if batch is not None:
+        from specexport.bench.batched import parse_batches, run_batched, write_batched
+        from specexport.runtime import load
+
+        sizes = parse_batches(batch)
+        pipe = load(engine_dir, threads=threads, backend=backend)
+        names = drafters.split(",") if drafters else [
+            n for n, d in pipe.manifest.drafters.items() if d.kind == "ngram"]
+        result = run_batched(pipe, prompts, sizes, names, max_new_tokens, Reporter(quiet=as_json))
+        files = write_batched(result, out)
+        if as_json:
+            _print_json(result)
+        else:
+            click.echo((out / "bench_batched.md").read_text())
+            click.echo(f"wrote {', '.join(str(f) for f in files)}", err=True)
+        return
 
     peer_names = ["transformers-greedy", "transformers-prompt-lookup", "ort-genai", "ort-genai-ngram"]
     chosen_peers = peer_names if peers == "all" else [p for p in peers.split(",") if p]
@@ -358,3 +410,7 @@ def main() -> None:
         if os.environ.get("SPECEXPORT_DEBUG"):
             raise
         _fail(f"internal error: {type(err).__name__}: {err} (set SPECEXPORT_DEBUG=1 for the traceback)", 1)
+
+from specexport.cli_distill import distill  # noqa: E402  (click only; torch loads when it runs)
+
+cli.add_command(distill)

@@ -30,6 +30,9 @@ MANIFEST_SHA256 = "manifest.sha256"
 
 INPUT_IDS = "input_ids"  # [B, T] int64
 CACHE_LENGTH = "cache_length"  # [B] int64: filled cache positions before this call
+# [B] int64, ort-gqa graphs: real tokens in each row's T (right-padded; 0 = an idle row, its
+# cache untouched). Rows at different positions and with different counts share one call.
+VALID_TOKENS = "valid_tokens"
 PAST = "past_key_values"  # past_key_values.{i}.key|value [B, n_kv, S_max, head_dim]
 PRESENT = "present"  # present.{i}.key|value: the T new positions, or the whole cache (in_place)
 LOGITS = "logits"  # [B, T, V] float32
@@ -75,8 +78,9 @@ def present_of(past: str) -> str:
     return PRESENT + past[len(PAST):]
 
 
-def graph_inputs(num_layers: int) -> list[str]:
-    return [INPUT_IDS, CACHE_LENGTH, *past_names(num_layers)]
+def graph_inputs(num_layers: int, valid_tokens: bool = False) -> list[str]:
+    """``valid_tokens``: the graph takes VALID_TOKENS (ort-gqa graphs)."""
+    return [INPUT_IDS, CACHE_LENGTH, *([VALID_TOKENS] if valid_tokens else []), *past_names(num_layers)]
 
 
 def graph_outputs(num_layers: int) -> list[str]:
@@ -108,9 +112,46 @@ class Role(str, Enum):
 ROLE_PRIORITY = (Role.DECODE, Role.VERIFY, Role.CATCHUP, Role.PREFILL, Role.PROBE, Role.STEP, Role.BLOCK)
 
 
+# The roles built at every batch size of the recipe (shapes.batch); the others at batch 1 only.
+BATCHED_ROLES = frozenset({Role.DECODE, Role.CATCHUP, Role.VERIFY})
+
+
 def engine_name(model: str, role: Role, batch: int, tokens: int) -> str:
     """target.verify.b1.t8"""
     return f"{model}.{Role(role).value}.b{batch}.t{tokens}"
+
+
+# -- draft depth by batch size ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftSchedule:
+    """Draft depth by the number of running sequences, with TensorRT-LLM's draft_len_schedule
+    semantics: ``steps`` are (upper bound on batch size, depth) pairs, ascending; a batch takes
+    the depth of the first bound it does not exceed, and past the last bound speculation is off
+    ({4: 4, 8: 2, 32: 1}: batch 1-4 drafts 4, 5-8 drafts 2, 9-32 drafts 1, above 32 none).
+    vLLM's disable_by_batch_size N is the shorthand {N - 1: D}."""
+
+    steps: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        bounds = [b for b, _ in self.steps]
+        if not self.steps or bounds != sorted(set(bounds)) or bounds[0] < 1 or any(d < 0 for _, d in self.steps):
+            raise BadInput(f"draft schedule {dict(self.steps)}: give ascending batch bounds >= 1 with depths >= 0")
+
+    def depth(self, batch: int) -> int:
+        return next((d for bound, d in self.steps if batch <= bound), 0)
+
+    @classmethod
+    def disable_by_batch_size(cls, batch: int, draft_len: int) -> DraftSchedule:
+        return cls(((batch - 1, draft_len),))
+
+    def to_json(self) -> list[list[int]]:
+        return [[b, d] for b, d in self.steps]
+
+    @classmethod
+    def parse(cls, raw: list) -> DraftSchedule:
+        return cls(tuple((int(b), int(d)) for b, d in raw))
 
 
 # -- KV layout ------------------------------------------------------------------------------
@@ -255,10 +296,22 @@ class Manifest:
     def draft_len(self) -> int:
         return int(self.plan["draft_len"])
 
-    def engines_of(self, model: str, backend: str) -> list[EngineEntry]:
+    @property
+    def draft_schedule(self) -> DraftSchedule | None:
+        """Depth by batch size (the plan's ``schedule``), None: the plan's D at every batch size."""
+        raw = self.plan.get("schedule")
+        return DraftSchedule.parse(raw) if raw else None
+
+    def engines_of(self, model: str, backend: str, batch: int | None = 1) -> list[EngineEntry]:
+        """The model's engines on ``backend`` at ``batch`` rows (None: every batch size), by tokens."""
         return sorted(
-            (e for e in self.engines if e.model == model and e.backend == backend), key=lambda e: e.tokens
+            (e for e in self.engines if e.model == model and e.backend == backend and batch in (None, e.batch)),
+            key=lambda e: (e.batch, e.tokens),
         )
+
+    def batch_sizes(self, model: str = "target") -> list[int]:
+        """The batch sizes ``model`` has engines for (recipe shapes.batch)."""
+        return sorted({e.batch for e in self.engines if e.model == model})
 
     def backends(self) -> list[str]:
         return sorted({e.backend for e in self.engines})

@@ -35,13 +35,13 @@ def run_cli(*args: str) -> tuple[int, str, str]:
 
 def tiny_recipe(path: Path, arch: str = "llama", *, drafters=None, name: str | None = None, seed: int = 0,
                 max_seq_len: int = 96, prefill_chunk: int = 16, max_draft: int = 4, attention: str = "standard",
-                **target) -> Path:
+                batch: int | tuple[int, ...] = 1, **target) -> Path:
     """Write a recipe for a tiny random model; returns its path."""
     recipe = {
         "name": name or f"tiny-{arch}",
         "target": {"source": "tiny", "arch": arch, "seed": seed, **target},
         "drafters": drafters if drafters is not None else [],
-        "shapes": {"batch": 1, "max_seq_len": max_seq_len, "prefill_chunk": prefill_chunk},
+        "shapes": {"batch": list(batch) if isinstance(batch, tuple) else batch, "max_seq_len": max_seq_len, "prefill_chunk": prefill_chunk},
         "draft": {"tile": 128, "max_draft": max_draft},
         "attention": attention,
     }
@@ -132,3 +132,11 @@ class TinyEngines:
 @pytest.fixture(scope="session")
 def tiny_engines(tmp_path_factory) -> TinyEngines:
     return TinyEngines(tmp_path_factory.mktemp("tiny-engines"))
+
+
+@pytest.fixture(scope="session")
+def batched_engines(tiny_engines) -> Path:
+    """The tiny ort-gqa build with batch sizes 1, 2 and 4 (every drafter but the heads) that the
+    batched graph, loop and schedule tests share."""
+    return tiny_engines.get("llama", drafters=("ngram", "quantized-self", "draft-model"), attention="ort-gqa",
+                            batch=(1, 2, 4), **TINY_SHAPE)

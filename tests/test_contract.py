@@ -59,7 +59,7 @@ def test_a_build_follows_the_conventions(built):
     for e in manifest.engines:
         model = manifest.models[e.model]
         assert e.name == engine_name(e.model, e.role, e.batch, e.tokens)
-        assert list(e.inputs) == graph_inputs(model.num_layers)
+        assert list(e.inputs) == graph_inputs(model.num_layers, valid_tokens=attention == "ort-gqa")
         assert list(e.outputs) == graph_outputs(model.num_layers)
         for past in past_names(model.num_layers):
             assert e.inputs[past].shape == model.kv.shape(e.batch)  # [B, n_kv, S_max, hd]

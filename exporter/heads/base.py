@@ -76,7 +76,7 @@ class HeadContext:
 
     @property
     def batch(self) -> int:
-        return self.builder.recipe.shapes.batch
+        return 1  # heads run at batch 1 (recipe shapes.batch sizes above 1 are the target's and drafter models')
 
     @property
     def max_seq_len(self) -> int:
@@ -103,16 +103,28 @@ class HeadContext:
         """Write one graph (weights into ``store``) and register its engine entry; returns its
         engine name and path. ``tokens``: the graph's T (rows of input_ids)."""
         name = engine_name(self.name, role, self.batch, tokens)
-        path = self.tmp / f"{name}.onnx"
-        inputs, outputs = tensor_specs(proto, "inputs"), tensor_specs(proto, "outputs")
+        return name, self.save_shared_graph(proto, name, {tokens: role}, store, kv_update)[name]
+
+    def save_shared_graph(self, proto: onnx.ModelProto, file_stem: str, sizes: dict[int, Role],
+                          store: WeightStore, kv_update: KVUpdate = KVUpdate.APPEND) -> dict[str, Path]:
+        """Write one graph as ``file_stem``.onnx and register an engine entry per size (token
+        count -> role): a graph with a symbolic token count serves them all from one session.
+        Returns engine name -> path."""
+        path = self.tmp / f"{file_stem}.onnx"
+        specs = {t: (tensor_specs(proto, "inputs", t), tensor_specs(proto, "outputs", t)) for t in sizes}
         store.save(proto, path)
         onnx.checker.check_model(str(path))
-        self.builder.specs[name] = (inputs, outputs)
-        self.builder.engines.append(EngineEntry(
-            name=name, model=self.name, role=role, backend="onnxruntime", path=path.name, batch=self.batch,
-            tokens=tokens, inputs=inputs, outputs=outputs, kv_update=kv_update, weights=store.location,
-        ))
-        return name, path
+        paths = {}
+        for tokens, role in sizes.items():
+            name = engine_name(self.name, role, self.batch, tokens)
+            inputs, outputs = specs[tokens]
+            self.builder.specs[name] = (inputs, outputs)
+            self.builder.engines.append(EngineEntry(
+                name=name, model=self.name, role=role, backend="onnxruntime", path=path.name, batch=self.batch,
+                tokens=tokens, inputs=inputs, outputs=outputs, kv_update=kv_update, weights=store.location,
+            ))
+            paths[name] = path
+        return paths
 
     def add_model(self, entry: ModelEntry) -> None:
         self.builder.models[entry.name] = entry

@@ -36,6 +36,7 @@ from specexport.contract import (
     KVLayout,
     ModelEntry,
     Role,
+    engine_name,
     past_names,
     present_names,
 )
@@ -263,7 +264,7 @@ class ChainGraph(nn.Module):
         past_visible = (slots.view(1, 1, -1) < cache_length.view(batch, 1, 1)).expand(batch, tokens, self.s_max)
         new_visible = (offsets.view(1, tokens) <= offsets.view(tokens, 1)).unsqueeze(0).expand(batch, tokens, tokens)
         visible = torch.cat((past_visible, new_visible), dim=-1)  # [B, T, S_max+T]
-        mask = torch.where(visible, torch.zeros(()), float("-inf")).view(batch, 1, 1, tokens, -1)
+        mask = torch.where(visible, torch.zeros(()), float("-inf")).view(batch, 1, 1, tokens, self.s_max + tokens)
 
         emb = nn.functional.embedding(input_ids, self.embed)  # [B, T, H]
         if not self.step:
@@ -331,9 +332,13 @@ class ChainGraph(nn.Module):
         k_new, v_new = k.transpose(1, 2), v.transpose(1, 2)  # [B, n_kv, T, hd]
         q = q.view(batch, tokens, n_kv, g, hd).permute(0, 2, 3, 1, 4).reshape(batch, n_kv, g * tokens, hd)
         scores = torch.cat((q @ past_k.transpose(2, 3), q @ k_new.transpose(2, 3)), dim=-1) * self.spec.attn_scale
-        scores = scores.view(batch, n_kv, g, tokens, -1) + mask
-        probs = torch.softmax(scores, dim=-1).view(batch, n_kv, g * tokens, -1)
-        out = probs[..., : self.s_max] @ past_v + probs[..., self.s_max :] @ v_new  # [B, n_kv, G·T, hd]
+        # sizes spelled out (not -1): torch.export cannot prove the inferred size of a graph with
+        # a symbolic token count
+        width = self.s_max + tokens  # past slots, then the new tokens
+        scores = scores.view(batch, n_kv, g, tokens, width) + mask  # [B, n_kv, G, T, S_max+T]
+        probs = torch.softmax(scores, dim=-1).view(batch, n_kv, g * tokens, width)
+        p_past, p_new = torch.split(probs, (self.s_max, tokens), dim=-1)  # [B, n_kv, G·T, S_max], [.., T]
+        out = p_past @ past_v + p_new @ v_new  # [B, n_kv, G·T, hd]
         out = out.view(batch, n_kv, g, tokens, hd).permute(0, 3, 1, 2, 4).reshape(batch, tokens, -1)
         return out @ layer.o_w, k_new, v_new
 
@@ -343,12 +348,22 @@ def graph_io(num_layers: int) -> tuple[list[str], list[str]]:
             [LOGITS, NEXT_TOKENS, *present_names(num_layers), HIDDEN_OUT])
 
 
-def export_chain(graph: ChainGraph, batch: int, tokens: int, width: int, opset: int):
+def export_chain(graph: ChainGraph, batch: int, tokens: int | None, width: int, opset: int):
+    """One static graph of ``tokens`` rows, or with ``tokens=None`` one graph whose row count
+    is symbolic (traced at 4 rows): the catch-up sizes share it, and its weights in memory."""
     spec = graph.spec
-    example = (torch.zeros(batch, tokens, dtype=torch.int64), torch.zeros(batch, tokens, width),
+    rows = 4 if tokens is None else tokens
+    example = (torch.zeros(batch, rows, dtype=torch.int64), torch.zeros(batch, rows, width),
                torch.zeros(batch, dtype=torch.int64),
                *[torch.zeros(batch, spec.kv_heads, graph.s_max, spec.head_dim) for _ in range(2 * len(spec.layers))])
-    return export_module(graph, example, *graph_io(len(spec.layers)), opset)
+    dims = None
+    if tokens is None:
+        # DYNAMIC (not a named range): the mask's guards (min(S+T, T·(S+T)) == S+T) hold for
+        # every T >= 1, but torch.export cannot prove them and would refuse a named range
+        t = torch.export.Dim.DYNAMIC
+        dims = {"input_ids": {1: t}, "features": {1: t}, "cache_length": None,
+                "past": tuple(None for _ in range(2 * len(spec.layers)))}
+    return export_module(graph, example, *graph_io(len(spec.layers)), opset, dims)
 
 
 # -- the reference side ---------------------------------------------------------------------
@@ -432,13 +447,18 @@ class ChainHead:
         paths = {}
         store = ctx.weights()
         try:
+            # the catch-up sizes (1+D, the prefill chunk): one graph, its row count symbolic;
+            # the step (one row, the head's own hidden as features): a graph of its own
             for step, sizes in ((False, catchup_sizes(ctx)), (True, {1: Role.STEP})):
                 module = ChainGraph(spec, ctx.target_taps, ctx.max_seq_len, step).eval()
-                for tokens, role in sizes.items():
-                    with ctx.step("export", f"{ctx.name} {role.value} t{tokens}") as s:
-                        proto = export_chain(module, ctx.batch, tokens, spec.hidden if step else width, ctx.opset)
-                        s.detail = f"{len(proto.graph.node)} nodes"
-                    name, path = ctx.save_graph(proto, role, tokens, store)
+                label = f"{ctx.name} step t1" if step else f"{ctx.name} catch-up (every size)"
+                with ctx.step("export", label) as s:
+                    proto = export_chain(module, ctx.batch, 1 if step else None, spec.hidden if step else width,
+                                         ctx.opset)
+                    s.detail = f"{len(proto.graph.node)} nodes"
+                stem = engine_name(ctx.name, Role.STEP, ctx.batch, 1) if step else f"{ctx.name}.catchup"
+                saved = ctx.save_shared_graph(proto, stem, sizes, store)
+                for tokens, (name, path) in zip(sizes, saved.items()):
                     graphs[name], paths[name] = (tokens, step), path
         finally:
             store.close()
@@ -453,7 +473,7 @@ def validate_chain(ctx: HeadContext, reference: Reference, spec: ChainSpec, grap
                    paths: dict, width: int) -> None:
     """Every graph against the reference on real text, at several cache lengths, through the
     runtime's ModelRunner (the cache filled by the catch-up graphs, chunk by chunk)."""
-    from specexport.runtime.engine import EngineOptions
+    from specexport.runtime.engine import EngineOptions, SharedGraphs
     from specexport.runtime.kv_cache import KVCache
     from specexport.runtime.ort_engine import OrtEngine
     from specexport.runtime.runner import ModelRunner
@@ -468,7 +488,8 @@ def validate_chain(ctx: HeadContext, reference: Reference, spec: ChainSpec, grap
             ref_logits, ref_hidden = reference.run(tokens, states, None)  # [S-1, V], [S-1, H]
         s.detail = f"{reference.name}, {len(tokens)} rows"
     options = EngineOptions(threads=ctx.threads)
-    engines = {name: OrtEngine(name, paths[name], *ctx.builder.specs[name], options) for name in graphs}
+    shared = SharedGraphs()  # the catch-up sizes run on one session, as at run time
+    engines = {name: OrtEngine(name, paths[name], *ctx.builder.specs[name], options, shared) for name in graphs}
     cache = KVCache(len(spec.layers), 1, spec.kv_heads, s_max, spec.head_dim)
     catchup = [n for n, (_, step) in graphs.items() if not step]
     runner = ModelRunner(ctx.name, [engines[n] for n in catchup], cache, {n: graphs[n][0] for n in catchup})

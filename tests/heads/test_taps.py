@@ -23,6 +23,7 @@ from specexport.contract import (
     CACHE_LENGTH,
     INPUT_IDS,
     NEXT_TOKENS,
+    VALID_TOKENS,
     DrafterEntry,
     graph_outputs,
 )
@@ -97,6 +98,8 @@ class Exported:
         engine = OrtEngine(graph.name, graph.path, *self.specs[graph.name], EngineOptions())
         cache = KVCache(LAYERS, 1, self.parts.num_key_value_heads, SEQ, self.parts.head_dim)
         feeds = {**cache.view(), INPUT_IDS: ids[None, :], CACHE_LENGTH: np.zeros(1, dtype=np.int64)}
+        if VALID_TOKENS in engine.inputs:  # ort-gqa
+            feeds[VALID_TOKENS] = np.array([len(ids)], dtype=np.int64)
         bound = cache.in_place_outputs() if self.attention == "ort-gqa" else None
         return engine.run(feeds, [NEXT_TOKENS, AUX_HIDDEN_STATES], bound)[AUX_HIDDEN_STATES][0]
 

@@ -1,0 +1,408 @@
+"""The distill run: a recipe's target teaches a drafter head, within a time budget.
+
+1. the recipe and its target (the project's loaders), the plan's draft length D;
+2. data: the target's own responses to ``--prompts`` (greedy, plus sampled ones) and
+   ``--data`` text, a held-out split, the draft vocabulary (or, with ``--resume``, all of it
+   from the checkpoint);
+3. training (EAGLE-3 with training-time test) until ``--minutes`` or ``--max-steps``, the
+   held-out split scored every ``--eval-minutes``, each score also a checkpoint;
+4. a final score and checkpoint. Ctrl-C keeps the last checkpoint (``checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from specexport.errors import BadInput, SpecexportError
+from specexport.exporter.distill import DRAFTER_KINDS, TRAINED_KINDS, checkpoint
+from specexport.exporter.distill.data import (
+    Sequences,
+    check_lines,
+    choose_vocab,
+    data_sequences,
+    file_sha256,
+    generate,
+    prompt_ids,
+    read_jsonl,
+    split_holdout,
+)
+from specexport.progress import Reporter
+
+MAX_DATA_TOKENS = 2048  # a --data line is cut to this many tokens
+EVAL_SEQUENCES = 64  # held-out sequences scored at each checkpoint (all of them at the end)
+
+
+class Interrupted(SpecexportError):
+    """Ctrl-C or SIGTERM during a run: the last checkpoint stays."""
+
+    exit_code = 130
+
+
+@dataclass
+class DistillOptions:
+    recipe: Path
+    drafter: str
+    out: Path
+    minutes: float = 10.0  # training time of this run (data preparation not counted)
+    device: str = "cpu"
+    prompts: list[Path] = field(default_factory=list)
+    data: list[Path] = field(default_factory=list)
+    resume: bool = False
+    force: bool = False
+    seed: int = 0
+    max_steps: int | None = None  # optimizer steps in all (resumed runs included)
+    eval_minutes: float = 2.0
+    samples: int = 1  # sampled responses per training prompt, besides the greedy one
+    temperature: float = 0.7
+    max_new: int = 256
+    gen_batch: int = 64
+    holdout: float = 0.05
+    draft_vocab: int = 8192
+    topk: int = 64
+    ttt_steps: int = 5
+    batch_tokens: int = 8192
+    lr: float = 1e-3
+    warmup: int = 100
+    layers: list[int] | None = None
+    cache_dir: Path | None = None
+    cache_gb: float = 4.0
+    quiet: bool = False
+
+
+# settings a resumed run keeps from the first one (the data and the model's shape depend on them)
+KEPT_ON_RESUME = ("seed", "samples", "temperature", "max_new", "holdout", "draft_vocab", "topk", "ttt_steps",
+                  "batch_tokens", "lr", "warmup")
+
+
+def check_options(opts: DistillOptions) -> None:
+    if opts.drafter not in DRAFTER_KINDS:
+        raise BadInput(f"--drafter: unknown kind '{opts.drafter}' (one of {', '.join(DRAFTER_KINDS)})")
+    if opts.drafter not in TRAINED_KINDS:
+        raise BadInput(f"--drafter {opts.drafter}: training is not yet supported (supported: {', '.join(TRAINED_KINDS)})")
+    if opts.device not in ("cpu", "cuda"):
+        raise BadInput(f"--device: '{opts.device}' is not cpu or cuda")
+    if opts.layers is not None and len(opts.layers) != 3:
+        raise BadInput(f"--layers: EAGLE-3 reads three target layers, got {len(opts.layers)}")
+    out = opts.out
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"-o {out}: is a file; choose a folder")
+    if opts.resume:
+        if opts.force:
+            raise BadInput("--resume and --force contradict each other (continue, or start over)")
+        if not checkpoint.has_state(out):
+            raise BadInput(f"--resume: {out} holds no distill checkpoint (state/state.json); run without --resume")
+    elif out.is_dir() and any(out.iterdir()):
+        ours = checkpoint.has_state(out) or (out / checkpoint.PROVENANCE).is_file()
+        if not ours:
+            raise BadInput(f"-o {out}: folder exists and is not a distill output; choose another -o or remove it")
+        if not opts.force:
+            raise BadInput(f"-o {out}: holds an earlier distill run; continue it with --resume or start over with --force")
+    if not opts.resume and not opts.prompts and not opts.data:
+        raise BadInput("distill needs training text: --prompts FILE.jsonl (the target answers them) "
+                       "and/or --data FILE.jsonl")
+
+
+def _device(name: str):
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise BadInput("--device cuda: no CUDA device is available to torch here; use --device cpu")
+    return torch.device(name)
+
+
+def _note_bench_prompts(paths: list[Path], rep: Reporter) -> None:
+    for p in paths:
+        if p.resolve().parent.name == "prompts" and p.resolve().parent.parent.name == "bench":
+            rep.warn(f"{p} is the bench's prompt set: a head trained on it inflates the bench's E[L]")
+
+
+def read_inputs(opts: DistillOptions) -> dict[str, list[tuple[Path, list[tuple[int, dict]]]]]:
+    """Every --prompts and --data file read and checked (before the target is loaded)."""
+    inputs: dict[str, list[tuple[Path, list[tuple[int, dict]]]]] = {"--prompts": [], "--data": []}
+    for option, paths in (("--prompts", opts.prompts), ("--data", opts.data)):
+        for path in paths:
+            items = read_jsonl(path, option)
+            check_lines(items, path, option)
+            inputs[option].append((path, items))
+    return inputs
+
+
+def build_data(opts: DistillOptions, inputs: dict, target, device, rep: Reporter,
+               rng: random.Random) -> tuple[Sequences, dict]:
+    """The training sequences (see data.py) and their record for the provenance."""
+    tok = target.tokenizer
+    record: dict = {"prompts": [], "data": []}
+    prompts: list[np.ndarray] = []
+    for path, items in inputs["--prompts"]:
+        prompts += prompt_ids(tok, items, path)
+        record["prompts"].append({"path": str(path), "sha256": file_sha256(path), "lines": len(items)})
+    extra: list[tuple[np.ndarray, int]] = []
+    for path, items in inputs["--data"]:
+        extra += data_sequences(tok, items, path, MAX_DATA_TOKENS)
+        record["data"].append({"path": str(path), "sha256": file_sha256(path), "lines": len(items)})
+    if len(prompts) + len(extra) < 2:
+        raise BadInput("distill needs at least two prompts or data lines (one is held out)")
+    seqs = Sequences()
+    held = split_holdout(len(prompts) + len(extra), opts.holdout, rng)
+    eos = _eos_ids(target)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    if prompts:
+        gen = dict(max_new=opts.max_new, batch=opts.gen_batch, eos_ids=eos, pad_id=pad, device=device)
+        passes = [(list(range(len(prompts))), 0.0)] + [
+            ([i for i in range(len(prompts)) if i not in held], opts.temperature)] * opts.samples
+        for n, (members, temperature) in enumerate(passes):
+            what = f"{len(members)} responses, " + ("greedy" if temperature == 0 else f"T={temperature}")
+            with rep.step("generate", what) as s:
+                answers = generate(target.model, [prompts[i] for i in members], temperature=temperature,
+                                   seed=opts.seed + n, **gen)
+                kept = 0
+                for i, answer in zip(members, answers):
+                    if answer is not None and len(answer):
+                        seqs.add(np.concatenate((prompts[i], answer)), len(prompts[i]), i in held, temperature == 0)
+                        kept += 1
+                s.detail = f"{kept} kept"
+    for k, (ids, start) in enumerate(extra):
+        seqs.add(ids, start, len(prompts) + k in held, False)
+    if not seqs.members(holdout=True):
+        raise BadInput("--holdout: no held-out sequence; give more prompts or a larger --holdout")
+    if not seqs.members(holdout=False):
+        raise BadInput("--holdout: nothing left to train on; give more prompts or a smaller --holdout")
+    record["stats"] = seqs.stats()
+    return seqs, record
+
+
+def _eos_ids(target) -> list[int]:
+    eos = target.model.generation_config.eos_token_id
+    eos = eos if isinstance(eos, list) else [eos]
+    ids = [int(e) for e in eos if e is not None]
+    if target.tokenizer.eos_token_id is not None and target.tokenizer.eos_token_id not in ids:
+        ids.append(int(target.tokenizer.eos_token_id))
+    return ids or [0]
+
+
+def distill(opts: DistillOptions, rep: Reporter | None = None,
+            on_event: Callable[[str, int], None] | None = None) -> dict:
+    """Run distillation; returns the provenance record (also DIR/distill.json). ``on_event(kind,
+    step)`` is called after each optimizer step ("step") and checkpoint ("checkpoint")."""
+    rep = rep or Reporter(quiet=opts.quiet)
+    check_options(opts)
+    from specexport.exporter.recipe import load_recipe
+
+    recipe, base = load_recipe(opts.recipe)
+    inputs = read_inputs(opts) if not opts.resume else {"--prompts": [], "--data": []}
+    device = _device(opts.device)
+    cache = Path(tempfile.mkdtemp(prefix="specexport-distill-", dir=opts.cache_dir))
+    try:
+        return _run(opts, inputs, recipe, base, device, cache, rep, on_event or (lambda kind, step: None))
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _run(opts, inputs, recipe, base, device, cache: Path, rep: Reporter, on_event) -> dict:
+    import torch
+
+    from specexport import __version__
+    from specexport.exporter.distill.eagle3_model import Eagle3Draft, head_config, rope_tables
+    from specexport.exporter.distill.eagle3_train import (
+        assemble,
+        evaluate,
+        learning_rate,
+        make_batches,
+        train_step,
+    )
+    from specexport.exporter.distill.teacher import Teacher
+    from specexport.exporter.heads.eagle3 import default_taps
+    from specexport.exporter.plan import plan_recipe_draft
+    from specexport.exporter.sources import fingerprint, load_source
+
+    t_start = time.time()
+    state = checkpoint.read(opts.out) if opts.resume else None
+    settings = asdict(opts)
+    if state is not None:  # the first run's data-defining settings
+        settings.update({k: state.info["settings"][k] for k in KEPT_ON_RESUME})
+        if opts.prompts or opts.data:
+            rep.warn("--resume continues with the first run's data: --prompts/--data are ignored")
+    s = settings
+    torch.manual_seed(s["seed"] + (state.info["step"] if state else 0))
+
+    with rep.step("load", "target") as st:
+        target = load_source(recipe.target, base, "target")
+        target.model.to(device)
+        cfg = target.model.config
+        st.detail = f"{cfg.model_type}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}"
+    origin = {"recipe": str(opts.recipe), "source": recipe.target.model_dump(mode="json"),
+              "fingerprint": fingerprint(recipe.target, base, "target")}
+    if state is not None and state.info["target"]["fingerprint"] != origin["fingerprint"]:
+        raise BadInput(f"--resume: {opts.out} was trained for another target than {opts.recipe}'s; start over with --force")
+    heads = cfg.num_attention_heads
+    d = plan_recipe_draft(recipe, base, heads, getattr(cfg, "num_key_value_heads", None) or heads).draft_len
+    n_layers = cfg.num_hidden_layers
+    if state is not None:
+        taps = tuple(state.info["taps"])
+    else:
+        taps = tuple(opts.layers) if opts.layers is not None else tuple(default_taps(n_layers))
+        if not all(0 <= i < n_layers for i in taps):
+            raise BadInput(f"--layers: {list(taps)} must be three target layers in 0..{n_layers - 1}")
+
+    rng = random.Random(s["seed"])
+    if state is None:
+        _note_bench_prompts(opts.prompts, rep)
+        seqs, data_record = build_data(opts, inputs, target, device, rep, rng)
+        draft_ids, coverage = choose_vocab(seqs, cfg.vocab_size, s["draft_vocab"])
+        data_record["vocabulary"] = coverage
+    else:
+        seqs, draft_ids, data_record = state.sequences, state.draft_ids, state.info["data"]
+    rep.note(f"data: {seqs.stats()}; draft vocabulary {len(draft_ids)} "
+             f"(covers {data_record['vocabulary']['response_coverage']:.1%} of response tokens); D = {d}")
+
+    config = head_config(cfg, taps, len(draft_ids))
+    longest = max(len(x) for x in seqs.ids)
+    embed = target.model.get_input_embeddings().weight.detach().float().to(device)  # [V, H]
+    head = Eagle3Draft(config, len(taps), embed, rope_tables(config, longest + max(s["ttt_steps"], d) + 2)).to(device)
+    draft_t = torch.from_numpy(draft_ids).to(device)
+    if state is None:  # lm_head starts from the target's output rows of the draft vocabulary
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target.model.get_output_embeddings().weight.detach().float()[draft_t])
+    else:
+        names = head.checkpoint_names()
+        if set(names) != set(state.weights):
+            raise BadInput(f"--resume: {opts.out}/state/head.safetensors does not match an EAGLE-3 head; start over with --force")
+        with torch.no_grad():
+            for name, param in names.items():
+                param.copy_(state.weights[name])
+    opt = torch.optim.AdamW(head.parameters(), lr=s["lr"], betas=(0.9, 0.95), weight_decay=0.0)
+    if state is not None:
+        opt.load_state_dict(state.optimizer)
+    draft_of = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=device)
+    draft_of[draft_t] = torch.arange(len(draft_ids), device=device)
+
+    teacher = Teacher(target.model, taps, draft_ids, s["topk"], device, cache, int(opts.cache_gb * 2**30),
+                      s["batch_tokens"])
+    train_members = seqs.members(holdout=False)
+    eval_all = seqs.members(holdout=True)
+    eval_some = eval_all[:EVAL_SEQUENCES]
+    lengths = [len(x) for x in seqs.ids]
+
+    def score(members) -> dict:
+        return evaluate(head, teacher, seqs, members, s["ttt_steps"], d, draft_t, draft_of, s["batch_tokens"], device)
+
+    info = state.info if state is not None else {
+        "step": 0, "epoch": 0, "train_seconds": 0.0, "wall_seconds": 0.0, "curve": [], "runs": []}
+    info.update(settings={k: (str(v) if isinstance(v, Path) else v) for k, v in s.items()
+                          if k not in ("prompts", "data", "cache_dir", "out", "recipe")},
+                taps=list(taps), target=origin, data=data_record)
+    run = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": opts.device, "minutes": opts.minutes,
+           "from_step": info["step"]}
+    info["runs"].append(run)
+    wall_before, train_before = info["wall_seconds"], info["train_seconds"]
+    written = {"step": None}
+
+    def save(final: dict | None) -> dict:
+        info["wall_seconds"] = round(wall_before + time.time() - t_start, 1)
+        run["to_step"] = info["step"]
+        provenance = {"specexport": __version__, "drafter": "eagle3", "layout": "safeailab", "draft_len": d,
+                      "target": origin, "taps": list(taps), "data": data_record, "steps": info["step"],
+                      "epochs": info["epoch"], "train_seconds": round(info["train_seconds"], 1),
+                      "wall_seconds": info["wall_seconds"], "runs": info["runs"], "settings": info["settings"],
+                      "curve": info["curve"], "final": final}
+        weights = {k: v.detach().float().cpu() for k, v in head.checkpoint_names().items()}
+        train_state = checkpoint.TrainState(weights, opt.state_dict(), seqs, draft_ids, info)
+        checkpoint.write(opts.out, config, weights, draft_ids, cfg.vocab_size, provenance, train_state)
+        written["step"] = info["step"]
+        on_event("checkpoint", info["step"])
+        return provenance
+
+    def record(result: dict) -> None:
+        if info["curve"] and info["curve"][-1]["step"] == info["step"]:
+            info["curve"].pop()  # the final score replaces a periodic one of the same step
+        info["curve"].append({"step": info["step"], "train_minutes": round(info["train_seconds"] / 60, 3), **result})
+        accept = result["acceptance"]
+        rep.note(f"held-out at step {info['step']}: loss {result['loss']:.4f}"
+                 + (f", acceptance per position {accept}, E[L] {result['expected_length']} at D={d}" if accept else ""))
+
+    budget = opts.minutes * 60.0
+    total_budget = train_before + budget
+    max_steps = opts.max_steps
+    try:
+        if not info["curve"]:
+            with rep.step("score", "untrained head (held-out)"):
+                record(score(eval_some))
+        t_train = time.time()
+        next_eval = t_train + opts.eval_minutes * 60
+        with _progress(rep) as bar:
+            task = bar.add_task("train", total=1000, loss=float("nan"), step=info["step"])
+            done = max_steps is not None and info["step"] >= max_steps
+            while not done:
+                info["epoch"] += 1
+                epoch_rng = random.Random(s["seed"] * 1_000_003 + info["epoch"])
+                for members in make_batches(train_members, lengths, s["batch_tokens"], epoch_rng):
+                    spent = time.time() - t_train
+                    frac = max((train_before + spent) / total_budget,
+                               info["step"] / max_steps if max_steps else 0.0)
+                    if spent >= budget or (max_steps is not None and info["step"] >= max_steps):
+                        done = True
+                        break
+                    lr = learning_rate(s["lr"], info["step"], s["warmup"], frac)
+                    batch = assemble(teacher, seqs, members, s["ttt_steps"], device)
+                    loss = train_step(head, opt, batch, s["ttt_steps"], draft_of, lr, device)
+                    info["step"] += 1
+                    info["train_seconds"] = train_before + time.time() - t_train
+                    bar.update(task, completed=int(1000 * min(frac, 1.0)), loss=loss, step=info["step"])
+                    on_event("step", info["step"])
+                    if time.time() >= next_eval:
+                        record(score(eval_some))
+                        save(None)
+                        next_eval = time.time() + opts.eval_minutes * 60
+                if not train_members:
+                    break
+            bar.update(task, completed=1000)
+        info["train_seconds"] = train_before + time.time() - t_train
+        with rep.step("score", f"final, {len(eval_all)} held-out sequences"):
+            final = score(eval_all)
+        record(final)
+        with rep.step("write", str(opts.out)):
+            provenance = save(final)
+    except KeyboardInterrupt:
+        where = (f"{opts.out} holds the checkpoint of step {written['step']}; continue with --resume"
+                 if written["step"] is not None else "no checkpoint was written")
+        raise Interrupted(f"interrupted at step {info['step']}; {where}") from None
+    return provenance
+
+
+def _progress(rep: Reporter):
+    from contextlib import nullcontext
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    if rep.quiet:
+        class Silent:
+            def add_task(self, *args, **kwargs) -> int:
+                return 0
+
+            def update(self, *args, **kwargs) -> None:
+                pass
+
+        return nullcontext(Silent())
+    return Progress(TextColumn("[bold]train[/]"), BarColumn(), TextColumn("step {task.fields[step]}"),
+                    TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), TextColumn("ETA"),
+                    TimeRemainingColumn(), console=rep.console, transient=False)
+
+
+def summary(provenance: dict) -> str:
+    """One paragraph for the terminal: the first and last held-out scores."""
+    curve = provenance["curve"]
+    first, last = curve[0], provenance["final"] or curve[-1]
+    line = (f"{provenance['steps']} steps in {provenance['train_seconds'] / 60:.1f} min; held-out loss "
+            f"{first['loss']:.4f} -> {last['loss']:.4f}")
+    if first.get("expected_length") is not None and last.get("expected_length") is not None:
+        line += (f"; E[L] at D={provenance['draft_len']} {first['expected_length']} -> {last['expected_length']}"
+                 f"; acceptance per position {last['acceptance']}")
+    return line

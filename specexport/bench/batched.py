@@ -1,0 +1,166 @@
+"""`specexport bench --batch 1,2,4,8`: the batched loop's throughput by batch size.
+
+First the single-sequence loop (``Pipeline.generate``, prompt after prompt) per mode, the
+batch-1 reference. Then, for each batch size B, the whole prompt set (a mixed workload: every category in the same
+batches) runs through ``Pipeline.generate_batch(max_batch=B)``, for the target alone and for
+each drafter at a fixed depth (D, and 1), with per-sequence depth (runtime/goodput.py), and
+with the manifest's depth-by-batch-size schedule when it has one. Reported per (B, mode): aggregate tokens/s (all tokens over the wall time),
+the median sequence's own tokens/s, E[L], and the speedup against the target alone at the same
+B, in the same run. Greedy outputs are compared with the batch-1 run of the same mode: batching
+must not change a token. Speculation spends spare compute; as B grows that compute goes to
+breadth, and the plot shows where drafting stops paying on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from specexport.atomic import atomic_path, write_text
+from specexport.bench.harness import load_prompts
+from specexport.errors import BadInput
+
+
+def parse_batches(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise BadInput(f"--batch: give batch sizes like 1,2,4,8 (got {text!r})") from None
+    if not sizes or sizes[0] < 1:
+        raise BadInput(f"--batch: batch sizes must be >= 1 (got {text!r})")
+    return sizes
+
+
+def run_batched(pipe, prompts_path: Path, batches: list[int], drafters: list[str], max_new_tokens: int,
+                reporter) -> dict:
+    built = pipe.manifest.batch_sizes("target")
+    missing = [b for b in batches if b > max(built)]
+    if missing:
+        raise BadInput(f"--batch {missing[0]}: the engines are built for batch sizes {built}; "
+                       "rebuild with shapes.batch listing it")
+    records = load_prompts(prompts_path)
+    depth = pipe.manifest.draft_len
+    modes = [("none", 0, "fixed")]  # (drafter, depth, depth rule)
+    for name in drafters:
+        modes += [(name, depth, "fixed"), (name, 1, "fixed"), (name, depth, "per-sequence")]
+        if pipe.manifest.draft_schedule is not None:
+            modes.append((name, depth, "schedule"))
+    rows, outputs = [], {}
+    for drafter, k, rule in modes:  # today's single-sequence loop, for the batch-1 comparison
+        if rule != "fixed":  # the schedule and per-sequence depth exist in the batched loop only
+            continue
+        with reporter.step("bench", f"single-sequence loop, {drafter} d={k}") as step:
+            start = time.perf_counter()
+            single = [pipe.generate(r.get("prompt"), messages=r.get("messages"), drafter=drafter, draft_len=k,
+                                    adaptive=False, max_new_tokens=max_new_tokens) for r in records]
+            wall = time.perf_counter() - start
+            step.detail = f"{sum(g.stats.tokens for g in single) / wall:.1f} tok/s"
+        outputs[(drafter, k, rule)] = [g.token_ids for g in single]
+        rows.append(_row(1, drafter, k, rule, single, wall, "single", True))
+    for batch in batches:
+        for drafter, k, rule in modes:
+            label = f"{drafter} d={k} {rule}"
+            with reporter.step("bench", f"batch {batch}, {label}") as step:
+                start = time.perf_counter()
+                results = pipe.generate_batch(records, drafter=drafter, max_new_tokens=max_new_tokens,
+                                              draft_len=k, max_batch=batch, schedule=rule == "schedule",
+                                              per_sequence=rule == "per-sequence")
+                wall = time.perf_counter() - start
+                tokens = sum(r.stats.tokens for r in results)
+                step.detail = f"{tokens / wall:.1f} tok/s"
+            key = (drafter, k, rule)
+            # greedy: the same tokens as the single-sequence loop (or, scheduled, the smallest batch)
+            outputs.setdefault(key, [r.token_ids for r in results])
+            rows.append(_row(batch, drafter, k, rule, results, wall, "batched",
+                             [r.token_ids for r in results] == outputs[key]))
+    for row in rows:  # against the target alone at the same batch size and loop, same run
+        alone = next(r for r in rows if r["batch"] == row["batch"] and r["drafter"] == "none"
+                     and r["loop"] == row["loop"])
+        row["speedup"] = round(row["aggregate_tokens_per_s"] / alone["aggregate_tokens_per_s"], 3)
+    return {"engines": str(pipe.manifest.root), "prompts": str(prompts_path), "prompt_count": len(records),
+            "max_new_tokens": max_new_tokens, "batches": batches, "built_batches": built,
+            "schedule": pipe.manifest.plan.get("schedule"), "rows": rows,
+            "measured_schedule": {name: measured_schedule(rows, name) for name in drafters}}
+
+
+def measured_schedule(rows: list[dict], drafter: str) -> list[list[int]]:
+    """The depth with the most aggregate tokens/s at each measured batch size (0: the target
+    alone won), as a draft.schedule (TensorRT-LLM's upper bounds: [[2, 5], [8, 1]] means batch
+    1-2 drafts 5, 3-8 drafts 1), from this run's batched rows of ``drafter`` at fixed depths.
+    Batch sizes between two measured ones take the larger one's depth."""
+    best: dict[int, int] = {}
+    for batch in sorted({r["batch"] for r in rows if r["loop"] == "batched"}):
+        candidates = [r for r in rows if r["loop"] == "batched" and r["batch"] == batch
+                      and r["depth_rule"] == "fixed" and r["drafter"] in ("none", drafter)]
+        best[batch] = max(candidates, key=lambda r: r["aggregate_tokens_per_s"])["depth"]
+    steps: list[list[int]] = []
+    for batch, depth in sorted(best.items()):
+        if steps and steps[-1][1] == depth:
+            steps[-1][0] = batch
+        else:
+            steps.append([batch, depth])
+    while steps and steps[-1][1] == 0:  # past the last bound no drafting anyway
+        steps.pop()
+    return steps
+
+
+def _row(batch: int, drafter: str, depth: int, rule: str, results, wall: float, loop: str,
+         lossless: bool) -> dict:
+    tokens = sum(r.stats.tokens for r in results)
+    return {
+        "batch": batch, "loop": loop, "drafter": drafter, "depth": depth, "depth_rule": rule, "tokens": tokens,
+        "seconds": round(wall, 3), "aggregate_tokens_per_s": round(tokens / wall, 2),
+        "median_sequence_tokens_per_s": round(float(np.median([r.stats.tokens_per_s for r in results])), 2),
+        "acceptance_length": round(tokens / max(1, sum(r.stats.rounds for r in results)), 3),
+        "lossless": lossless,
+    }
+
+
+def write_batched(result: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "bench_batched.json", out / "bench_batched.md", out / "speedup_by_batch.png"]
+    write_text(files[0], json.dumps(result, indent=1) + "\n")
+    lines = ["| batch | mode | aggregate tok/s | median sequence tok/s | E[L] | speedup | lossless |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        mode = "target alone" if r["drafter"] == "none" else f"{r['drafter']} d={r['depth']}" + (
+            f" ({r['depth_rule']})" if r["depth_rule"] != "fixed" else "")
+        if r["loop"] == "single":
+            mode += ", single-sequence loop"
+        lines.append(f"| {r['batch']} | {mode} | {r['aggregate_tokens_per_s']} | {r['median_sequence_tokens_per_s']} "
+                     f"| {r['acceptance_length']} | {r['speedup']}× | {'yes' if r['lossless'] else 'NO'} |")
+    for name, steps in result.get("measured_schedule", {}).items():
+        lines.append("")
+        lines.append(f"Measured schedule for {name} (draft.schedule, keys are upper bounds on the batch size): "
+                     + (json.dumps({b: d for b, d in steps}) if steps else "no drafting at any measured batch size"))
+    write_text(files[1], "\n".join(lines) + "\n")
+    _plot(result, files[2])
+    return files
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    batched = [r for r in result["rows"] if r["loop"] == "batched"]
+    modes = sorted({(r["drafter"], r["depth"], r["depth_rule"]) for r in batched if r["drafter"] != "none"})
+    for drafter, depth, rule in modes:
+        points = [(r["batch"], r["speedup"]) for r in batched
+                  if (r["drafter"], r["depth"], r["depth_rule"]) == (drafter, depth, rule)]
+        ax.plot(*zip(*points), marker="o", label=f"{drafter} d={depth}" + (f" {rule}" if rule != "fixed" else ""))
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequences decoded together (batch)")
+    ax.set_ylabel("aggregate speedup over the target alone")
+    ax.set_title("where speculation stops paying")
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)

@@ -1,0 +1,160 @@
+"""The batched decode loop (issue 11, part 2): sequences in slots of one batch cache, one verify
+pass per round for all of them, joining and leaving between rounds. Every request's greedy
+output equals its own batch-1 output, token for token."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specexport.errors import BadInput
+from specexport.runtime import load
+from specexport.runtime.batch_decode import BatchedTarget
+from tests.conftest import run_cli
+
+SHAPE = dict(max_seq_len=160, prefill_chunk=16)
+
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of different lengths, some repetitive (so prompt lookup finds drafts)."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for i in range(count):
+        if i % 2:
+            motif = rng.integers(3, 250, size=5).tolist()
+            prompts.append((motif * 6)[: 7 + 4 * i])
+        else:
+            prompts.append(rng.integers(3, 250, size=1 + 9 * i).tolist())
+    return prompts
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_every_request_decodes_as_it_would_alone(batched_engines, drafter):
+    """Seven requests through four slots: staggered joins, rows finishing mid-batch (different
+    budgets), batch sizes 4, 2 and 1 as the queue drains, a one-token prompt."""
+    pipe = load(batched_engines)
+    prompts = _prompts(6) + [[42]]
+    budgets = [5, 17, 9, 30, 12, 3, 20]
+    alone = [pipe.generate(prompt_ids=p, drafter=drafter, max_new_tokens=n, adaptive=False).token_ids
+             for p, n in zip(prompts, budgets)]
+    together = _batched_run(pipe, prompts, budgets, drafter)
+    for i, (got, want) in enumerate(zip(together, alone)):
+        assert got.tokens == want, (drafter, i)
+    if drafter == "ngram":
+        assert sum(g.stats.accepted for g in together) > 0  # drafts were verified in batched rounds
+
+
+def _batched_run(pipe, prompts, budgets, drafter):
+    """Like generate_batch, with one budget per request (decode_batch takes each request's own)."""
+    from specexport.runtime.acceptance import Sampling
+    from specexport.runtime.batch_decode import Request, decode_batch
+
+    target = BatchedTarget(pipe.manifest, pipe.backend, pipe.options, pipe.sessions)
+    assert target.slots == 4
+    requests = [Request(np.asarray(p, dtype=np.int64), n, Sampling()) for p, n in zip(prompts, budgets)]
+    return decode_batch(target, pipe.drafter(drafter), requests, draft_len=pipe.manifest.draft_len,
+                        eos_ids=pipe.text.eos_ids)
+
+
+def test_generate_batch_equals_generate_and_depth_zero_works(batched_engines):
+    pipe = load(batched_engines)
+    prompts = _prompts(5, seed=3)
+    alone = [pipe.generate(prompt_ids=p, drafter="ngram", max_new_tokens=14, adaptive=False, draft_len=0)
+             for p in prompts]
+    together = pipe.generate_batch(prompts, drafter="ngram", max_new_tokens=14, draft_len=0, max_batch=2)
+    assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+    assert all(g.stats.proposed == 0 and g.stats.tokens == 14 for g in together)
+
+
+def test_a_batched_sampled_run_is_reproducible_and_each_row_has_its_own_stream(batched_engines):
+    pipe = load(batched_engines)
+    prompts = _prompts(3, seed=5)
+    first = pipe.generate_batch(prompts, drafter="ngram", max_new_tokens=10, temperature=1.0, seed=11)
+    again = pipe.generate_batch(prompts, drafter="ngram", max_new_tokens=10, temperature=1.0, seed=11)
+    assert [g.token_ids for g in first] == [g.token_ids for g in again]
+    assert all(len(g.token_ids) == 10 for g in first)
+
+
+def test_drafters_with_engine_state_are_refused_in_one_line(batched_engines):
+    pipe = load(batched_engines)
+    with pytest.raises(BadInput, match="cannot run batched yet"):
+        pipe.generate_batch([[5, 6, 7]], drafter="quantized-self")
+
+
+def test_generate_prompts_file_writes_one_json_line_per_prompt(batched_engines, tmp_path):
+    pipe = load(batched_engines)
+    records = [{"id": "a", "category": "chat", "prompt": "hello there"},
+               {"id": "b", "category": "chat", "messages": [{"role": "user", "content": "abcabcabc"}]},
+               {"id": "c", "category": "code", "prompt": "x = 1\nx = 1\nx ="}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, out, err = run_cli("generate", batched_engines, "--prompts-file", path, "--drafter", "ngram", "-n", "8", "--json")
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert [line["id"] for line in lines] == ["a", "b", "c"]
+    for record, line in zip(records, lines):
+        want = pipe.generate(record.get("prompt"), messages=record.get("messages"), drafter="ngram",
+                             max_new_tokens=8, adaptive=False)
+        assert line["token_ids"] == want.token_ids and line["text"] == want.text
+        assert line["stats"]["tokens"] == 8
+
+
+def test_a_standard_directory_cannot_decode_batched(tiny_engines):
+    pipe = load(tiny_engines.get("llama", drafters=False, **SHAPE))
+    with pytest.raises(BadInput, match="attention: ort-gqa"):
+        pipe.generate_batch([[5, 6, 7]])
+
+
+def test_bench_batch_reports_every_batch_size_and_mode_losslessly(batched_engines, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "category": "c" if i % 2 else "g",
+                                           "prompt": "abc abc abc " * (i + 1)}) + "\n" for i in range(5)))
+    out = tmp_path / "out"
+    code, _, err = run_cli("bench", batched_engines, "--batch", "1,2,4", "--prompts", prompts, "-n", "6", "--out", out)
+    assert code == 0, err
+    result = json.loads((out / "bench_batched.json").read_text())
+    depth = load(batched_engines).manifest.draft_len
+    seen = {(r["loop"], r["batch"], r["drafter"], r["depth"], r["depth_rule"]) for r in result["rows"]}
+    fixed = (("none", 0, "fixed"), ("ngram", depth, "fixed"), ("ngram", 1, "fixed"))
+    batched_modes = (*fixed, ("ngram", depth, "per-sequence"))
+    assert seen == ({("batched", b, *mode) for b in (1, 2, 4) for mode in batched_modes}
+                    | {("single", 1, *mode) for mode in fixed})
+    assert all(r["lossless"] and r["tokens"] == 30 for r in result["rows"])  # per-sequence depth too
+    assert all(r["speedup"] == 1.0 for r in result["rows"] if r["drafter"] == "none")
+    assert (out / "speedup_by_batch.png").stat().st_size > 0 and "| 4 |" in (out / "bench_batched.md").read_text()
+    code, _, err = run_cli("bench", batched_engines, "--batch", "8", "--prompts", prompts, "-n", "4", "--out", out)
+    assert code == 2 and "built for batch sizes [1, 2, 4]" in err
+
+
+def test_batched_sampled_tokens_follow_the_target(batched_engines):
+    """Rejection sampling per row in shared verify passes: the first two tokens of a prompt,
+    decoded in batches beside another prompt at a different position, drawn as the target alone
+    would draw them (chi-square against the exact warped target probabilities)."""
+    from specexport.runtime.acceptance import Sampling, warp
+
+    pipe = load(batched_engines)
+    sampling = Sampling(temperature=1.5, top_k=3, top_p=0.95)
+    ids = pipe.prompt_ids("1, 2, 1, 2, 1, 2, 1,")
+    other = pipe.prompt_ids("a longer prompt at another position, a longer prompt at")
+
+    def warped(prefix):
+        pipe.target.rewind(0)
+        return warp(pipe.target.forward(np.asarray(prefix, dtype=np.int64), want_logits=True).logits[-1:], sampling)[0]
+
+    p1 = warped(ids)
+    exact = {(int(a), int(b)): p1[a] * q for a in np.flatnonzero(p1)
+             for q, b in ((warped([*ids, int(a)])[b], b) for b in np.flatnonzero(warped([*ids, int(a)])))}
+    draws = 800
+    results = pipe.generate_batch([ids, other] * draws, drafter="ngram", max_new_tokens=2, temperature=1.5,
+                                  top_k=3, top_p=0.95, seed=0)
+    counts = dict.fromkeys(exact, 0)
+    for result in results[::2]:
+        assert tuple(result.token_ids) in counts, result.token_ids
+        counts[tuple(result.token_ids)] += 1
+    assert sum(r.stats.proposed for r in results) > 0  # drafts were verified, and some rejected
+    chi2 = sum((counts[s] - p * draws) ** 2 / (p * draws) for s, p in exact.items())
+    df = len(exact) - 1
+    assert chi2 < df + 6 * np.sqrt(2 * df), (chi2, df, counts)

@@ -1,0 +1,65 @@
+"""Weights held once per model (issue 9): an ort-gqa model is one graph with a symbolic token
+count, every manifest entry one static size of it, and a load opens one session per graph file
+however many sizes (decode, catch-up, verify, prefill, probes) it runs. The standard graph stays
+one static graph per size (TensorRT builds from those)."""
+
+from __future__ import annotations
+
+import onnx
+
+from specexport.contract import INPUT_IDS, read_manifest
+from specexport.runtime import load
+
+SHAPE = dict(max_seq_len=160, prefill_chunk=16)
+DRAFTERS = ("ngram", "quantized-self", "draft-model")
+
+
+def _files_by_model(directory) -> dict[str, set[str]]:
+    files: dict[str, set[str]] = {}
+    for entry in read_manifest(directory).engines:
+        files.setdefault(entry.model, set()).add(entry.path)
+    return files
+
+
+def test_an_ort_gqa_model_is_one_graph_with_a_symbolic_token_count(tiny_engines):
+    directory = tiny_engines.get("llama", attention="ort-gqa", **SHAPE)
+    manifest = read_manifest(directory)
+    for model, files in _files_by_model(directory).items():
+        assert files == {f"{model}.onnx"}, (model, files)
+        sizes = [e.tokens for e in manifest.engines if e.model == model]
+        assert len(sizes) >= 3, sizes  # decode, catch-up or verify, prefill at least
+        graph = onnx.load(str(directory / f"{model}.onnx"), load_external_data=False)
+        ids = next(v for v in graph.graph.input if v.name == INPUT_IDS)
+        assert [d.dim_param or d.dim_value for d in ids.type.tensor_type.shape.dim] == [1, "tokens"]
+        for entry in (e for e in manifest.engines if e.model == model):
+            assert entry.inputs[INPUT_IDS].shape == (1, entry.tokens)  # each entry: one static size
+
+
+def test_a_standard_model_keeps_one_static_graph_per_size(tiny_engines):
+    directory = tiny_engines.get("llama", attention="standard", **SHAPE)
+    manifest = read_manifest(directory)
+    for model, files in _files_by_model(directory).items():
+        entries = [e for e in manifest.engines if e.model == model]
+        assert len(files) == len(entries), (model, files)
+
+
+def test_a_load_opens_one_session_per_graph_file_whatever_sizes_it_runs(tiny_engines):
+    pipe = load(tiny_engines.get("llama", attention="ort-gqa", **SHAPE))
+    baseline = pipe.generate(prompt_ids=list(range(3, 40)), drafter="none", max_new_tokens=16)
+    for drafter in DRAFTERS:
+        result = pipe.generate(prompt_ids=list(range(3, 40)), drafter=drafter, max_new_tokens=16)
+        assert result.token_ids == baseline.token_ids, drafter
+    pipe.target.time_engines(pipe.target.sizes, rounds=1)  # the probes too
+    opened = {e.path for e in pipe.manifest.engines
+              if pipe.runner(e.model).is_open(e.tokens) and e.model in ("target", "quantized-self", "draft-model")}
+    assert len(pipe.target.sizes) >= 4
+    assert opened == {"target.onnx", "quantized-self.onnx", "draft-model.onnx"}
+    assert len(pipe.sessions) == 3  # one per file: with a session per size it would be one per entry
+
+
+def test_a_standard_load_opens_a_session_per_size(tiny_engines):
+    """The counter above can fail: static graphs each take their own session."""
+    pipe = load(tiny_engines.get("llama", attention="standard", **SHAPE))
+    pipe.generate(prompt_ids=list(range(3, 40)), drafter="none", max_new_tokens=4)
+    opened = [size for size in pipe.target.sizes if pipe.target.is_open(size)]
+    assert len(pipe.sessions) == len(opened) >= 3
