@@ -220,6 +220,13 @@ class Pipeline:
             sync_ms = costs.get(2, draft_ms * 2) / 2  # skipped tokens are caught up two at a time
         return DepthPolicy(verify_cost, draft_cost=draft_ms / 1e3, sync_cost=sync_ms / 1e3)
 
+    def _depth(self, draft_len: int | None) -> int:
+        """The draft length asked for (default: the plan's D), checked against the engines'."""
+        depth = self.manifest.draft_len if draft_len is None else draft_len
+        if not 0 <= depth <= self.manifest.draft_len:
+            raise BadInput(f"draft length must be between 0 and {self.manifest.draft_len} (got {depth})")
+        return depth
+
     def prompt_ids(self, prompt: str | None = None, *, chat: bool = False, messages: list[dict] | None = None,
                    ids: Sequence[int] | None = None) -> list[int]:
         if ids is not None:
@@ -251,9 +258,7 @@ class Pipeline:
         ids = self.prompt_ids(prompt, chat=chat, messages=messages, ids=prompt_ids)
         sampling = Sampling(temperature, top_k, top_p)
         chosen = self.drafter(drafter)
-        depth = self.manifest.draft_len if draft_len is None else draft_len
-        if not 0 <= depth <= self.manifest.draft_len:
-            raise BadInput(f"draft length must be between 0 and {self.manifest.draft_len} (got {depth})")
+        depth = self._depth(draft_len)
         stats = DecodeStats(draft_len=depth)
         policy = self._policy(chosen.name) if adaptive and chosen.name != "none" else None
         text = _TextTracker(self.text.stream(), stop)
@@ -300,9 +305,7 @@ class Pipeline:
         if kind not in STATELESS_DRAFTERS:
             raise BadInput(f"drafter '{drafter}' ({kind}) cannot run batched yet; batched decoding runs "
                            f"{' and '.join(STATELESS_DRAFTERS)}")
-        depth = self.manifest.draft_len if draft_len is None else draft_len
-        if not 0 <= depth <= self.manifest.draft_len:
-            raise BadInput(f"draft length must be between 0 and {self.manifest.draft_len} (got {depth})")
+        depth = self._depth(draft_len)
         if self._batched is None or (max_batch is not None and max_batch != self._batched[0]):
             target = BatchedTarget(self.manifest, self.backend, self.options, self.sessions, max_batch, self.cost_ms)
             self._batched = (max_batch, target)

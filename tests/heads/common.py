@@ -1,13 +1,14 @@
-"""Shared helpers of the chain-head tests: a build, parity figures, losslessness, sampling."""
+"""Shared helpers of the head tests: a build, parity figures, losslessness, sampling (chain
+heads), and the checkpoint edits and broken loaders the block-head tests share."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import numpy as np
+from safetensors.torch import load_file, save_file
 
-from tests.lossless import assert_lossless, chi_square_passes
+from tests.lossless import assert_lossless, chi_square_passes, exact_sequence_probs
 
 SHAPES = {"batch": 1, "max_seq_len": 48, "prefill_chunk": 8}
 PROMPTS = ["The lighthouse keeper", "def merge(a, b):\n    return", "1, 2, 3, 4,"]
@@ -36,30 +37,22 @@ def check_parity(engines: Path, model: str) -> None:
         assert p["max_rel_logit_diff"] <= 1e-4 and p["argmax_agreement"] == 1.0, (name, p)
 
 
-def check_greedy_lossless(pipe, drafter: str) -> None:
-    for prompt in PROMPTS:
+def check_greedy_lossless(pipe, drafter: str, max_new_tokens: int = 20, prompts: list[str] = PROMPTS) -> None:
+    for prompt in prompts:
         ids = pipe.prompt_ids(prompt)
-        base = pipe.generate(prompt_ids=ids, max_new_tokens=20).token_ids
-        spec = pipe.generate(prompt_ids=ids, max_new_tokens=20, drafter=drafter)
+        base = pipe.generate(prompt_ids=ids, max_new_tokens=max_new_tokens).token_ids
+        spec = pipe.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, drafter=drafter)
         assert spec.stats.proposed > 0, "the head never drafted"
         assert_lossless(pipe, ids, base, spec.token_ids, f"{drafter} on {prompt!r}")
 
 
 def check_sampling(pipe, drafter: str, draws: int = 500) -> None:
     """Two sampled tokens with the head drafting: distributed as the target's warped p."""
-    from specexport.runtime.acceptance import Sampling, warp
+    from specexport.runtime.acceptance import Sampling
 
     sampling = Sampling(temperature=1.5, top_k=3, top_p=0.95)
     ids = pipe.prompt_ids("1, 2, 1, 2, 1,")
-
-    def warped(prefix):
-        pipe.target.rewind(0)
-        logits = pipe.target.forward(np.asarray(prefix, dtype=np.int64), want_logits=True).logits[-1:]
-        return warp(logits, sampling)[0]
-
-    p1 = warped(ids)
-    exact = {(int(a), int(b)): p1[a] * q for a in np.flatnonzero(p1)
-             for b, q in ((b, warped([*ids, int(a)])[b]) for b in np.flatnonzero(warped([*ids, int(a)])))}
+    exact = exact_sequence_probs(pipe, ids, sampling, 2)
     counts = dict.fromkeys(exact, 0)
     proposed = 0
     for seed in range(draws):
@@ -71,3 +64,36 @@ def check_sampling(pipe, drafter: str, draws: int = 500) -> None:
     assert proposed > 0
     passes, figures = chi_square_passes(counts, exact, draws)
     assert passes, figures
+
+
+# -- checkpoint edits and loader mistakes (block heads' malformed and broken-loader tests) ------
+
+
+def drop_tensor(name: str):
+    """A folder edit removing tensor ``name`` from model.safetensors."""
+    def change(folder: Path):
+        tensors = load_file(str(folder / "model.safetensors"))
+        del tensors[name]
+        save_file(tensors, str(folder / "model.safetensors"))
+    return change
+
+
+def edit_config(edit):
+    """A folder edit applying ``edit(config)`` to config.json."""
+    def change(folder: Path):
+        config = json.loads((folder / "config.json").read_text())
+        edit(config)
+        (folder / "config.json").write_text(json.dumps(config))
+    return change
+
+
+def patch_layout(monkeypatch, layouts: dict, layout: str, change) -> None:
+    """Make ``layouts[layout]``'s reader wrong on purpose: ``change(facts)`` after reading."""
+    recognise, read = layouts[layout]
+
+    def wrong(ckpt, override):
+        facts = read(ckpt, override)
+        change(facts)
+        return facts
+
+    monkeypatch.setitem(layouts, layout, (recognise, wrong))

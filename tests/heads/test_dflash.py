@@ -27,7 +27,8 @@ from tests.heads.block_checkpoints import (
     write_speculators_dflash,
     write_zlab_dflash,
 )
-from tests.lossless import assert_lossless, chi_square_passes, exact_sequence_probs
+from tests.heads.common import check_greedy_lossless, drop_tensor, edit_config, patch_layout
+from tests.lossless import chi_square_passes, exact_sequence_probs
 
 HEADS = {  # drafter name -> (layout, writer, its options)
     "zlab": ("z-lab", write_zlab_dflash, {}),
@@ -78,12 +79,7 @@ def test_every_layout_builds_with_parity(engines):
 
 @pytest.mark.parametrize("drafter", list(HEADS))
 def test_greedy_is_lossless(pipe, drafter):
-    for prompt in PROMPTS:
-        ids = pipe.prompt_ids(prompt)
-        base = pipe.generate(prompt_ids=ids, max_new_tokens=24).token_ids
-        spec = pipe.generate(prompt_ids=ids, max_new_tokens=24, drafter=drafter)
-        assert spec.stats.proposed > 0, "the head never drafted"
-        assert_lossless(pipe, ids, base, spec.token_ids, f"{drafter} on {prompt!r}")
+    check_greedy_lossless(pipe, drafter, max_new_tokens=24, prompts=PROMPTS)
 
 
 def reference_drafts(folder: Path, layout: str, target, context: np.ndarray) -> np.ndarray:
@@ -157,14 +153,7 @@ def _head_recipe(root: Path, name: str = "h") -> dict:
 def _patch_facts(monkeypatch, layout: str, change) -> None:
     from specexport.exporter.heads import dflash
 
-    recognise, read = dflash.LAYOUTS[layout]
-
-    def wrong(ckpt, override):
-        facts = read(ckpt, override)
-        change(facts)
-        return facts
-
-    monkeypatch.setitem(dflash.LAYOUTS, layout, (recognise, wrong))
+    patch_layout(monkeypatch, dflash.LAYOUTS, layout, change)
 
 
 @pytest.mark.parametrize("layout,writer", [("z-lab", write_zlab_dflash), ("speculators", write_speculators_dflash)])
@@ -216,13 +205,6 @@ def test_a_broken_tensor_mapping_fails_parity(tmp_path, target, monkeypatch):
 # -- malformed checkpoints: one line naming the file and the tensor or field -----------------------
 
 
-def _drop(name):
-    def change(folder: Path):
-        tensors = load_file(str(folder / "model.safetensors"))
-        del tensors[name]
-        save_file(tensors, str(folder / "model.safetensors"))
-    return change
-
 
 def _reshape(name):
     def change(folder: Path):
@@ -232,34 +214,27 @@ def _reshape(name):
     return change
 
 
-def _config(edit):
-    def change(folder: Path):
-        config = json.loads((folder / "config.json").read_text())
-        edit(config)
-        (folder / "config.json").write_text(json.dumps(config))
-    return change
-
 
 MALFORMED = [  # (writer, breaks it, what the one line says)
-    (write_zlab_dflash, _drop("fc.weight"), r"model\.safetensors.*tensor 'fc\.weight' is missing"),
-    (write_zlab_dflash, _drop("layers.0.mlp.down_proj.weight"), r"tensor 'layers\.0\.mlp\.down_proj\.weight' is missing"),
+    (write_zlab_dflash, drop_tensor("fc.weight"), r"model\.safetensors.*tensor 'fc\.weight' is missing"),
+    (write_zlab_dflash, drop_tensor("layers.0.mlp.down_proj.weight"), r"tensor 'layers\.0\.mlp\.down_proj\.weight' is missing"),
     (write_zlab_dflash, _reshape("layers.0.self_attn.k_proj.weight"),
      r"model\.safetensors: tensor 'layers\.0\.self_attn\.k_proj\.weight' has shape \[31, 64\], expected \[32, 64\]"),
     (write_zlab_dflash, _reshape("hidden_norm.weight"), r"tensor 'hidden_norm\.weight' has shape"),
-    (write_zlab_dflash, _config(lambda c: c["dflash_config"].update(mask_token_id=259)),
+    (write_zlab_dflash, edit_config(lambda c: c["dflash_config"].update(mask_token_id=259)),
      r"config\.json: mask_token_id 259 is outside the target's vocabulary of 259"),
-    (write_zlab_dflash, _config(lambda c: c["dflash_config"].pop("mask_token_id")), r"config\.json: 'mask_token_id' is missing"),
-    (write_zlab_dflash, _config(lambda c: c["dflash_config"].update(target_layer_ids=[0, 3])),
+    (write_zlab_dflash, edit_config(lambda c: c["dflash_config"].pop("mask_token_id")), r"config\.json: 'mask_token_id' is missing"),
+    (write_zlab_dflash, edit_config(lambda c: c["dflash_config"].update(target_layer_ids=[0, 3])),
      r"config\.json: target layer id 3 is outside the target's 4 layers"),
-    (write_zlab_dflash, _config(lambda c: c["dflash_config"].update(target_layer_ids="0,2")),
+    (write_zlab_dflash, edit_config(lambda c: c["dflash_config"].update(target_layer_ids="0,2")),
      r"config\.json: 'dflash_config\.target_layer_ids' must be a non-empty list"),
-    (write_zlab_dflash, _config(lambda c: c.pop("block_size")), r"config\.json: 'block_size' is missing"),
-    (write_zlab_dflash, _config(lambda c: c.update(num_attention_heads=3)), r"config\.json: num_attention_heads \(3\)"),
-    (write_zlab_dflash, _config(lambda c: c.pop("dflash_config") and c.pop("architectures")),
+    (write_zlab_dflash, edit_config(lambda c: c.pop("block_size")), r"config\.json: 'block_size' is missing"),
+    (write_zlab_dflash, edit_config(lambda c: c.update(num_attention_heads=3)), r"config\.json: num_attention_heads \(3\)"),
+    (write_zlab_dflash, edit_config(lambda c: c.pop("dflash_config") and c.pop("architectures")),
      r"config\.json: cannot tell which dflash layout"),
-    (write_speculators_dflash, _config(lambda c: c.update(draft_vocab_size=100)), r"tensor 'lm_head\.weight' is missing"),
-    (write_speculators_dflash, _config(lambda c: c.pop("transformer_layer_config")), r"'transformer_layer_config' is missing"),
-    (write_speculators_dflash, _config(lambda c: c.update(speculators_model_type="eagle3")), r"not dflash"),
+    (write_speculators_dflash, edit_config(lambda c: c.update(draft_vocab_size=100)), r"tensor 'lm_head\.weight' is missing"),
+    (write_speculators_dflash, edit_config(lambda c: c.pop("transformer_layer_config")), r"'transformer_layer_config' is missing"),
+    (write_speculators_dflash, edit_config(lambda c: c.update(speculators_model_type="eagle3")), r"not dflash"),
 ]
 
 
@@ -300,7 +275,7 @@ def test_unreadable_files_are_one_line_errors(tmp_path, target):
 
 def test_the_cli_exits_2_on_a_malformed_head(tmp_path, target):
     folder = write_zlab_dflash(tmp_path / "h", target)
-    _drop("norm.weight")(folder)
+    drop_tensor("norm.weight")(folder)
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(_head_recipe(tmp_path)))
     code, _, err = run_cli("build", tmp_path / "r.yaml", "-o", tmp_path / "out", "-q")
     assert code == 2 and "tensor 'norm.weight' is missing" in err and "Traceback" not in err, err

@@ -26,6 +26,7 @@ from tests.heads.block_checkpoints import (
     write_deepspec_dspark,
     write_speculators_dspark,
 )
+from tests.heads.common import check_greedy_lossless, drop_tensor, edit_config, patch_layout
 from tests.lossless import assert_lossless, chi_square_passes, exact_sequence_probs
 
 HEADS = {  # drafter name -> (layout, writer, its options, recipe extras)
@@ -81,12 +82,7 @@ def test_every_layout_builds_with_parity(engines):
 
 @pytest.mark.parametrize("drafter", list(HEADS))
 def test_greedy_is_lossless(pipe, drafter):
-    for prompt in PROMPTS:
-        ids = pipe.prompt_ids(prompt)
-        base = pipe.generate(prompt_ids=ids, max_new_tokens=24).token_ids
-        spec = pipe.generate(prompt_ids=ids, max_new_tokens=24, drafter=drafter)
-        assert spec.stats.proposed > 0, "the head never drafted"
-        assert_lossless(pipe, ids, base, spec.token_ids, f"{drafter} on {prompt!r}")
+    check_greedy_lossless(pipe, drafter, max_new_tokens=24, prompts=PROMPTS)
 
 
 def reference_drafts(folder: Path, layout: str, target, context: np.ndarray):
@@ -173,14 +169,7 @@ def _head_recipe(name: str = "h") -> dict:
 def _patch_facts(monkeypatch, layout: str, change) -> None:
     from specexport.exporter.heads import dspark
 
-    recognise, read = dspark.LAYOUTS[layout]
-
-    def wrong(ckpt, override):
-        facts = read(ckpt, override)
-        change(facts)
-        return facts
-
-    monkeypatch.setitem(dspark.LAYOUTS, layout, (recognise, wrong))
+    patch_layout(monkeypatch, dspark.LAYOUTS, layout, change)
 
 
 def test_deepspec_layer_ids_in_the_wrong_convention_fail_parity(tmp_path, target, monkeypatch):
@@ -218,20 +207,6 @@ def test_a_misread_markov_head_fails_parity(tmp_path, target, monkeypatch):
 # -- malformed checkpoints ---------------------------------------------------------------------
 
 
-def _drop(name):
-    def change(folder: Path):
-        tensors = load_file(str(folder / "model.safetensors"))
-        del tensors[name]
-        save_file(tensors, str(folder / "model.safetensors"))
-    return change
-
-
-def _config(edit):
-    def change(folder: Path):
-        config = json.loads((folder / "config.json").read_text())
-        edit(config)
-        (folder / "config.json").write_text(json.dumps(config))
-    return change
 
 
 def _grow(name):
@@ -243,17 +218,17 @@ def _grow(name):
 
 
 MALFORMED = [
-    (write_deepspec_dspark, _drop("markov_head.markov_w2.weight"), r"tensor 'markov_head\.markov_w2\.weight' is missing"),
+    (write_deepspec_dspark, drop_tensor("markov_head.markov_w2.weight"), r"tensor 'markov_head\.markov_w2\.weight' is missing"),
     (write_deepspec_dspark, _grow("confidence_head.proj.weight"),
      r"tensor 'confidence_head\.proj\.weight' has shape \[1, 73\], expected \[1, 72\]"),
-    (write_deepspec_dspark, _drop("embed_tokens.weight"), None),  # not malformed: the target's embedding serves
-    (write_deepspec_dspark, _config(lambda c: c.update(markov_head_type="lstm")), r"markov_head_type 'lstm'"),
-    (write_deepspec_dspark, _config(lambda c: c.update(markov_rank=0)), r"confidence_head_with_markov needs"),
-    (write_deepspec_dspark, _config(lambda c: c.update(mask_token_id=-1)), r"mask_token_id -1 is outside"),
-    (write_deepspec_dspark, _config(lambda c: c.update(target_layer_ids=[-2])), r"target layer id -2 is outside"),
-    (write_speculators_dspark, _drop("d2t"), r"tensor 'd2t' is missing"),
-    (write_speculators_dspark, _drop("markov_head.joint_proj.bias"), r"tensor 'markov_head\.joint_proj\.bias' is missing"),
-    (write_speculators_dspark, _config(lambda c: c.update(speculators_model_type="dflash")), r"not dspark"),
+    (write_deepspec_dspark, drop_tensor("embed_tokens.weight"), None),  # not malformed: the target's embedding serves
+    (write_deepspec_dspark, edit_config(lambda c: c.update(markov_head_type="lstm")), r"markov_head_type 'lstm'"),
+    (write_deepspec_dspark, edit_config(lambda c: c.update(markov_rank=0)), r"confidence_head_with_markov needs"),
+    (write_deepspec_dspark, edit_config(lambda c: c.update(mask_token_id=-1)), r"mask_token_id -1 is outside"),
+    (write_deepspec_dspark, edit_config(lambda c: c.update(target_layer_ids=[-2])), r"target layer id -2 is outside"),
+    (write_speculators_dspark, drop_tensor("d2t"), r"tensor 'd2t' is missing"),
+    (write_speculators_dspark, drop_tensor("markov_head.joint_proj.bias"), r"tensor 'markov_head\.joint_proj\.bias' is missing"),
+    (write_speculators_dspark, edit_config(lambda c: c.update(speculators_model_type="dflash")), r"not dspark"),
 ]
 
 

@@ -13,6 +13,7 @@ from specexport.errors import BadInput
 from specexport.runtime import load
 from specexport.runtime.batch_decode import BatchedTarget
 from tests.conftest import run_cli
+from tests.lossless import chi_square_passes, exact_sequence_probs
 
 SHAPE = dict(max_seq_len=160, prefill_chunk=16)
 
@@ -133,20 +134,13 @@ def test_batched_sampled_tokens_follow_the_target(batched_engines):
     """Rejection sampling per row in shared verify passes: the first two tokens of a prompt,
     decoded in batches beside another prompt at a different position, drawn as the target alone
     would draw them (chi-square against the exact warped target probabilities)."""
-    from specexport.runtime.acceptance import Sampling, warp
+    from specexport.runtime.acceptance import Sampling
 
     pipe = load(batched_engines)
     sampling = Sampling(temperature=1.5, top_k=3, top_p=0.95)
     ids = pipe.prompt_ids("1, 2, 1, 2, 1, 2, 1,")
     other = pipe.prompt_ids("a longer prompt at another position, a longer prompt at")
-
-    def warped(prefix):
-        pipe.target.rewind(0)
-        return warp(pipe.target.forward(np.asarray(prefix, dtype=np.int64), want_logits=True).logits[-1:], sampling)[0]
-
-    p1 = warped(ids)
-    exact = {(int(a), int(b)): p1[a] * q for a in np.flatnonzero(p1)
-             for q, b in ((warped([*ids, int(a)])[b], b) for b in np.flatnonzero(warped([*ids, int(a)])))}
+    exact = exact_sequence_probs(pipe, ids, sampling, 2)
     draws = 800
     results = pipe.generate_batch([ids, other] * draws, drafter="ngram", max_new_tokens=2, temperature=1.5,
                                   top_k=3, top_p=0.95, seed=0)
@@ -155,6 +149,5 @@ def test_batched_sampled_tokens_follow_the_target(batched_engines):
         assert tuple(result.token_ids) in counts, result.token_ids
         counts[tuple(result.token_ids)] += 1
     assert sum(r.stats.proposed for r in results) > 0  # drafts were verified, and some rejected
-    chi2 = sum((counts[s] - p * draws) ** 2 / (p * draws) for s, p in exact.items())
-    df = len(exact) - 1
-    assert chi2 < df + 6 * np.sqrt(2 * df), (chi2, df, counts)
+    passes, figures = chi_square_passes(counts, exact, draws)
+    assert passes, (figures, counts)
