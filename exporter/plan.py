@@ -27,6 +27,9 @@ class DraftPlanResult:
     reason: str
     warnings: list[str] = field(default_factory=list)
     schedule: list[list[int]] | None = None  # [[batch upper bound, depth], ...] (contract.DraftSchedule)
+    # where the schedule came from: "recipe" (draft.schedule / disable_by_batch_size) or
+    # "calibrated on HOST, DATE" (the calibration file's measured one); None without a schedule
+    schedule_source: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -101,23 +104,49 @@ def calibration_file(recipe, base: Path) -> Path | None:
 
 def plan_recipe_draft(recipe, base: Path, heads: int, kv_heads: int | None) -> DraftPlanResult:
     """The recipe's plan, with a calibration file's measured D when the recipe names one, and
-    its depth by batch size (draft.schedule or draft.disable_by_batch_size), depths capped at D."""
-    plan = _plan_depth(recipe, base, heads, kv_heads)
+    its depth by batch size, depths capped at D: the recipe's own (draft.schedule or
+    draft.disable_by_batch_size) when it gives one, else the calibration file's measured
+    schedule when it has one, else none (D at every batch size)."""
+    measured, path = _calibration(recipe, base)
+    plan = _plan_depth(recipe, heads, kv_heads, measured, path)
     draft = recipe.draft
-    steps = None
+    steps, source = None, None
     if draft.schedule is not None:
-        steps = [[bound, min(depth, plan.draft_len)] for bound, depth in sorted(draft.schedule.items())]
+        steps, source = [[bound, depth] for bound, depth in sorted(draft.schedule.items())], "recipe"
     elif draft.disable_by_batch_size is not None:
         steps = DraftSchedule.disable_by_batch_size(draft.disable_by_batch_size, plan.draft_len).to_json()
-    return replace(plan, schedule=steps)
-
-
-def _plan_depth(recipe, base: Path, heads: int, kv_heads: int | None) -> DraftPlanResult:
-    draft = recipe.draft
-    path = calibration_file(recipe, base)
-    if path is not None and path.is_file():
+        source = "recipe"
+    elif measured is not None and measured.get("schedule"):
         try:
-            measured = json.loads(path.read_text())
+            steps = DraftSchedule.parse(measured["schedule"]).to_json()
+        except (BadInput, ValueError, TypeError) as err:
+            raise BadInput(f"{path}: its schedule is not a depth by batch size ({err}); "
+                           "rerun specexport plan --calibrate") from None
+        when = str(measured.get("measured", ""))[:10] or "undated"
+        source = f"calibrated on {measured.get('host') or 'an unnamed host'}, {when}"
+    if steps is not None:
+        steps = [[bound, min(depth, plan.draft_len)] for bound, depth in steps]
+    return replace(plan, schedule=steps, schedule_source=source)
+
+
+def _calibration(recipe, base: Path) -> tuple[dict | None, Path | None]:
+    """The recipe's calibration file, read (None when it names none or it is missing)."""
+    path = calibration_file(recipe, base)
+    if path is None or not path.is_file():
+        return None, path
+    try:
+        measured = json.loads(path.read_text())
+        if not isinstance(measured, dict):
+            raise TypeError("not an object")
+        return measured, path
+    except (ValueError, TypeError) as err:
+        raise BadInput(f"{path}: not a calibration file ({err}); rerun specexport plan --calibrate") from None
+
+
+def _plan_depth(recipe, heads: int, kv_heads: int | None, measured: dict | None, path: Path | None) -> DraftPlanResult:
+    draft = recipe.draft
+    if measured is not None:
+        try:
             return plan_draft_len(heads, kv_heads, draft.tile, draft_len=int(measured["draft_len"]),
                                   why=str(measured.get("why", "")) or None, override_label=path.name)
         except (ValueError, KeyError, TypeError) as err:

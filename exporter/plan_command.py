@@ -48,11 +48,17 @@ def render_plan(result: dict) -> None:
     table.add_row("tile rows used G·(1+D)", f"{result['tile_rows_used']} of {tile} × {result['tiles']}")
     table.add_row("graphs (tokens)", ", ".join(f"{k} {v}" for k, v in result["graphs"].items()))
     table.add_row("reason", result["reason"])
-    if result.get("schedule"):
-        table.add_row("depth by batch size", schedule_text(result["schedule"]))
+    table.add_row("depth by batch size", depth_by_batch_text(result))
     console.print(table)
     for warning in result["warnings"]:
         console.print(f"[yellow]warning:[/] {warning}")
+
+
+def depth_by_batch_text(result: dict) -> str:
+    """The schedule and where it came from: '(recipe)' or '(calibrated on HOST, DATE)'."""
+    if not result.get("schedule"):
+        return f"D = {result['draft_len']} at every batch size (no draft.schedule, no calibrated schedule)"
+    return f"{schedule_text(result['schedule'])} ({result.get('schedule_source') or 'recipe'})"
 
 
 def schedule_text(steps: list[list[int]]) -> str:

@@ -261,7 +261,7 @@ class Pipeline:
         depth = self._depth(draft_len)
         stats = DecodeStats(draft_len=depth)
         policy = self._policy(chosen.name) if adaptive and chosen.name != "none" else None
-        text = _TextTracker(self.text.stream(), stop)
+        text = TextTracker(self.text.stream(), stop)
         out: list[int] = []
         called, first_at = time.perf_counter(), None
         for token in decode(self.target, chosen, np.asarray(ids, dtype=np.int64), draft_len=depth,
@@ -283,6 +283,48 @@ class Pipeline:
                           {m: self.backend_of(m) for m in models}, self.costs_source,
                           None if first_at is None else first_at - called, since_load)
 
+    def batched_target(self, max_batch: int | None = None):
+        """The target's batched engines over one cache of max_batch rows (default: the largest
+        batch size built), made on first use and kept while max_batch stays the same."""
+        from specexport.runtime.batched_model import BatchedTarget
+
+        if self._batched is None or (max_batch is not None and max_batch != self._batched[0]):
+            target = BatchedTarget(self.manifest, self.backend, self.options, self.sessions, max_batch, self.cost_ms)
+            self._batched = (max_batch, target)
+        return self._batched[1]
+
+    def batch_loop(self, *, drafter: str = "none", draft_len: int | None = None, max_batch: int | None = None,
+                   schedule: bool = True, per_sequence: bool = False, on_token=None, on_round=None):
+        """A continuous-batching loop (runtime/batch_decode.BatchLoop) over this pipeline's
+        batched target: submit requests made by ``batch_request`` and step it. Rounds draft
+        at most the manifest's depth for the number of running sequences (the plan's schedule,
+        unless ``schedule`` is False) and ``draft_len``; ``per_sequence``: each round's width,
+        under that cap, from every row's own acceptance and the measured batch costs. Drafters: none,
+        ngram, the int4 copy and draft models (their batched graphs at every batch size the
+        target runs; runtime/batch_drafter.py says why one cannot run)."""
+        from specexport.runtime.batch_decode import BatchLoop
+        from specexport.runtime.batch_drafter import batch_drafter
+
+        target = self.batched_target(max_batch)
+        chosen = batch_drafter(self, drafter, target)  # BadInput: a drafter that cannot run batched
+        return BatchLoop(target, chosen, draft_len=self._depth(draft_len),
+                         eos_ids=self.text.eos_ids, on_token=on_token,
+                         schedule=self.manifest.draft_schedule if schedule else None,
+                         per_sequence=per_sequence, on_round=on_round)
+
+    def batch_request(self, ids: Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
+                      top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = ()):
+        """A request for the batched loop and the text tracker that finds its stop strings
+        (feed it nothing: the request's stop check does)."""
+        from specexport.runtime.batch_decode import Request
+
+        if max_new_tokens < 1:
+            raise BadInput(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+        tracker = TextTracker(self.text.stream(), stop)
+        request = Request(np.asarray(self.prompt_ids(ids=ids), dtype=np.int64), max_new_tokens,
+                          Sampling(temperature, top_k, top_p), np.random.default_rng(seed), tracker.add)
+        return request, tracker
+
     def generate_batch(self, prompts: Sequence[str | dict | Sequence[int]], *, chat: bool = False,
                        drafter: str = "none", max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
@@ -292,25 +334,10 @@ class Pipeline:
         the largest batch size built) share each verify pass, joining as others finish. A prompt
         is text, a {"messages": [...]} or {"prompt": "..."} record (the bench's format), or token
         ids. Each result is what ``generate`` gives for that prompt alone (greedy: the same
-        tokens). Sequence i samples with seed ``seed + i``. Rounds draft at most the manifest's
-        depth for the number of running sequences (the plan's schedule, unless ``schedule`` is
-        False) and ``draft_len``; ``per_sequence``: each round's width from every row's own
-        acceptance and the measured batch costs instead (runtime/goodput.py)."""
-        from specexport.runtime.batch_decode import STATELESS_DRAFTERS, BatchedTarget, Request, decode_batch
-
-        if max_new_tokens < 1:
-            raise BadInput(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
-        chosen = self.drafter(drafter)
-        kind = "none" if chosen.name == "none" else self.manifest.drafters[chosen.name].kind
-        if kind not in STATELESS_DRAFTERS:
-            raise BadInput(f"drafter '{drafter}' ({kind}) cannot run batched yet; batched decoding runs "
-                           f"{' and '.join(STATELESS_DRAFTERS)}")
-        depth = self._depth(draft_len)
-        if self._batched is None or (max_batch is not None and max_batch != self._batched[0]):
-            target = BatchedTarget(self.manifest, self.backend, self.options, self.sessions, max_batch, self.cost_ms)
-            self._batched = (max_batch, target)
-        target = self._batched[1]
-        requests, trackers, ids_of = [], [], []
+        tokens). Sequence i samples with seed ``seed + i``. Depth: as ``batch_loop``."""
+        loop = self.batch_loop(drafter=drafter, draft_len=draft_len, max_batch=max_batch, schedule=schedule,
+                               per_sequence=per_sequence)
+        trackers, ids_of = [], []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, dict):
                 ids = self.prompt_ids(prompt.get("prompt"), chat=chat, messages=prompt.get("messages"))
@@ -318,18 +345,20 @@ class Pipeline:
                 ids = self.prompt_ids(prompt, chat=chat)
             else:
                 ids = self.prompt_ids(ids=prompt)
-            tracker = _TextTracker(self.text.stream(), stop)
-            rng = np.random.default_rng(None if seed is None else seed + i)
-            requests.append(Request(np.asarray(ids, dtype=np.int64), max_new_tokens,
-                                    Sampling(temperature, top_k, top_p), rng, tracker.add))
+            request, tracker = self.batch_request(ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                                  top_k=top_k, top_p=top_p,
+                                                  seed=None if seed is None else seed + i, stop=stop)
+            loop.submit(i, request)
             trackers.append(tracker)
             ids_of.append(ids)
-        done = decode_batch(target, chosen, requests, draft_len=depth, eos_ids=self.text.eos_ids,
-                            schedule=self.manifest.draft_schedule if schedule else None,
-                            per_sequence=per_sequence)
-        return [Generation(tracker.text, result.tokens, ids, result.stats.stop_reason, chosen.name, result.stats,
-                           {"target": self.backend_of("target")}, self.costs_source)
-                for tracker, result, ids in zip(trackers, done, ids_of)]
+        done = {}
+        while loop.busy:
+            done.update(loop.step())
+        entry = self.manifest.drafters.get(loop.drafter.name)
+        models = ["target", *([entry.model] if entry is not None and entry.model else [])]
+        return [Generation(tracker.text, done[i].tokens, ids, done[i].stats.stop_reason, loop.drafter.name,
+                           done[i].stats, {m: self.backend_of(m) for m in models}, self.costs_source)
+                for i, (tracker, ids) in enumerate(zip(trackers, ids_of))]
 
     def generate(self, prompt: str | None = None, **kwargs) -> Generation:
         stream = self.stream(prompt, **kwargs)
@@ -340,7 +369,7 @@ class Pipeline:
                 return done.value
 
 
-class _TextTracker:
+class TextTracker:
     """Detokenizes as tokens arrive and finds stop strings. Text is released only once no
     stop string can still begin in it, so a stream never shows part of one; a stop string
     and what follows it are cut off."""

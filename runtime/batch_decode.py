@@ -9,43 +9,35 @@ single-sequence loop (runtime/decode.py) does. Sequences join free slots between
 prefilled alone, at batch 1, into its own row) and leave when done; the running rows are kept at
 the front of the cache, so a round runs the smallest built batch size that holds them.
 
-Drafters: those without per-sequence engine state (none, ngram). Drafters with their own
-caches (draft models, the int4 copy, hidden-state heads) need batched drafter graphs: not yet.
+Drafters: a ``BatchDrafter`` drafts for every running row at once and keeps any per-sequence
+state in slots that follow the target's (``join``, ``accept``, ``move``). Drafters without engine
+state (none, ngram) run through ``PerRow``, one row after another; the int4 copy and draft models
+have their own [B_max] cache and batched graphs (runtime/batch_drafter.py, which also says which
+drafters can run here and why not).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from specexport.contract import (
-    BATCHED_ROLES,
-    CACHE_LENGTH,
-    INPUT_IDS,
     LOGITS,
     NEXT_TOKENS,
-    VALID_TOKENS,
     DraftSchedule,
-    KVUpdate,
-    Manifest,
-    past_names,
-    present_of,
 )
 from specexport.errors import BadInput
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Sampling, Warped, greedy, rejection
 from specexport.runtime.adaptive import DepthPolicy
+from specexport.runtime.batched_model import BatchedTarget
 from specexport.runtime.decode import DecodeStats
-from specexport.runtime.drafters import Drafter
-from specexport.runtime.engine import Engine, EngineOptions, LazyEngine, SharedGraphs
+from specexport.runtime.drafters import NO_COST, Drafter
 from specexport.runtime.goodput import best_width, observed
-from specexport.runtime.kv_cache import CacheLength
-from specexport.runtime.runner import PAD_ID, ModelRunner
-
-STATELESS_DRAFTERS = ("none", "ngram")  # drafter kinds the batched loop runs (no engine state per sequence)
 
 
 @dataclass
@@ -65,156 +57,189 @@ class Finished:
 
 @dataclass
 class _Running:
-    index: int  # the request's position in the submitted list
+    key: Hashable  # the request's key: its position in decode_batch's list, the server's request id
     request: Request
     context: np.ndarray  # [S_max + 1] committed tokens: prompt + output
     length: int  # committed tokens; the cache holds length - 1 of them
     stats: DecodeStats
 
 
-class SlotCache(CacheLength):
-    """One slot (row) of the batch cache, seen as a batch-1 cache: the prefill runner of that
-    slot writes into the row in place."""
+@dataclass(frozen=True)
+class DraftRow:
+    """What a batched drafter sees of one running sequence (row r of a round is slot r)."""
 
-    def __init__(self, tensors: dict[str, np.ndarray], slot: int, num_layers: int, max_seq_len: int):
-        super().__init__(num_layers, max_seq_len)
-        self._view = {name: array[slot : slot + 1] for name, array in tensors.items()}  # [1, n_kv, S_max, hd] views
-        self._present = {present_of(name): array for name, array in self._view.items()}
-
-    def view(self) -> dict[str, np.ndarray]:
-        return self._view
-
-    def in_place_outputs(self) -> dict[str, np.ndarray]:
-        return self._present
-
-    def write(self, presents, count: int) -> None:
-        raise ValueError("a slot of the batch cache is written in place only (ort-gqa graphs)")
+    context: np.ndarray  # [n] committed tokens: prompt + output so far
+    sampling: Sampling
+    rng: np.random.Generator  # the sequence's own stream (drafts drawn from it, then its rejection)
 
 
-class _BatchedCall:
-    """One batched engine (B rows, T tokens) with its feed buffers over the first B slots."""
+class BatchDrafter(Protocol):
+    """A drafter in the batched loop. Per-sequence state (a cache row) lives in slots that follow
+    the target's: a sequence joins a slot, every round drafts for all running rows at once, and
+    when a row leaves, the last row's state moves into its slot."""
 
-    def __init__(self, engine: Engine, batch: int, tokens: int, cache: dict[str, np.ndarray]):
-        self.engine, self.batch, self.tokens = engine, batch, tokens
-        self.feeds = {name: array[:batch] for name, array in cache.items()}  # [B, n_kv, S_max, hd] views
-        self.ids = self.feeds[INPUT_IDS] = np.full((batch, tokens), PAD_ID, dtype=np.int64)  # [B, T]
-        self.lengths = self.feeds[CACHE_LENGTH] = np.zeros(batch, dtype=np.int64)  # [B]
-        self.valid = self.feeds[VALID_TOKENS] = np.zeros(batch, dtype=np.int64)  # [B]
-        self.bound = {present_of(name): array[:batch] for name, array in cache.items()}
+    name: str
 
-    def run(self, rows: list[tuple[int, np.ndarray]], want_logits: bool) -> dict[str, np.ndarray]:
-        """rows: (cache length, tokens [1+k]) per running slot; the rest of the B rows idle."""
-        self.ids.fill(PAD_ID)
-        self.lengths.fill(0)
-        self.valid.fill(0)
-        for r, (length, tokens) in enumerate(rows):
-            self.ids[r, : len(tokens)] = tokens
-            self.lengths[r] = length
-            self.valid[r] = len(tokens)
-        outputs = [NEXT_TOKENS, LOGITS] if want_logits else [NEXT_TOKENS]
-        return self.engine.run(self.feeds, outputs, self.bound)  # next_tokens [B, T], logits [B, T, V]
+    @property
+    def engine_seconds(self) -> float:
+        """Seconds inside the drafter's engines so far (0 without any)."""
 
+    def join(self, slot: int, prompt: np.ndarray) -> None:
+        """A sequence starts in ``slot`` (the target has just prefilled prompt[:-1] there)."""
 
-class BatchedTarget:
-    """The target's batched engines over one [B_max] cache, and a batch-1 prefill runner per slot."""
+    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
+        """A draft for every running row (row r in slot r) of at most ``ks[r]`` tokens; ks[r] = 0:
+        EMPTY_DRAFT, and the row's state stays a valid prefix of its context. Sampled rows give
+        the distributions their tokens were drawn from, drawn with the row's own rng."""
 
-    def __init__(self, manifest: Manifest, backend: str, options: EngineOptions, shared: SharedGraphs,
-                 max_batch: int | None = None, cost_ms: Callable | None = None):
-        info = manifest.models["target"]
-        if info.attention != "ort-gqa" or backend != "onnxruntime":
-            raise BadInput(f"{manifest.root}: batched decoding needs onnxruntime engines built with attention: ort-gqa")
-        built = manifest.batch_sizes("target")
-        self.batches = [b for b in built if max_batch is None or b <= max_batch] or [1]
-        self.slots = max(self.batches)
-        self.max_seq_len = info.max_seq_len
-        shape = info.kv.shape(self.slots)  # [B_max, n_kv, S_max, hd]
-        self.cache = {name: np.zeros(shape, dtype=info.kv_dtype) for name in past_names(info.num_layers)}
-        self.calls: dict[tuple[int, int], _BatchedCall] = {}  # (B, T) -> the call
-        for batch in self.batches:
-            for entry in manifest.engines_of("target", backend, batch=batch):
-                if entry.role in BATCHED_ROLES and entry.kv_update == KVUpdate.IN_PLACE:
-                    engine = LazyEngine(entry, manifest.root, options, None, shared)
-                    self.calls[(batch, entry.tokens)] = _BatchedCall(engine, batch, entry.tokens, self.cache)
-        singles = [e for e in manifest.engines_of("target", backend) if e.role.decoding]
-        self.prefill = [ModelRunner(f"target[{slot}]", [LazyEngine(e, manifest.root, options, None, shared) for e in singles],
-                                    SlotCache(self.cache, slot, info.num_layers, info.max_seq_len),
-                                    {e.name: e.tokens for e in singles},
-                                    {e.tokens: cost_ms(e) for e in singles} if cost_ms else None,
-                                    frozenset(e.name for e in singles), roles={e.name: e.role for e in singles})
-                        for slot in range(self.slots)]
-        self.seconds = 0.0  # inside batched engines
-        self.costs: dict[tuple[int, int], float] = {}  # (B, T) -> seconds, from measure_costs
+    def accept(self, slot: int, n_accepted: int, next_token: int) -> None:
+        """The target kept ``n_accepted`` of the slot's drafts and chose ``next_token`` after them."""
 
-    def call_for(self, rows: int, tokens: int) -> _BatchedCall:
-        """The smallest built batch holding ``rows``, and its smallest graph holding ``tokens``
-        (or its largest, when none does: the caller trims the drafts)."""
-        batch = min(b for b in self.batches if b >= rows)
-        sizes = sorted(t for b, t in self.calls if b == batch)
-        fitting = [t for t in sizes if t >= tokens]
-        return self.calls[(batch, fitting[0] if fitting else sizes[-1])]
-
-    def widths(self, rows: int) -> list[int]:
-        """The verify widths T built at the batch size that holds ``rows``."""
-        batch = min(b for b in self.batches if b >= rows)
-        return sorted(t for b, t in self.calls if b == batch)
-
-    def measure_costs(self, rounds: int = 3) -> dict[tuple[int, int], float]:
-        """Median seconds of every batched call (B, T), all rows full, taken in turn round after
-        round. Writes into every slot: only before any sequence runs."""
-        times: dict[tuple[int, int], list[float]] = {key: [] for key in self.calls}
-        middle = self.max_seq_len // 2
-        for round_ in range(rounds + 1):
-            for (batch, tokens), call in self.calls.items():
-                rows = [(middle, np.full(tokens, PAD_ID, dtype=np.int64))] * batch
-                start = time.perf_counter()
-                call.run(rows, want_logits=False)
-                if round_:  # round 0 opens the sessions and warms up
-                    times[(batch, tokens)].append(time.perf_counter() - start)
-        self.costs = {key: float(np.median(v)) for key, v in times.items()}
-        return self.costs
-
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy slot ``src``'s first ``length`` cache positions into slot ``dst``."""
-        for array in self.cache.values():
-            array[dst, :, :length] = array[src, :, :length]
+    def move(self, src: int, dst: int) -> None:
+        """Slot ``dst`` takes over slot ``src``'s sequence (a row left: the last one moves in)."""
 
 
-def decode_batch(target: BatchedTarget, drafter: Drafter, requests: Sequence[Request], *, draft_len: int,
+class PerRow:
+    """A drafter without engine state (none, ngram) in the batched loop: each row drafts from
+    its own context, one after another."""
+
+    def __init__(self, drafter: Drafter):
+        if drafter.needs or drafter.draft_cost != NO_COST:
+            raise BadInput(f"drafter '{drafter.name}' keeps engine state per sequence; the batched loop runs its "
+                           "batched form (runtime/batch_drafter.py), not the single-sequence one")
+        self.drafter = drafter
+        self.name = drafter.name
+
+    @property
+    def engine_seconds(self) -> float:
+        return self.drafter.engine_seconds
+
+    def join(self, slot: int, prompt: np.ndarray) -> None:
+        self.drafter.reset(prompt, {})
+
+    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
+        return [self.drafter.propose(row.context, k, row.sampling, row.rng) if k > 0 else EMPTY_DRAFT
+                for row, k in zip(rows, ks)]
+
+    def accept(self, slot: int, n_accepted: int, next_token: int) -> None:
+        self.drafter.accept(n_accepted, next_token, {})
+
+    def move(self, src: int, dst: int) -> None:
+        pass
+
+
+def as_batch_drafter(drafter: BatchDrafter | Drafter) -> BatchDrafter:
+    """A BatchDrafter as it is; a stateless single-sequence drafter through ``PerRow``."""
+    return drafter if hasattr(drafter, "join") else PerRow(drafter)  # type: ignore[arg-type]
+
+
+@dataclass
+class RoundReport:
+    """What one round ran: for metrics (the server's batch size, depth and acceptance counters)."""
+
+    rows: int  # running sequences
+    batch: int  # the built batch size that ran them
+    width: int  # verify tokens per row (1 + the deepest draft)
+    depth: int  # the depth the schedule allowed this round
+    proposed: list[int]  # [rows] draft tokens offered, per row, as counted by DecodeStats
+    accepted: list[int]  # [rows] of them kept
+    verify_s: float
+
+
+class BatchLoop:
+    """Continuous batching over one BatchedTarget: requests are submitted under a key at any
+    time, join free slots between rounds (prefilled alone, at batch 1, into their row), and
+    leave when done or cancelled. ``step()`` runs one round; the caller decides when (a batch
+    call loops until idle, the server's engine thread forever). Not thread-safe: one thread
+    owns it."""
+
+    def __init__(self, target: BatchedTarget, drafter: BatchDrafter | Drafter, *, draft_len: int, eos_ids: frozenset[int],
+                 on_token: Callable[[Hashable, int], None] | None = None, schedule: DraftSchedule | None = None,
+                 per_sequence: bool = False, on_round: Callable[[RoundReport], None] | None = None):
+        if per_sequence and not target.costs:
+            target.measure_costs()
+        self.target, self.draft_len, self.eos_ids = target, draft_len, eos_ids
+        self.drafter = as_batch_drafter(drafter)
+        self.on_token, self.on_round = on_token, on_round
+        self.schedule = schedule  # caps the depth; per_sequence then picks the width under it
+        self.widths = _Widths(DepthPolicy(lambda tokens: None)) if per_sequence else None
+        self.waiting: deque[tuple[Hashable, Request]] = deque()
+        self.running: list[_Running] = []
+        self._cancelled: set[Hashable] = set()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def submit(self, key: Hashable, request: Request) -> None:
+        self.waiting.append((key, request))
+
+    def cancel(self, key: Hashable) -> None:
+        """Stop the request at the next step (waiting: dropped; running: finished, stop
+        reason "cancelled", its slot freed)."""
+        self._cancelled.add(key)
+
+    def step(self) -> list[tuple[Hashable, Finished]]:
+        """Join, one round over every running sequence, leave: the requests that ended."""
+        ended = self._drop_cancelled()
+        while self.waiting and len(self.running) < self.target.slots:  # join: prefill alone, into the next slot
+            key, request = self.waiting.popleft()
+            self.running.append(_start(self.target, self.drafter, len(self.running), key, request, self.draft_len))
+        if self.running:
+            depth = self.draft_len if self.schedule is None else min(self.draft_len, self.schedule.depth(len(self.running)))
+            report = _round(self.target, self.drafter, self.running, depth, self.eos_ids, self.on_token, self.widths)
+            if self.on_round is not None:
+                self.on_round(report)
+        return ended + self._leave()
+
+    def _drop_cancelled(self) -> list[tuple[Hashable, Finished]]:
+        if not self._cancelled:
+            return []
+        self.waiting = deque((k, r) for k, r in self.waiting if k not in self._cancelled)
+        for seq in self.running:
+            if seq.key in self._cancelled and not seq.stats.stop_reason:
+                seq.stats.stop_reason = "cancelled"
+        self._cancelled.clear()
+        return self._leave()
+
+    def _leave(self) -> list[tuple[Hashable, Finished]]:
+        """Finished rows leave; the last running row moves into each freed slot."""
+        ended = []
+        slot = 0
+        while slot < len(self.running):
+            seq = self.running[slot]
+            if not seq.stats.stop_reason:
+                slot += 1
+                continue
+            ended.append((seq.key, Finished(seq.context[len(seq.request.prompt) : seq.length].tolist(), seq.stats)))
+            last = self.running.pop()
+            if last is not seq:
+                self.target.move(len(self.running), slot, last.length - 1)
+                self.drafter.move(len(self.running), slot)
+                self.running[slot] = last
+        return ended
+
+
+def decode_batch(target: BatchedTarget, drafter: BatchDrafter | Drafter, requests: Sequence[Request], *, draft_len: int,
                  eos_ids: frozenset[int], on_token: Callable[[int, int], None] | None = None,
                  schedule: DraftSchedule | None = None, per_sequence: bool = False) -> list[Finished]:
     """Decode every request, up to ``target.slots`` at a time, each exactly as it would decode
     alone (greedy: the same tokens; sampled: the same distribution). ``on_token(index, token)``
     sees each emitted token. ``schedule``: each round drafts at most its depth for the number of
-    running sequences (and ``draft_len``). ``per_sequence``: each round's verify width from the
-    rows' own acceptance and the measured batch costs (runtime/goodput.py; the schedule then
-    does not apply)."""
-    if per_sequence and not target.costs:
-        target.measure_costs()
-    widths = _Widths(DepthPolicy(lambda tokens: None)) if per_sequence else None
-    waiting = deque(enumerate(requests))
-    running: list[_Running] = []
-    finished: dict[int, Finished] = {}
-    while waiting or running:
-        while waiting and len(running) < target.slots:  # join: prefill alone, into the next slot
-            index, request = waiting.popleft()
-            running.append(_start(target, len(running), index, request, draft_len))
-        depth = draft_len if schedule is None or per_sequence else min(draft_len, schedule.depth(len(running)))
-        _round(target, drafter, running, depth, eos_ids, on_token, widths)
-        slot = 0
-        while slot < len(running):  # leave: the last running row moves into the freed slot
-            seq = running[slot]
-            if not seq.stats.stop_reason:
-                slot += 1
-                continue
-            finished[seq.index] = Finished(seq.context[len(seq.request.prompt) : seq.length].tolist(), seq.stats)
-            last = running.pop()
-            if last is not seq:
-                target.move(len(running), slot, last.length - 1)
-                running[slot] = last
+    running sequences (and ``draft_len``). ``per_sequence``: each round's verify width, under
+    that cap, from the rows' own acceptance and the measured batch costs (runtime/goodput.py)."""
+    loop = BatchLoop(target, drafter, draft_len=draft_len, eos_ids=eos_ids, on_token=on_token,  # type: ignore[arg-type]
+                     schedule=schedule, per_sequence=per_sequence)
+    for index, request in enumerate(requests):
+        loop.submit(index, request)
+    finished: dict[Hashable, Finished] = {}
+    while loop.busy:
+        finished.update(loop.step())
     return [finished[i] for i in range(len(requests))]
 
 
-def _start(target: BatchedTarget, slot: int, index: int, request: Request, draft_len: int) -> _Running:
+def _start(target: BatchedTarget, drafter: BatchDrafter, slot: int, key: Hashable, request: Request,
+           draft_len: int) -> _Running:
     prompt = np.asarray(request.prompt, dtype=np.int64)
     context = np.zeros(target.max_seq_len + 1, dtype=np.int64)
     context[: len(prompt)] = prompt
@@ -223,8 +248,9 @@ def _start(target: BatchedTarget, slot: int, index: int, request: Request, draft
     runner = target.prefill[slot]
     runner.rewind(0)
     runner.forward(prompt[:-1])  # the last prompt token opens round one
+    drafter.join(slot, prompt)
     stats.prefill_s = time.perf_counter() - start
-    return _Running(index, request, context, len(prompt), stats)
+    return _Running(key, request, context, len(prompt), stats)
 
 
 @dataclass
@@ -238,7 +264,7 @@ class _Widths:
     skipped: int = 0
 
     def choose(self, target: BatchedTarget, drafts: list[Draft], rows: int, width: int, default_tag: str) -> int:
-        batch = min(b for b in target.batches if b >= rows)
+        batch = target.batch_for(rows)
         built = target.widths(rows)
         holding = [w for w in built if w >= width][:1] or built[-1:]  # the narrowest holding every draft
         rates = [self.policy.alpha(d.tag or default_tag) for d in drafts]
@@ -250,17 +276,21 @@ class _Widths:
         return chosen
 
 
-def _round(target: BatchedTarget, drafter: Drafter, running: list[_Running], draft_len: int,
-           eos_ids: frozenset[int], on_token: Callable[[int, int], None] | None, widths: _Widths | None = None) -> None:
+def _round(target: BatchedTarget, drafter: BatchDrafter, running: list[_Running], draft_len: int,
+           eos_ids: frozenset[int], on_token: Callable[[Hashable, int], None] | None,
+           widths: _Widths | None = None) -> RoundReport:
     """One draft -> verify -> accept -> commit round over every running sequence."""
     start = time.perf_counter()
-    drafts: list[Draft] = []
-    for seq in running:
-        k = min(draft_len, target.max_seq_len - seq.length, seq.request.max_new_tokens - seq.stats.tokens - 1)
-        t0 = time.perf_counter()
-        draft = drafter.propose(seq.context[: seq.length], k, seq.request.sampling, seq.request.rng) if k > 0 else EMPTY_DRAFT
-        seq.stats.draft_s += time.perf_counter() - t0
-        drafts.append(draft)
+    # each row's depth: the round's, within its cache and its token budget (0: it only verifies)
+    ks = [min(draft_len, target.max_seq_len - seq.length, seq.request.max_new_tokens - seq.stats.tokens - 1)
+          for seq in running]
+    engine_before = drafter.engine_seconds
+    drafts = drafter.propose([DraftRow(seq.context[: seq.length], seq.request.sampling, seq.request.rng)
+                              for seq in running], ks)
+    draft_s, draft_engine_s = time.perf_counter() - start, drafter.engine_seconds - engine_before
+    for seq in running:  # every row waits for the whole batched draft, as for the verify pass
+        seq.stats.draft_s += draft_s
+        seq.stats.draft_engine_s += draft_engine_s
     # rows are padded to the longest; an in-place graph checks the padded length against the cache
     room = min(target.max_seq_len - (seq.length - 1) for seq in running)
     width = min(1 + max(d.size for d in drafts), room)
@@ -278,6 +308,7 @@ def _round(target: BatchedTarget, drafter: Drafter, running: list[_Running], dra
     if widths is not None:
         key = (call.batch, call.tokens)
         target.costs[key] = observed(target.costs.get(key), verify_s)
+    report = RoundReport(len(running), call.batch, call.tokens, draft_len, [], [], verify_s)
     for r, (seq, draft) in enumerate(zip(running, drafts)):
         valid = 1 + draft.size
         if seq.request.sampling.greedy:
@@ -285,16 +316,20 @@ def _round(target: BatchedTarget, drafter: Drafter, running: list[_Running], dra
         else:
             n_accepted, next_token = rejection(draft, Warped(out[LOGITS][r, :valid], seq.request.sampling),
                                                seq.request.rng)
-        drafter.accept(n_accepted, next_token, {})
+        drafter.accept(r, n_accepted, next_token)
         if widths is not None:
             widths.policy.update(draft.tag or drafter.name, draft.size, n_accepted)
+        before = (seq.stats.proposed, seq.stats.accepted)
         _commit(seq, draft, n_accepted, next_token, eos_ids, on_token)
+        report.proposed.append(seq.stats.proposed - before[0])
+        report.accepted.append(seq.stats.accepted - before[1])
         seq.stats.verify_s += verify_s
         seq.stats.total_s += time.perf_counter() - start
+    return report
 
 
 def _commit(seq: _Running, draft: Draft, n_accepted: int, next_token: int, eos_ids: frozenset[int],
-            on_token: Callable[[int, int], None] | None) -> None:
+            on_token: Callable[[Hashable, int], None] | None) -> None:
     """The round's tokens, cut where the sequence stops (as runtime/decode.py does)."""
     stats, request = seq.stats, seq.request
     emitted = 0
@@ -307,7 +342,7 @@ def _commit(seq: _Running, draft: Draft, n_accepted: int, next_token: int, eos_i
                              else "max_new_tokens" if stats.tokens + emitted >= request.max_new_tokens
                              else "kv_full" if seq.length >= len(seq.context) else "")
         if on_token is not None:
-            on_token(seq.index, token)
+            on_token(seq.key, token)
         if stats.stop_reason:
             break
     stats.count_round(draft.size, n_accepted, emitted)

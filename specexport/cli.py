@@ -39,7 +39,8 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--calibrate", is_flag=True,
               help="Measure this machine's verify costs and the drafters' acceptance at the tile rule's depth, "
-                   "choose D, and write RECIPE's .calibration.json (builds a calibration engine directory).")
+                   "choose D and the depth by batch size (batched verify costs t(B, T)), and write RECIPE's "
+                   ".calibration.json (builds a calibration engine directory).")
 @click.option("--prompts", type=click.Path(path_type=Path), default=Path("bench/prompts/dev.jsonl"),
               show_default=True, help="With --calibrate: the prompt set.")
 @click.option("--max-new-tokens", type=click.IntRange(2), default=48, show_default=True,
@@ -71,7 +72,10 @@ def plan(recipe: Path, as_json: bool, calibrate: bool, prompts: Path, max_new_to
         if as_json:
             _print_json(choice)
         else:
+            from specexport.bench.calibrate import print_schedule
+
             print_calibration(choice)
+            print_schedule(choice)
         return
     result = plan_recipe(recipe)
     if as_json:
@@ -246,7 +250,8 @@ def _generate_batch(engine_dir: Path, prompts_file: Path, max_batch: int | None,
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True)
 @click.option("--drafters", default=None, help="Comma-separated drafter names (default: all in the manifest).")
 @click.option("--peers", default="", help="Comma-separated peers: transformers-greedy, transformers-prompt-lookup, "
-              "ort-genai, ort-genai-ngram, or 'all'.")
+              "ort-genai, ort-genai-ngram, or 'all'. With --batch: the target-alone peers that batch "
+              "(transformers-greedy, ort-genai) at each batch size.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--threads", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--draft-len", type=int, default=None, help="Maximum draft length (default: the plan's D).")
@@ -262,7 +267,8 @@ def _generate_batch(engine_dir: Path, prompts_file: Path, max_batch: int | None,
 @click.option("--json", "as_json", is_flag=True, help="Print the result JSON.")
 @click.option("--batch", "batch", default=None,
               help="Batch sizes (1,2,4,8): throughput of the batched loop by batch size, the target alone against "
-                   "each stateless drafter (ngram) at fixed depths and the manifest's schedule, instead of the "
+                   "each drafter that runs batched (ngram; --drafters quantized-self too) at fixed depths and the "
+                   "manifest's schedule, instead of the "
                    "single-sequence bench.")
 def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, drafters: str | None, peers: str,
           temperature: float, threads: int, draft_len: int | None, adaptive: bool, backend: str | None, host_kv: bool,
@@ -282,7 +288,19 @@ def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, dr
         pipe = load(engine_dir, threads=threads, backend=backend)
         names = drafters.split(",") if drafters else [
             n for n, d in pipe.manifest.drafters.items() if d.kind == "ngram"]
-        result = run_batched(pipe, prompts, sizes, names, max_new_tokens, Reporter(quiet=as_json))
+        batch_peers, batch_skipped = [], []
+        if peers:
+            from specexport.bench.peers import PEER_NAMES, make_peers
+
+            wanted = list(PEER_NAMES) if peers == "all" else [p for p in peers.split(",") if p]
+            unknown = sorted(set(wanted) - set(PEER_NAMES))
+            if unknown:
+                raise BadInput(f"--peers: unknown peer {unknown[0]!r}; choose from {', '.join(PEER_NAMES)} or all")
+            batch_peers, batch_skipped = make_peers(
+                pipe.manifest.raw["recipe"]["target"], Path(pipe.manifest.raw.get("recipe_dir", ".")), wanted,
+                threads, engine_dir.parent / f".{engine_dir.name}.peers")
+        result = run_batched(pipe, prompts, sizes, names, max_new_tokens, Reporter(quiet=as_json),
+                             batch_peers, batch_skipped)
         files = write_batched(result, out)
         if as_json:
             _print_json(result)
@@ -414,3 +432,9 @@ def main() -> None:
 from specexport.cli_distill import distill  # noqa: E402  (click only; torch loads when it runs)
 
 cli.add_command(distill)
+from specexport.cli_serve import serve  # noqa: E402  (click only; FastAPI and uvicorn load when it runs)
+
+cli.add_command(serve)
+from specexport.cli_bench_serve import bench_serve  # noqa: E402  (click only; httpx loads when it runs)
+
+cli.add_command(bench_serve)

@@ -26,7 +26,7 @@ def _layers(value: str | None) -> list[int] | None:
 @click.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--drafter", "drafter", default="eagle3", show_default=True,
-              help="The head to train: eagle3 (dflash: not yet supported).")
+              help="The head to train: eagle3 (SafeAILab layout) or dflash (speculators layout).")
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True,
               help="Output folder: the checkpoint (config.json, model.safetensors), distill.json, state/.")
 @click.option("--minutes", type=click.FloatRange(min=0.0, min_open=True), default=10.0, show_default=True,
@@ -60,7 +60,16 @@ def _layers(value: str | None) -> list[int] | None:
               help="Padded tokens per training batch.")
 @click.option("--lr", type=click.FloatRange(min=0.0, min_open=True), default=1e-3, show_default=True)
 @click.option("--warmup", type=click.IntRange(0), default=100, show_default=True, help="Warm-up steps.")
-@click.option("--layers", default=None, help="Target layers tapped (default 2,L//2,L-3: the stream entering each).")
+@click.option("--layers", default=None, help="Target layers tapped, the stream entering each (default eagle3: "
+              "2,L//2,L-3; dflash: up to 5 spread over 1..L-1).")
+@click.option("--block-size", type=click.IntRange(2), default=None,
+              help="dflash: block size, the anchor + its drafts (default: the plan's D + 1).")
+@click.option("--draft-layers", type=click.IntRange(1), default=1, show_default=True,
+              help="dflash: decoder layers of the head.")
+@click.option("--anchors", type=click.IntRange(1), default=64, show_default=True,
+              help="dflash: random blocks per sequence per step (and blocks per scoring pass).")
+@click.option("--gamma", type=click.FloatRange(min=0.0, min_open=True), default=None,
+              help="dflash: loss weight exp(-(k-1)/gamma) of block slot k (default: 7 at block 16, 5 at 10, 4 at 8).")
 @click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Where the teacher's rows are cached (default: the system's temporary folder).")
 @click.option("--cache-gb", type=click.FloatRange(0.0), default=4.0, show_default=True,
@@ -70,9 +79,10 @@ def distill(recipe: Path, drafter: str, out: Path, minutes: float, device: str, 
             data: tuple[Path, ...], resume: bool, force: bool, seed: int, max_steps: int | None,
             eval_minutes: float, samples: int, temperature: float, max_new: int, gen_batch: int, holdout: float,
             draft_vocab: int, topk: int, ttt_steps: int, batch_tokens: int, lr: float, warmup: int,
-            layers: str | None, cache_dir: Path | None, cache_gb: float, quiet: bool) -> None:
-    """Train a drafter head (--drafter eagle3) for RECIPE's target from the target's own
-    responses; write a checkpoint a recipe's drafters can name (kind: eagle3, path: OUT)."""
+            layers: str | None, block_size: int | None, draft_layers: int, anchors: int, gamma: float | None,
+            cache_dir: Path | None, cache_gb: float, quiet: bool) -> None:
+    """Train a drafter head (--drafter eagle3 or dflash) for RECIPE's target from the target's
+    own responses; write a checkpoint a recipe's drafters can name (kind: eagle3 or dflash, path: OUT)."""
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
         raise missing_extra("torch", "export")
     from specexport.exporter.distill.command import DistillOptions, summary
@@ -83,7 +93,8 @@ def distill(recipe: Path, drafter: str, out: Path, minutes: float, device: str, 
         data=list(data), resume=resume, force=force, seed=seed, max_steps=max_steps, eval_minutes=eval_minutes,
         samples=samples, temperature=temperature, max_new=max_new, gen_batch=gen_batch, holdout=holdout,
         draft_vocab=draft_vocab, topk=topk, ttt_steps=ttt_steps, batch_tokens=batch_tokens, lr=lr, warmup=warmup,
-        layers=_layers(layers), cache_dir=cache_dir, cache_gb=cache_gb, quiet=quiet,
+        layers=_layers(layers), block_size=block_size, draft_layers=draft_layers, anchors=anchors, gamma=gamma,
+        cache_dir=cache_dir, cache_gb=cache_gb, quiet=quiet,
     )
     provenance = run(opts)
     if not quiet:

@@ -9,10 +9,13 @@ The modules, one job each:
 - ``eagle3_model.py``: the EAGLE-3 head being trained (SafeAILab layout and math) and its
   training-time-test unroll;
 - ``eagle3_train.py``: batches, the loss, the held-out evaluation, the learning-rate schedule;
-- ``checkpoint.py``: the output folder (a checkpoint the ``eagle3`` loader reads, provenance,
+- ``dflash_model.py``: the DFlash head being trained (speculators layout, the math of the
+  build's reference forward), many blocks in one batched forward;
+- ``dflash_train.py``: random anchors, the position-decayed block loss, block acceptance;
+- ``checkpoint.py``: the output folder (a checkpoint the ``eagle3`` or ``dflash`` loader reads, provenance,
   and the training state ``--resume`` continues), written whole or not at all;
 - ``command.py``: the run: options, progress, checkpoints, Ctrl-C.
 """
 
-DRAFTER_KINDS = ("eagle3", "dflash")  # the kinds `--drafter` names; dflash is not trained yet
-TRAINED_KINDS = ("eagle3",)
+DRAFTER_KINDS = ("eagle3", "dflash")  # the kinds `--drafter` names
+TRAINED_KINDS = ("eagle3", "dflash")

@@ -4,8 +4,9 @@
 2. data: the target's own responses to ``--prompts`` (greedy, plus sampled ones) and
    ``--data`` text, a held-out split, the draft vocabulary (or, with ``--resume``, all of it
    from the checkpoint);
-3. training (EAGLE-3 with training-time test) until ``--minutes`` or ``--max-steps``, the
-   held-out split scored every ``--eval-minutes``, each score also a checkpoint;
+3. training (EAGLE-3 with training-time test, or DFlash blocks at random anchors) until
+   ``--minutes`` or ``--max-steps``, the held-out split scored every ``--eval-minutes``, each
+   score also a checkpoint;
 4. a final score and checkpoint. Ctrl-C keeps the last checkpoint (``checkpoint.py``).
 """
 
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -72,6 +74,10 @@ class DistillOptions:
     lr: float = 1e-3
     warmup: int = 100
     layers: list[int] | None = None
+    block_size: int | None = None  # dflash: the block (anchor + drafts); default the plan's D + 1
+    draft_layers: int = 1  # dflash: decoder layers of the head
+    anchors: int = 64  # dflash: blocks per sequence per step
+    gamma: float | None = None  # dflash: loss decay exp(-(k-1)/gamma) over block slots; default by block size
     cache_dir: Path | None = None
     cache_gb: float = 4.0
     quiet: bool = False
@@ -79,7 +85,7 @@ class DistillOptions:
 
 # settings a resumed run keeps from the first one (the data and the model's shape depend on them)
 KEPT_ON_RESUME = ("seed", "samples", "temperature", "max_new", "holdout", "draft_vocab", "topk", "ttt_steps",
-                  "batch_tokens", "lr", "warmup")
+                  "batch_tokens", "lr", "warmup", "block_size", "draft_layers", "anchors", "gamma")
 
 
 def check_options(opts: DistillOptions) -> None:
@@ -89,8 +95,12 @@ def check_options(opts: DistillOptions) -> None:
         raise BadInput(f"--drafter {opts.drafter}: training is not yet supported (supported: {', '.join(TRAINED_KINDS)})")
     if opts.device not in ("cpu", "cuda"):
         raise BadInput(f"--device: '{opts.device}' is not cpu or cuda")
-    if opts.layers is not None and len(opts.layers) != 3:
+    if opts.drafter == "eagle3" and opts.layers is not None and len(opts.layers) != 3:
         raise BadInput(f"--layers: EAGLE-3 reads three target layers, got {len(opts.layers)}")
+    if opts.layers is not None and len(set(opts.layers)) != len(opts.layers) and opts.drafter == "dflash":
+        raise BadInput(f"--layers: {opts.layers} repeats a layer (DFlash reads distinct target layers)")
+    if opts.drafter != "dflash" and (opts.block_size is not None or opts.draft_layers != 1 or opts.gamma is not None):
+        raise BadInput("--block-size, --draft-layers and --gamma are DFlash settings (--drafter dflash)")
     out = opts.out
     if out.exists() and not out.is_dir():
         raise BadInput(f"-o {out}: is a file; choose a folder")
@@ -206,18 +216,79 @@ def distill(opts: DistillOptions, rep: Reporter | None = None,
         shutil.rmtree(cache, ignore_errors=True)
 
 
+@dataclass
+class _Head:
+    """What the run needs of the head being trained, whichever kind it is."""
+
+    module: Any  # torch module; checkpoint_names() -> {tensor name: parameter}
+    config: dict  # config.json
+    layout: str  # the layout its loader reads
+    params: list  # what the optimizer trains
+    step: Callable[[list[int], float], float]  # (batch members, lr) -> loss
+    score: Callable[[list[int]], dict]  # held-out members -> figures
+    facts: dict = field(default_factory=dict)  # kind-specific settings kept for --resume and the provenance
+
+
+def _eagle3_head(s: dict, cfg, taps, draft_ids, d: int, longest: int, target, teacher, seqs, draft_t, draft_of,
+                 device) -> _Head:
+    import torch
+
+    from specexport.exporter.distill.eagle3_model import Eagle3Draft, head_config, rope_tables
+    from specexport.exporter.distill.eagle3_train import assemble, evaluate, train_step
+
+    config = head_config(cfg, taps, len(draft_ids))
+    embed = target.model.get_input_embeddings().weight.detach().float().to(device)  # [V, H]
+    head = Eagle3Draft(config, len(taps), embed, rope_tables(config, longest + max(s["ttt_steps"], d) + 2)).to(device)
+    with torch.no_grad():  # lm_head starts from the target's output rows of the draft vocabulary
+        head.lm_head.weight.copy_(target.model.get_output_embeddings().weight.detach().float()[draft_t])
+
+    def step(members, lr):  # step.opt: the optimizer, set once the head exists
+        batch = assemble(teacher, seqs, members, s["ttt_steps"], device)
+        return train_step(head, step.opt, batch, s["ttt_steps"], draft_of, lr, device)
+
+    def score(members):
+        return evaluate(head, teacher, seqs, members, s["ttt_steps"], d, draft_t, draft_of, s["batch_tokens"], device)
+
+    return _Head(head, config, "safeailab", list(head.parameters()), step, score)
+
+
+def _dflash_head(s: dict, cfg, taps, draft_ids, d: int, longest: int, target, teacher, seqs, draft_t, draft_of,
+                 device, facts: dict | None) -> _Head:
+    import torch
+
+    from specexport.exporter.distill.dflash_model import DFlashDraft, head_config, rope_tables
+    from specexport.exporter.distill.dflash_train import default_gamma, evaluate, mask_token, train_step
+    from specexport.exporter.distill.eagle3_train import assemble
+
+    if facts is None:
+        block = s["block_size"] or d + 1
+        special = list(getattr(target.tokenizer, "all_special_ids", []) or [])
+        facts = {"block_size": block, "draft_layers": s["draft_layers"], "gamma": s["gamma"] or default_gamma(block),
+                 "mask_token_id": mask_token(seqs, cfg.vocab_size, special)}
+    block, gamma = facts["block_size"], facts["gamma"]
+    config = head_config(cfg, taps, len(draft_ids), block, facts["draft_layers"], facts["mask_token_id"])
+    embed = target.model.get_input_embeddings().weight.detach().float().to(device)  # [V, H]
+    lm_head = target.model.get_output_embeddings().weight.detach().float().to(device)[draft_t]  # [V_d, H]
+    head = DFlashDraft(config, embed, lm_head, rope_tables(config, longest + block + 2)).to(device)
+    gen = torch.Generator().manual_seed(s["seed"])
+
+    def step(members, lr):
+        batch = assemble(teacher, seqs, members, block, device)
+        return train_step(head, step.opt, batch, s["anchors"], draft_of, gamma, lr, device, gen)
+
+    def score(members):
+        return evaluate(head, teacher, seqs, members, d, s["anchors"], draft_t, draft_of, gamma, s["batch_tokens"],
+                        device)
+
+    return _Head(head, config, "speculators", head.trainable(), step, score, facts)
+
+
 def _run(opts, inputs, recipe, base, device, cache: Path, rep: Reporter, on_event) -> dict:
     import torch
 
     from specexport import __version__
-    from specexport.exporter.distill.eagle3_model import Eagle3Draft, head_config, rope_tables
-    from specexport.exporter.distill.eagle3_train import (
-        assemble,
-        evaluate,
-        learning_rate,
-        make_batches,
-        train_step,
-    )
+    from specexport.exporter.distill import dflash_model
+    from specexport.exporter.distill.eagle3_train import learning_rate, make_batches
     from specexport.exporter.distill.teacher import Teacher
     from specexport.exporter.heads.eagle3 import default_taps
     from specexport.exporter.plan import plan_recipe_draft
@@ -227,7 +298,10 @@ def _run(opts, inputs, recipe, base, device, cache: Path, rep: Reporter, on_even
     state = checkpoint.read(opts.out) if opts.resume else None
     settings = asdict(opts)
     if state is not None:  # the first run's data-defining settings
-        settings.update({k: state.info["settings"][k] for k in KEPT_ON_RESUME})
+        if state.info.get("drafter", "eagle3") != opts.drafter:
+            raise BadInput(f"--resume: {opts.out} holds a {state.info.get('drafter', 'eagle3')} head, not "
+                           f"--drafter {opts.drafter}")
+        settings.update({k: state.info["settings"][k] for k in KEPT_ON_RESUME if k in state.info["settings"]})
         if opts.prompts or opts.data:
             rep.warn("--resume continues with the first run's data: --prompts/--data are ignored")
     s = settings
@@ -248,9 +322,10 @@ def _run(opts, inputs, recipe, base, device, cache: Path, rep: Reporter, on_even
     if state is not None:
         taps = tuple(state.info["taps"])
     else:
-        taps = tuple(opts.layers) if opts.layers is not None else tuple(default_taps(n_layers))
+        defaults = default_taps if opts.drafter == "eagle3" else dflash_model.default_taps
+        taps = tuple(opts.layers) if opts.layers is not None else tuple(defaults(n_layers))
         if not all(0 <= i < n_layers for i in taps):
-            raise BadInput(f"--layers: {list(taps)} must be three target layers in 0..{n_layers - 1}")
+            raise BadInput(f"--layers: {list(taps)} must be target layers in 0..{n_layers - 1}")
 
     rng = random.Random(s["seed"])
     if state is None:
@@ -263,42 +338,46 @@ def _run(opts, inputs, recipe, base, device, cache: Path, rep: Reporter, on_even
     rep.note(f"data: {seqs.stats()}; draft vocabulary {len(draft_ids)} "
              f"(covers {data_record['vocabulary']['response_coverage']:.1%} of response tokens); D = {d}")
 
-    config = head_config(cfg, taps, len(draft_ids))
     longest = max(len(x) for x in seqs.ids)
-    embed = target.model.get_input_embeddings().weight.detach().float().to(device)  # [V, H]
-    head = Eagle3Draft(config, len(taps), embed, rope_tables(config, longest + max(s["ttt_steps"], d) + 2)).to(device)
     draft_t = torch.from_numpy(draft_ids).to(device)
-    if state is None:  # lm_head starts from the target's output rows of the draft vocabulary
-        with torch.no_grad():
-            head.lm_head.weight.copy_(target.model.get_output_embeddings().weight.detach().float()[draft_t])
+    draft_of = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=device)
+    draft_of[draft_t] = torch.arange(len(draft_ids), device=device)
+    teacher = Teacher(target.model, taps, draft_ids, s["topk"], device, cache, int(opts.cache_gb * 2**30),
+                      s["batch_tokens"])
+    parts = (s, cfg, taps, draft_ids, d, longest, target, teacher, seqs, draft_t, draft_of, device)
+    if opts.drafter == "eagle3":
+        trained = _eagle3_head(*parts)
     else:
+        trained = _dflash_head(*parts, state.info.get("head") if state is not None else None)
+    head = trained.module
+    if state is not None:
         names = head.checkpoint_names()
         if set(names) != set(state.weights):
-            raise BadInput(f"--resume: {opts.out}/state/head.safetensors does not match an EAGLE-3 head; start over with --force")
+            raise BadInput(f"--resume: {opts.out}/state/head.safetensors does not match the {opts.drafter} head; "
+                           "start over with --force")
         with torch.no_grad():
             for name, param in names.items():
                 param.copy_(state.weights[name])
-    opt = torch.optim.AdamW(head.parameters(), lr=s["lr"], betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(trained.params, lr=s["lr"], betas=(0.9, 0.95), weight_decay=0.0)
     if state is not None:
         opt.load_state_dict(state.optimizer)
-    draft_of = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=device)
-    draft_of[draft_t] = torch.arange(len(draft_ids), device=device)
+    trained.step.opt = opt
+    if trained.facts:
+        rep.note(f"{opts.drafter}: {trained.facts}, taps {list(taps)}")
 
-    teacher = Teacher(target.model, taps, draft_ids, s["topk"], device, cache, int(opts.cache_gb * 2**30),
-                      s["batch_tokens"])
     train_members = seqs.members(holdout=False)
     eval_all = seqs.members(holdout=True)
     eval_some = eval_all[:EVAL_SEQUENCES]
     lengths = [len(x) for x in seqs.ids]
-
-    def score(members) -> dict:
-        return evaluate(head, teacher, seqs, members, s["ttt_steps"], d, draft_t, draft_of, s["batch_tokens"], device)
+    score = trained.score
 
     info = state.info if state is not None else {
         "step": 0, "epoch": 0, "train_seconds": 0.0, "wall_seconds": 0.0, "curve": [], "runs": []}
     info.update(settings={k: (str(v) if isinstance(v, Path) else v) for k, v in s.items()
                           if k not in ("prompts", "data", "cache_dir", "out", "recipe")},
-                taps=list(taps), target=origin, data=data_record)
+                taps=list(taps), target=origin, data=data_record, drafter=opts.drafter)
+    if trained.facts:
+        info["head"] = trained.facts
     run = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": opts.device, "minutes": opts.minutes,
            "from_step": info["step"]}
     info["runs"].append(run)
@@ -308,14 +387,16 @@ def _run(opts, inputs, recipe, base, device, cache: Path, rep: Reporter, on_even
     def save(final: dict | None) -> dict:
         info["wall_seconds"] = round(wall_before + time.time() - t_start, 1)
         run["to_step"] = info["step"]
-        provenance = {"specexport": __version__, "drafter": "eagle3", "layout": "safeailab", "draft_len": d,
+        provenance = {"specexport": __version__, "drafter": opts.drafter, "layout": trained.layout, "draft_len": d,
                       "target": origin, "taps": list(taps), "data": data_record, "steps": info["step"],
                       "epochs": info["epoch"], "train_seconds": round(info["train_seconds"], 1),
                       "wall_seconds": info["wall_seconds"], "runs": info["runs"], "settings": info["settings"],
                       "curve": info["curve"], "final": final}
+        if trained.facts:
+            provenance["head"] = trained.facts
         weights = {k: v.detach().float().cpu() for k, v in head.checkpoint_names().items()}
         train_state = checkpoint.TrainState(weights, opt.state_dict(), seqs, draft_ids, info)
-        checkpoint.write(opts.out, config, weights, draft_ids, cfg.vocab_size, provenance, train_state)
+        checkpoint.write(opts.out, trained.config, weights, draft_ids, cfg.vocab_size, provenance, train_state)
         written["step"] = info["step"]
         on_event("checkpoint", info["step"])
         return provenance
@@ -351,8 +432,7 @@ def _run(opts, inputs, recipe, base, device, cache: Path, rep: Reporter, on_even
                         done = True
                         break
                     lr = learning_rate(s["lr"], info["step"], s["warmup"], frac)
-                    batch = assemble(teacher, seqs, members, s["ttt_steps"], device)
-                    loss = train_step(head, opt, batch, s["ttt_steps"], draft_of, lr, device)
+                    loss = trained.step(members, lr)
                     info["step"] += 1
                     info["train_seconds"] = train_before + time.time() - t_train
                     bar.update(task, completed=int(1000 * min(frac, 1.0)), loss=loss, step=info["step"])

@@ -150,10 +150,24 @@ def evaluate(head: Eagle3Draft, teacher: Teacher, seqs: Sequences, members: list
         agree.append((batch.amax[:, :r] == batch.tok[:, 1 : r + 1])[follows].cpu())
     head.train(was_training)
     result: dict = {"loss": round(sum(losses) / max(len(members), 1), 5), "D": d}
+    return held_out_summary(result, hits, agree, d)
+
+
+def learning_rate(base: float, step: int, warmup: int, frac: float, floor: float = 0.05) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine from ``base`` to ``floor``·base as the
+    run's progress ``frac`` goes 0 -> 1."""
+    frac = min(max(frac, 0.0), 1.0)
+    return base * min(1.0, (step + 1) / max(warmup, 1)) * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def held_out_summary(result: dict, hits: list, agree: list, d: int) -> dict:
+    """Add to ``result`` what the held-out drafts say: per-position acceptance, top-1, the E[L]
+    they imply, and how often the target's argmax is the response's next token. ``hits``:
+    [anchors, d] booleans per batch (draft j equals the target's argmax), ``agree``: booleans."""
     h = torch.cat(hits).float() if hits else torch.zeros(0, d)
     result["anchors"] = len(h)
     if len(h):
-        chain = h.cumprod(dim=1).mean(0)  # [d] P(drafts 0..j all accepted)
+        chain = h.cumprod(dim=1).mean(0)  # [d] P(drafts 1..j all accepted)
         per_position = [float(chain[0])] + [float(chain[j] / chain[j - 1]) if chain[j - 1] > 0 else 0.0
                                             for j in range(1, d)]
         result.update(acceptance=[round(x, 4) for x in per_position], top1=[round(float(x), 4) for x in h.mean(0)],
@@ -163,10 +177,3 @@ def evaluate(head: Eagle3Draft, teacher: Teacher, seqs: Sequences, members: list
     a = torch.cat(agree) if agree else torch.zeros(0, dtype=torch.bool)
     result["teacher_agreement"] = round(float(a.float().mean()), 4) if len(a) else None
     return result
-
-
-def learning_rate(base: float, step: int, warmup: int, frac: float, floor: float = 0.05) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine from ``base`` to ``floor``·base as the
-    run's progress ``frac`` goes 0 -> 1."""
-    frac = min(max(frac, 0.0), 1.0)
-    return base * min(1.0, (step + 1) / max(warmup, 1)) * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))

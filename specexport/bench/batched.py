@@ -9,6 +9,13 @@ the median sequence's own tokens/s, E[L], and the speedup against the target alo
 B, in the same run. Greedy outputs are compared with the batch-1 run of the same mode: batching
 must not change a token. Speculation spends spare compute; as B grows that compute goes to
 breadth, and the plot shows where drafting stops paying on this machine.
+
+Peers (``--peers``, bench/peers.py's BATCHED_PEERS): at each B, the target alone in another
+stack, the same prompts in static batches of B (left-padded, greedy, the same
+max_new_tokens), run right after our rows at that B: aggregate tokens/s (all new tokens over
+the wall time of all batches), whether each prompt's tokens equal our greedy ones
+(``matches_baseline``: the batch-1 single-sequence target alone), and ``speedup``: its
+tokens/s over our batched target alone at the same B.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import numpy as np
 from specexport.atomic import atomic_path, write_text
 from specexport.bench.harness import load_prompts
 from specexport.errors import BadInput
+from specexport.runtime.batch_drafter import batched_refusal
 
 
 def parse_batches(text: str) -> list[int]:
@@ -35,12 +43,22 @@ def parse_batches(text: str) -> list[int]:
 
 
 def run_batched(pipe, prompts_path: Path, batches: list[int], drafters: list[str], max_new_tokens: int,
-                reporter) -> dict:
+                reporter, peers=(), peers_skipped=()) -> dict:
+    """``peers``: made by bench/peers.make_peers (those without ``run_batch`` are reported in
+    ``peers_skipped``, as are the ones that could not be made)."""
     built = pipe.manifest.batch_sizes("target")
     missing = [b for b in batches if b > max(built)]
     if missing:
         raise BadInput(f"--batch {missing[0]}: the engines are built for batch sizes {built}; "
                        "rebuild with shapes.batch listing it")
+    for name in drafters:  # before any run: a drafter the batched loop cannot run, in one line
+        entry = pipe.manifest.drafters.get(name)
+        if entry is None:
+            raise BadInput(f"--drafters: unknown drafter '{name}'; this engine directory has: "
+                           f"{', '.join(pipe.manifest.drafters)}")
+        reason = batched_refusal(pipe.manifest, name, max(batches))
+        if reason is not None:
+            raise BadInput(f"--drafters: '{name}' ({entry.kind}) cannot run batched: {reason}")
     records = load_prompts(prompts_path)
     depth = pipe.manifest.draft_len
     modes = [("none", 0, "fixed")]  # (drafter, depth, depth rule)
@@ -60,6 +78,14 @@ def run_batched(pipe, prompts_path: Path, batches: list[int], drafters: list[str
             step.detail = f"{sum(g.stats.tokens for g in single) / wall:.1f} tok/s"
         outputs[(drafter, k, rule)] = [g.token_ids for g in single]
         rows.append(_row(1, drafter, k, rule, single, wall, "single", True))
+    peers_skipped = list(peers_skipped)
+    batch_peers = []
+    for peer in peers:
+        if hasattr(peer, "run_batch") and not getattr(peer, "speculative", None) and peer.name in _batched_peer_names():
+            batch_peers.append(peer)
+        else:
+            peers_skipped.append({"peer": peer.name, "skipped": "runs one sequence at a time (not a batched peer)"})
+    prompt_ids = [pipe.prompt_ids(r.get("prompt"), messages=r.get("messages")) for r in records]
     for batch in batches:
         for drafter, k, rule in modes:
             label = f"{drafter} d={k} {rule}"
@@ -76,13 +102,20 @@ def run_batched(pipe, prompts_path: Path, batches: list[int], drafters: list[str
             outputs.setdefault(key, [r.token_ids for r in results])
             rows.append(_row(batch, drafter, k, rule, results, wall, "batched",
                              [r.token_ids for r in results] == outputs[key]))
-    for row in rows:  # against the target alone at the same batch size and loop, same run
-        alone = next(r for r in rows if r["batch"] == row["batch"] and r["drafter"] == "none"
-                     and r["loop"] == row["loop"])
+        for peer in batch_peers:  # the same B, right after ours
+            with reporter.step("bench", f"batch {batch}, peer {peer.name}") as step:
+                row = _peer_row(peer, batch, prompt_ids, max_new_tokens, outputs[("none", 0, "fixed")])
+                step.detail = f"{row['aggregate_tokens_per_s']:.1f} tok/s"
+            rows.append(row)
+    for row in rows:  # against the target alone at the same batch size and loop (peers: batched), same run
+        loop = "batched" if row["loop"] == "peer" else row["loop"]
+        alone = next(r for r in rows if r["batch"] == row["batch"] and r["drafter"] == "none" and r["loop"] == loop)
         row["speedup"] = round(row["aggregate_tokens_per_s"] / alone["aggregate_tokens_per_s"], 3)
     return {"engines": str(pipe.manifest.root), "prompts": str(prompts_path), "prompt_count": len(records),
             "max_new_tokens": max_new_tokens, "batches": batches, "built_batches": built,
             "schedule": pipe.manifest.plan.get("schedule"), "rows": rows,
+            "peers": [{"peer": p.name, "threads": p.threads, "settings": p.settings} for p in batch_peers],
+            "peers_skipped": peers_skipped,
             "measured_schedule": {name: measured_schedule(rows, name) for name in drafters}}
 
 
@@ -105,6 +138,33 @@ def measured_schedule(rows: list[dict], drafter: str) -> list[list[int]]:
     while steps and steps[-1][1] == 0:  # past the last bound no drafting anyway
         steps.pop()
     return steps
+
+
+def _batched_peer_names() -> tuple[str, ...]:
+    from specexport.bench.peers import BATCHED_PEERS
+
+    return BATCHED_PEERS
+
+
+def _peer_row(peer, batch: int, prompt_ids: list[list[int]], max_new_tokens: int, ours: list[list[int]]) -> dict:
+    """A peer's target alone at ``batch``: the prompts in static batches of ``batch``, in order
+    (one untimed warm-up batch of 2 tokens first)."""
+    peer.run_batch(prompt_ids[:batch], 2)
+    tokens, wall, per_sequence = [], 0.0, []
+    for start in range(0, len(prompt_ids), batch):
+        run = peer.run_batch(prompt_ids[start:start + batch], max_new_tokens)
+        wall += run.total_s
+        tokens += run.token_ids
+        per_sequence += [len(t) / run.total_s for t in run.token_ids]
+    matches = [a == b for a, b in zip(tokens, ours)]
+    count = sum(len(t) for t in tokens)
+    return {
+        "batch": batch, "loop": "peer", "drafter": "none", "peer": peer.name, "depth": 0, "depth_rule": "fixed",
+        "tokens": count, "seconds": round(wall, 3), "aggregate_tokens_per_s": round(count / wall, 2),
+        "median_sequence_tokens_per_s": round(float(np.median(per_sequence)), 2),
+        "acceptance_length": 1.0, "lossless": all(matches), "matches_baseline": all(matches),
+        "prompts_matching": f"{sum(matches)}/{len(matches)}",
+    }
 
 
 def _row(batch: int, drafter: str, depth: int, rule: str, results, wall: float, loop: str,
@@ -130,8 +190,20 @@ def write_batched(result: dict, out: Path) -> list[Path]:
             f" ({r['depth_rule']})" if r["depth_rule"] != "fixed" else "")
         if r["loop"] == "single":
             mode += ", single-sequence loop"
+        lossless = "yes" if r["lossless"] else "NO"
+        if r["loop"] == "peer":
+            mode = f"peer {r['peer']} (target alone, static batches)"
+            lossless = f"{'yes' if r['matches_baseline'] else 'NO'} ({r['prompts_matching']} prompts equal ours)"
         lines.append(f"| {r['batch']} | {mode} | {r['aggregate_tokens_per_s']} | {r['median_sequence_tokens_per_s']} "
-                     f"| {r['acceptance_length']} | {r['speedup']}× | {'yes' if r['lossless'] else 'NO'} |")
+                     f"| {r['acceptance_length']} | {r['speedup']}× | {lossless} |")
+    peer_rows = [r for r in result["rows"] if r["loop"] == "peer"]
+    if peer_rows:
+        lines.append("")
+        lines.append("Peers: speedup is the peer's aggregate tok/s over our batched target alone at the same batch "
+                     "size (below 1: ours is faster); lossless: each prompt's greedy tokens equal ours.")
+    for skipped in result.get("peers_skipped", []):
+        lines.append("")
+        lines.append(f"Peer {skipped['peer']}: skipped ({skipped['skipped']})")
     for name, steps in result.get("measured_schedule", {}).items():
         lines.append("")
         lines.append(f"Measured schedule for {name} (draft.schedule, keys are upper bounds on the batch size): "

@@ -11,12 +11,20 @@ acceptance, instead of from the 128-row tile.
    each cell: choose the smallest D whose geometric mean of those comes within 1% of the best
    (deeper graphs cost build time and memory for nothing more), print the table, and write
    <recipe>.calibration.json, which the recipe's `draft.calibration` points `build` at.
+4. With batch sizes built (shapes.batch, ort-gqa): measure the batched verify cost t(B, T) at
+   every built B and T = 1..1+D (sizes of the one shared graph), and each draft model's
+   batched step, and choose the depth by batch size K(B) = argmax_k B·E(k) / t(B, 1+k) (below).
+   It goes into the same file as ``schedule``; the plan uses it unless the recipe gives its own
+   draft.schedule (or disable_by_batch_size).
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import math
+import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -132,8 +140,219 @@ def calibrate(recipe_path: Path, prompts_path: Path, max_new_tokens: int, thread
         "max_new_tokens": max_new_tokens,
         "threads": threads,
         "device": pipe.manifest.raw.get("toolchain", {}).get("device"),
+        "host": socket.gethostname(),
+        "measured": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        # c_i per drafter/category (single sequence, full depth): E(k) = 1 + sum of the first k
+        "acceptance": {f"{d}/{c}": [round(float(v), 4) for v in cum] for (d, c), cum in sorted(profiles.items())},
     }
+    choice.update(calibrate_schedule(pipe, profiles, best["draft_len"], reporter))
     path = recipe_path.with_name(f"{recipe_path.stem}.calibration.json")
     atomic.write_text(path, json.dumps(choice, indent=1) + "\n")  # a build may read it any time
     choice["written_to"] = str(path)
     return choice
+
+
+# -- depth by batch size (breadth against depth) ----------------------------------------------
+#
+# A batched round runs every row through one verify call of width T = 1 + k, whose cost t(B, T)
+# is paid once for the B rows. At depth k the batch commits B·E(k) tokens per round (E from the
+# single-sequence acceptance above), so the depth worth drafting at B is
+#     K(B) = argmax_k B·E(k) / (t(B, 1+k) + k·t_draft(B)),
+# k = 0 (the target alone) included; t_draft(B): one batched step of a draft model at B (0 for
+# the n-gram drafter). Over drafters and categories: the depth with the best geometric mean of
+# that rate against the target alone's B / t(B, 1).
+
+
+def _widened(entry, tokens: int):
+    """``entry`` (one size of an ort-gqa model's shared graph, batch and token count symbolic)
+    at ``tokens`` tokens: the same graph file and session, the token axis of its token-wise
+    inputs and outputs changed. The cache tensors keep their shapes."""
+    from dataclasses import replace
+
+    from specexport.contract import Role, TensorSpec, engine_name
+
+    def specs(tensors: dict) -> dict:
+        out = {}
+        for name, spec in tensors.items():
+            shape = list(spec.shape)
+            if not name.startswith(("past_key_values", "present")) and len(shape) >= 2 and shape[1] == entry.tokens:
+                shape[1] = tokens
+            out[name] = TensorSpec(spec.dtype, tuple(shape))
+        return out
+
+    return replace(entry, name=f"{engine_name(entry.model, Role.VERIFY, entry.batch, tokens)}.calibration",
+                   role=Role.VERIFY, tokens=tokens, inputs=specs(entry.inputs), outputs=specs(entry.outputs),
+                   cost_ms=None, sha256=None)
+
+
+def _batched_calls(pipe, model: str, batches: list[int], widths: list[int]):
+    """A BatchedModel of ``model`` over ``batches``, with a call at every (B, T) of ``widths``:
+    the built ones, the others as sizes of the same shared graph (_widened)."""
+    from specexport.runtime.batched_model import BatchedCall, BatchedModel
+    from specexport.runtime.engine import LazyEngine
+
+    batched = BatchedModel(pipe.manifest, model, "onnxruntime", pipe.options, pipe.sessions, batches)
+    for batch in batches:
+        built = [e for e in pipe.manifest.engines_of(model, "onnxruntime", batch=batch)
+                 if (batch, e.tokens) in batched.calls]
+        for tokens in widths:
+            if (batch, tokens) not in batched.calls:
+                entry = _widened(built[-1], tokens)
+                engine = LazyEngine(entry, pipe.manifest.root, pipe.options, None, pipe.sessions)
+                batched.calls[(batch, tokens)] = BatchedCall(engine, batch, tokens, batched.cache)
+    return batched
+
+
+def _time_calls(calls: dict, keys: list[tuple[int, int]], middle: int, rounds: int) -> dict[tuple[int, int], float]:
+    """Median seconds of each call, all rows full at cache length ``middle``, taken in turn
+    round after round (round 0 opens the sessions and warms up)."""
+    from specexport.runtime.runner import PAD_ID
+
+    times: dict[tuple[int, int], list[float]] = {key: [] for key in keys}
+    for round_ in range(rounds + 1):
+        for batch, tokens in keys:
+            rows = [(middle, np.full(tokens, PAD_ID, dtype=np.int64))] * batch
+            start = time.perf_counter()
+            calls[(batch, tokens)].run(rows, want_logits=False)
+            if round_:
+                times[(batch, tokens)].append(time.perf_counter() - start)
+    return {key: float(np.median(v)) for key, v in times.items()}
+
+
+def measure_surface(pipe, batches: list[int], depth: int, rounds: int = 5) -> dict[tuple[int, int], float]:
+    """t(B, T) in seconds: the target's batched verify call at each of ``batches`` and every
+    width T = 1 .. 1 + ``depth``, interleaved."""
+    widths = list(range(1, depth + 2))
+    batched = _batched_calls(pipe, "target", batches, widths)
+    keys = [(b, t) for b in batches for t in widths]
+    middle = min(batched.max_seq_len // 2, batched.max_seq_len - depth - 2)
+    return _time_calls(batched.calls, keys, middle, rounds)
+
+
+def measure_draft_steps(pipe, drafters: list[str], batches: list[int], rounds: int = 5) -> dict[str, dict[int, float]]:
+    """Seconds of one batched draft step (the drafter model's decode call at B) per drafter
+    that has a model and runs batched; drafters without engines cost nothing per draft."""
+    from specexport.runtime.batch_drafter import batched_refusal
+
+    steps: dict[str, dict[int, float]] = {}
+    timed: dict[str, dict[int, float]] = {}
+    for name in drafters:
+        entry = pipe.manifest.drafters[name]
+        if entry.model is None or batched_refusal(pipe.manifest, name, max(batches)) is not None:
+            continue
+        if entry.model not in timed:
+            batched = _batched_calls(pipe, entry.model, batches, [1])
+            keys = [(b, 1) for b in batches]
+            measured = _time_calls(batched.calls, keys, batched.max_seq_len // 2, rounds)
+            timed[entry.model] = {b: measured[(b, 1)] for b in batches}
+        steps[name] = timed[entry.model]
+    return steps
+
+
+def schedule_table(surface: dict[tuple[int, int], float], profiles: dict, draft_steps: dict[str, dict[int, float]],
+                   depth: int, batches: list[int], runnable: dict[int, set[str]] | None = None) -> list[dict]:
+    """One row per batch size: K(B), the rate it predicts against the target alone, and the
+    same for every depth 0..``depth``. ``profiles``: (drafter, category) -> c_i (rounds keeping
+    the first i drafts); ``runnable``: the drafters the batched loop runs at each B (default all)."""
+    rows = []
+    for batch in batches:
+        alone = batch / surface[(batch, 1)]  # tokens/s of the target alone at B
+        cells = {key: cum for key, cum in profiles.items() if runnable is None or key[0] in runnable.get(batch, set())}
+        by_depth: list[float] = []
+        per_cell: dict[str, list[float]] = {f"{d}/{c}": [] for d, c in cells}
+        for k in range(depth + 1):
+            ratios = []
+            for (drafter, category), cum in cells.items():
+                expected = 1.0 + float(np.sum(cum[:k]))
+                seconds = surface[(batch, 1 + k)] + k * draft_steps.get(drafter, {}).get(batch, 0.0)
+                ratio = batch * expected / seconds / alone
+                per_cell[f"{drafter}/{category}"].append(ratio)
+                ratios.append(ratio)
+            by_depth.append(float(np.exp(np.mean(np.log(ratios)))) if ratios else 1.0)
+        best = max(range(depth + 1), key=lambda k: (by_depth[k], -k))  # ties: the shallower
+        per_drafter = {}
+        for drafter in sorted({d for d, _ in cells}):
+            mine = [v for key, v in per_cell.items() if key.split("/")[0] == drafter]
+            geo = [float(np.exp(np.mean(np.log([v[k] for v in mine])))) for k in range(depth + 1)]
+            per_drafter[drafter] = max(range(depth + 1), key=lambda k: (geo[k], -k))
+        rows.append({"batch": batch, "depth": best, "speedup": round(by_depth[best], 3),
+                     "target_ms": round(surface[(batch, 1)] * 1e3, 3),
+                     "verify_ms": round(surface[(batch, 1 + best)] * 1e3, 3),
+                     "alone_tokens_per_s": round(alone, 2),
+                     "tokens_per_s": round(alone * by_depth[best], 2),
+                     "speedup_by_depth": [round(v, 3) for v in by_depth],
+                     "best_depth_by_drafter": per_drafter})
+    return rows
+
+
+def schedule_steps(table: list[dict]) -> list[list[int]]:
+    """K(B) at the built batch sizes as a draft.schedule (TensorRT-LLM's upper bounds: rows
+    between two built sizes run the larger one's graphs, so they take its depth). No drafting
+    at any size: [[1, 0]]."""
+    steps: list[list[int]] = []
+    for row in sorted(table, key=lambda r: r["batch"]):
+        if steps and steps[-1][1] == row["depth"]:
+            steps[-1][0] = row["batch"]
+        else:
+            steps.append([row["batch"], row["depth"]])
+    while steps and steps[-1][1] == 0:  # past the last bound no drafting anyway
+        steps.pop()
+    return steps or [[1, 0]]
+
+
+def calibrate_schedule(pipe, profiles: dict, depth: int, reporter, rounds: int = 5) -> dict:
+    """Measure t(B, T) (and the draft models' batched steps) over the batch sizes built, and
+    choose K(B) up to ``depth``; {} with a ``schedule_skipped`` reason when nothing is batched."""
+    from specexport.runtime.batch_drafter import batched_refusal
+
+    manifest = pipe.manifest
+    batches = manifest.batch_sizes("target")
+    if manifest.models["target"].attention != "ort-gqa" or "onnxruntime" not in manifest.backends():
+        return {"schedule_skipped": "batched decoding needs onnxruntime graphs built with attention: ort-gqa"}
+    if batches == [1]:
+        return {"schedule_skipped": "built for batch 1 only (shapes.batch): no depth by batch size to choose"}
+    drafters = sorted({d for d, _ in profiles})
+    runnable = {b: {d for d in drafters if batched_refusal(manifest, d, b) is None} for b in batches}
+    with reporter.step("calibrate", f"batched verify cost t(B, T), B = {batches}, T = 1..{depth + 1}") as step:
+        surface = measure_surface(pipe, batches, depth, rounds)
+        step.detail = ", ".join(f"B={b}: {surface[(b, 1)] * 1e3:.1f}-{surface[(b, depth + 1)] * 1e3:.1f} ms"
+                                for b in batches)
+    draft_steps = measure_draft_steps(pipe, drafters, batches, rounds)
+    table = schedule_table(surface, profiles, draft_steps, depth, batches, runnable)
+    return {
+        "schedule": schedule_steps(table),
+        "schedule_table": table,
+        "schedule_drafters": {str(b): sorted(runnable[b]) for b in batches},
+        "cost_surface_ms": {str(b): {str(t): round(surface[(b, t)] * 1e3, 4) for t in range(1, depth + 2)}
+                            for b in batches},
+        "draft_step_ms": {d: {str(b): round(s * 1e3, 4) for b, s in by_b.items()} for d, by_b in draft_steps.items()},
+    }
+
+
+def print_schedule(choice: dict) -> None:
+    """The calibrated depth by batch size, as `plan --calibrate` prints it."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from specexport.exporter.plan_command import schedule_text
+
+    console = Console()
+    if "schedule_table" not in choice:
+        console.print(f"depth by batch size: not calibrated ({choice.get('schedule_skipped', 'no batched graphs')})",
+                      soft_wrap=True)
+        return
+    rows = choice["schedule_table"]
+    depth = len(rows[0]["speedup_by_depth"]) - 1
+    table = Table(title="depth by batch size: K(B) = argmax_k B·E(k) / (t(B, 1+k) + k·t_draft(B))")
+    for column in ("B", "t(B,1) ms", "K(B)", "t(B,1+K) ms", "tok/s alone", "tok/s at K", "predicted",
+                   *(f"k={k}" for k in range(1, depth + 1)), "by drafter"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(str(row["batch"]), f"{row['target_ms']:.1f}", str(row["depth"]), f"{row['verify_ms']:.1f}",
+                      f"{row['alone_tokens_per_s']:.0f}", f"{row['tokens_per_s']:.0f}", f"{row['speedup']:.2f}×",
+                      *(f"{v:.2f}×" for v in row["speedup_by_depth"][1:]),
+                      ", ".join(f"{d}: {k}" for d, k in row["best_depth_by_drafter"].items()) or "–")
+    console.print(table)
+    console.print(f"depth by batch size: {schedule_text(choice['schedule'])} (calibrated on {choice['host']}, "
+                  f"{choice['measured'][:10]}); the plan uses it unless the recipe gives draft.schedule or "
+                  "draft.disable_by_batch_size", soft_wrap=True)

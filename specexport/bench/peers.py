@@ -15,6 +15,12 @@ Threads: ``make_peers`` calls ``torch.set_num_threads(threads)`` when a transfor
 asked for. That setting is global to the process (the bench runs in a process of its own); the
 onnxruntime-genai peers set ``intra_op_num_threads`` on their own session.
 
+Batched (``bench --batch``): the target-alone peers that can batch, ``transformers-greedy``
+and ``ort-genai`` (``BATCHED_PEERS``), also run ``run_batch(prompts, max_new_tokens)``: one
+left-padded batch of the prompts, greedy, decoded together until every row is done (static
+batching: a finished row idles until the longest one ends); each row's tokens are cut after its
+first EOS, as a single run's are.
+
 The onnxruntime-genai model is built once into ``cache_dir/ort-genai-fp32`` (the target is
 saved as a transformers directory in ``cache_dir/hf`` for the builder, which is removed once the
 build succeeds) and reused while the target's files are unchanged.
@@ -46,6 +52,8 @@ ORT_GENAI_NGRAM = {"ngram_size": 3, "max_draft_tokens": 4}
 ORT_GENAI_DIR = "ort-genai-fp32"
 ORT_GENAI_STAMP = "specexport-peer.json"
 INSTALL_HINT = "make bench-peers"
+# the peers that decode a batch of prompts together (run_batch): the target alone only
+BATCHED_PEERS = ("transformers-greedy", "ort-genai")
 
 
 @dataclass
@@ -54,6 +62,20 @@ class PeerRun:
     total_s: float  # wall time of the whole generation call
     first_token_s: float  # wall time of a 1-token generation of the same prompt, run right before
     stats: dict = field(default_factory=dict)  # what the peer says about itself (ort-genai-ngram: acceptance)
+
+
+@dataclass
+class BatchPeerRun:
+    token_ids: list[list[int]]  # per prompt, generated ids only, cut after the first EOS (included)
+    total_s: float  # wall time of the whole batched generation call
+
+
+def _cut(tokens: list[int], eos_ids, max_new_tokens: int) -> list[int]:
+    """A row of a batched generation up to and with its first EOS (later positions are padding)."""
+    for i, token in enumerate(tokens[:max_new_tokens]):
+        if token in eos_ids:
+            return tokens[: i + 1]
+    return tokens[:max_new_tokens]
 
 
 class Peer(Protocol):
@@ -120,13 +142,36 @@ class TransformersPeer:
             total_s = time.perf_counter() - start
         return PeerRun(out[0, len(prompt_ids):].tolist(), total_s, first_token_s)
 
+    def run_batch(self, prompts: list[list[int]], max_new_tokens: int) -> BatchPeerRun:
+        """The prompts left-padded into one batch, one greedy ``generate`` call."""
+        import torch
+
+        from specexport.exporter.sources import quiet_transformers
+
+        for prompt_ids in prompts:
+            _check_request(prompt_ids, max_new_tokens)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for row, prompt_ids in enumerate(prompts):
+            input_ids[row, width - len(prompt_ids):] = torch.tensor(prompt_ids, dtype=torch.long)
+            mask[row, width - len(prompt_ids):] = 1
+        with quiet_transformers():
+            start = time.perf_counter()
+            out = self._generate(input_ids, mask, max_new_tokens)
+            total_s = time.perf_counter() - start
+        eos = set(self.eos_ids)
+        return BatchPeerRun([_cut(row[width:].tolist(), eos, max_new_tokens) for row in out], total_s)
+
 
 # --- onnxruntime-genai --------------------------------------------------------------------
 
 
 class OrtGenaiPeer:
-    def __init__(self, name: str, og, model, eos_ids: list[int], threads: int, speculative: dict | None = None):
+    def __init__(self, name: str, og, model, eos_ids: list[int], threads: int, speculative: dict | None = None,
+                 pad_id: int | None = None):
         self.name = name
+        self.pad_id = int(pad_id if pad_id is not None else min(eos_ids))
         self.threads = threads
         self.og = og
         self.model = model
@@ -169,6 +214,37 @@ class OrtGenaiPeer:
             tokens.append(last)
         stats = _speculative_summary(generator.get_speculative_stats()) if self.speculative else {}
         return PeerRun(tokens, total_s, first_token_s, stats)
+
+
+    def run_batch(self, prompts: list[list[int]], max_new_tokens: int) -> BatchPeerRun:
+        """The prompts left-padded (with the model's pad token) into one batch of
+        ``search.batch_size`` rows; onnxruntime-genai masks the padding itself."""
+        import numpy as np
+
+        if self.speculative:
+            raise BadInput(f"peer {self.name}: onnxruntime-genai's speculative decoding runs one sequence")
+        for prompt_ids in prompts:
+            _check_request(prompt_ids, max_new_tokens)
+        width = max(len(p) for p in prompts)
+        ids = np.full((len(prompts), width), self.pad_id, dtype=np.int32)
+        for row, prompt_ids in enumerate(prompts):
+            ids[row, width - len(prompt_ids):] = prompt_ids
+        start = time.perf_counter()
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(do_sample=False, num_beams=1, max_length=width + max_new_tokens, min_length=0,
+                                  repetition_penalty=1.0, no_repeat_ngram_size=0, batch_size=len(prompts))
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens(ids)
+        while not generator.is_done():
+            generator.generate_next_token()
+        total_s = time.perf_counter() - start
+        rows = []
+        for row in range(len(prompts)):
+            tokens = _cut([int(t) for t in generator.get_sequence(row)[width:]], self.eos_ids, max_new_tokens)
+            if len(tokens) < max_new_tokens and (not tokens or tokens[-1] not in self.eos_ids):
+                tokens.append(min(self.eos_ids))  # it stopped on an EOS that was not appended (see run)
+            rows.append(tokens)
+        return BatchPeerRun(rows, total_s)
 
 
 _SPECULATIVE_KEYS = ("rounds", "draft_tokens_proposed", "draft_tokens_accepted", "acceptance_rate",
@@ -248,6 +324,11 @@ def _save_hf_dir(loaded, hf_dir: Path) -> None:
     with quiet_transformers():
         model.save_pretrained(str(hf_dir))
         loaded.tokenizer.save_pretrained(str(hf_dir))
+
+
+def _ort_genai_pad(model_dir: Path) -> int | None:
+    pad = json.loads((model_dir / "genai_config.json").read_text())["model"].get("pad_token_id")
+    return int(pad[0] if isinstance(pad, list) else pad) if pad is not None else None
 
 
 def _ort_genai_eos(model_dir: Path) -> list[int]:
@@ -390,7 +471,8 @@ def make_peers(target_source: dict, recipe_dir: Path, names: list[str], threads:
             eos = _ort_genai_eos(model_dir)
             for name in og_names:
                 made[name] = OrtGenaiPeer(name, og, og_model, eos, threads,
-                                          ORT_GENAI_NGRAM if name.endswith("ngram") else None)
+                                          ORT_GENAI_NGRAM if name.endswith("ngram") else None,
+                                          _ort_genai_pad(model_dir))
         except _Skip as why:
             skipped.update({n: str(why) for n in og_names})
         except Exception as err:

@@ -199,7 +199,7 @@ def test_an_interrupt_before_the_first_checkpoint_writes_nothing(work, tmp_path)
 
 BAD = [
     (["--drafter", "medusa"], "--drafter: unknown kind 'medusa'"),
-    (["--drafter", "dflash"], "--drafter dflash: training is not yet supported"),
+    (["--drafter", "dflash", "--layers", "1,1"], "--layers: [1, 1] repeats a layer"),
     (["--recipe-missing"], "recipe file not found"),
     (["--data", "{missing}"], "missing.jsonl: file not found"),
     (["--data", "{notjson}"], "notjson.jsonl:2: not a JSON object"),

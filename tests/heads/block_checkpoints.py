@@ -196,25 +196,6 @@ def build(raw: dict, base: Path, out: Path) -> Path:
     return out
 
 
-def build_head_only(raw: dict, base: Path, tmp: Path):
-    """Load the recipe's one head and run its build (export, parity, registration) without
-    exporting the target: what a loader mistake must fail. Returns the builder."""
-    from specexport.exporter.builder import Builder
-    from specexport.exporter.heads import HeadContext, load_head
-    from specexport.exporter.progress import Reporter
-    from specexport.exporter.recipe import parse_recipe
-    from specexport.exporter.sources import load_source
-
-    parsed = parse_recipe(raw, "recipe")
-    builder = Builder(parsed, base, tmp / "out", Reporter(quiet=True))
-    target = load_source(parsed.target, base, "target")
-    spec = parsed.drafters[0]
-    head = load_head(spec, target, base, "drafters.0")
-    tmp.mkdir(parents=True, exist_ok=True)
-    head.build(HeadContext(builder, tmp, spec.name, builder.plan(target), target, tuple(sorted(head.taps)), 1))
-    return builder
-
-
 def drafts_by_reference(pipe, drafter: str, prompt: str, new_tokens: int = 12) -> list[tuple]:
     """Greedy decode with the head, recording every proposal: [(the committed context it was
     drafted after, the drafts, the depth asked for, the confidence products or None)]."""

@@ -1,5 +1,6 @@
-"""Shared helpers of the head tests: a build, parity figures, losslessness, sampling (chain
-heads), and the checkpoint edits and broken loaders the block-head tests share."""
+"""Shared helpers of the head tests: a build (whole, or of one head alone: what a broken
+loader must fail), parity figures, losslessness, sampling (chain heads), and the checkpoint
+edits and broken loaders the block-head tests share."""
 
 from __future__ import annotations
 
@@ -14,14 +15,38 @@ SHAPES = {"batch": 1, "max_seq_len": 48, "prefill_chunk": 8}
 PROMPTS = ["The lighthouse keeper", "def merge(a, b):\n    return", "1, 2, 3, 4,"]
 
 
+def with_shapes(recipe: dict) -> dict:
+    """``recipe`` with the head tests' SHAPES and draft depth where it gives none."""
+    return {"shapes": SHAPES, "draft": {"max_draft": 3}, **recipe}
+
+
 def build(recipe: dict, base: Path, out: Path) -> Path:
     from specexport.exporter.builder import build_recipe
     from specexport.exporter.progress import Reporter
     from specexport.exporter.recipe import parse_recipe
 
-    recipe = {"shapes": SHAPES, "draft": {"max_draft": 3}, **recipe}
-    build_recipe(parse_recipe(recipe, "recipe"), base, out, False, Reporter(quiet=True))
+    build_recipe(parse_recipe(with_shapes(recipe), "recipe"), base, out, False, Reporter(quiet=True))
     return out
+
+
+def build_head_only(raw: dict, base: Path, tmp: Path):
+    """Load the recipe's one head and run its build (export, parity, registration) without
+    exporting the target: what a loader mistake must fail. Returns the builder."""
+    from specexport.exporter.builder import Builder
+    from specexport.exporter.heads import HeadContext, load_head
+    from specexport.exporter.progress import Reporter
+    from specexport.exporter.recipe import parse_recipe
+    from specexport.exporter.sources import load_source
+
+    parsed = parse_recipe(with_shapes(raw), "recipe")
+    builder = Builder(parsed, base, tmp / "out", Reporter(quiet=True))
+    target = load_source(parsed.target, base, "target")
+    spec = parsed.drafters[0]
+    head = load_head(spec, target, base, "drafters.0")
+    tmp.mkdir(parents=True, exist_ok=True)
+    head.build(HeadContext(builder, tmp, spec.name, builder.plan(target), target, tuple(sorted(head.taps)),
+                           builder.threads))  # the whole build's threads: the shared onnxruntime pool's
+    return builder
 
 
 def head_parity(engines: Path, model: str) -> dict[str, dict]:

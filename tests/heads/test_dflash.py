@@ -20,14 +20,13 @@ from tests.conftest import run_cli
 from tests.heads.block_checkpoints import (
     PROMPTS,
     build,
-    build_head_only,
     drafts_by_reference,
     recipe,
     tiny_target,
     write_speculators_dflash,
     write_zlab_dflash,
 )
-from tests.heads.common import check_greedy_lossless, drop_tensor, edit_config, patch_layout
+from tests.heads.common import build_head_only, check_greedy_lossless, drop_tensor, edit_config, patch_layout
 from tests.lossless import chi_square_passes, exact_sequence_probs
 
 HEADS = {  # drafter name -> (layout, writer, its options)

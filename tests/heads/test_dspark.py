@@ -19,14 +19,13 @@ from specexport.errors import BadInput, SpecexportError
 from tests.heads.block_checkpoints import (
     PROMPTS,
     build,
-    build_head_only,
     drafts_by_reference,
     recipe,
     tiny_target,
     write_deepspec_dspark,
     write_speculators_dspark,
 )
-from tests.heads.common import check_greedy_lossless, drop_tensor, edit_config, patch_layout
+from tests.heads.common import build_head_only, check_greedy_lossless, drop_tensor, edit_config, patch_layout
 from tests.lossless import assert_lossless, chi_square_passes, exact_sequence_probs
 
 HEADS = {  # drafter name -> (layout, writer, its options, recipe extras)

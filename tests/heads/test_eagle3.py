@@ -8,7 +8,14 @@ import pytest
 
 from specexport.errors import BadInput, SpecexportError
 from tests.heads.chain_checkpoints import write_eagle3
-from tests.heads.common import build, check_greedy_lossless, check_parity, check_sampling
+from tests.heads.common import (
+    SHAPES,
+    build,
+    build_head_only,
+    check_greedy_lossless,
+    check_parity,
+    check_sampling,
+)
 
 TARGET = {"source": "tiny", "arch": "llama", "num_layers": 6}
 
@@ -111,11 +118,23 @@ def _break(monkeypatch, what: str):
 @pytest.mark.parametrize("what", ["convention", "mapping", "d2t"])
 def test_a_broken_loader_fails_parity(tmp_path, monkeypatch, what):
     """The reference reads the checkpoint on its own: a loader that reads the layer ids in the
-    wrong convention, swaps two tensors or mis-maps d2t makes the build fail."""
+    wrong convention, swaps two tensors or mis-maps d2t fails the head's parity (a head-only
+    build: no target export)."""
     write_eagle3(tmp_path / "spec", target_config(), "speculators", layer_ids=[0, 1, 3])
     _break(monkeypatch, what)
     with pytest.raises(SpecexportError, match="validation failed for e.catchup|validation failed for e.prefill"):
-        build(recipe({"kind": "eagle3", "name": "e", "path": "spec"}), tmp_path, tmp_path / "out")
+        build_head_only(recipe({"kind": "eagle3", "name": "e", "path": "spec"}), tmp_path, tmp_path / "out")
+
+
+def test_a_head_failing_parity_fails_the_whole_build(tmp_path, monkeypatch):
+    """The builder does not drop a head whose parity fails: the build fails and leaves no
+    directory (the prefill chunk is 1+D: two target graphs before the head's)."""
+    write_eagle3(tmp_path / "spec", target_config(), "speculators", layer_ids=[0, 1, 3])
+    _break(monkeypatch, "mapping")
+    raw = {**recipe({"kind": "eagle3", "name": "e", "path": "spec"}), "shapes": {**SHAPES, "prefill_chunk": 4}}
+    with pytest.raises(SpecexportError, match="validation failed for e.catchup"):
+        build(raw, tmp_path, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
 
 
 MALFORMED = [

@@ -1,6 +1,7 @@
 """MTP heads from tiny random checkpoints in the four published layouts, read from the target's
 own safetensors (DeepSeek, Qwen3-Next, MiMo) or a speculators folder: build with parity, greedy
-losslessness, exact sampling, a broken mapping failing parity, and the one-line errors."""
+losslessness, exact sampling, a broken mapping failing parity (head-only builds), and the
+one-line errors."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from specexport.errors import BadInput, SpecexportError
 from tests.heads.chain_checkpoints import write_mtp_speculators, write_mtp_target
-from tests.heads.common import build, check_greedy_lossless, check_parity, check_sampling
+from tests.heads.common import build, build_head_only, check_greedy_lossless, check_parity, check_sampling
 
 
 def mtp_recipe(target_path: str, *drafters: dict) -> dict:
@@ -63,7 +64,8 @@ def test_sampling_is_exact(built):
 @pytest.mark.parametrize("what", ["concat order", "swapped tensors"])
 def test_a_broken_loader_fails_parity(tmp_path, monkeypatch, what):
     """MiMo concatenates [hidden, embedding]: read in DeepSeek's order, or with gate/up
-    swapped in the mapping table, the graph no longer matches the reference."""
+    swapped in the mapping table, the graph no longer matches the reference (a head-only
+    build: the head's parity is what fails, the target's export would be the same)."""
     from dataclasses import replace
 
     from specexport.exporter.heads import mtp
@@ -75,7 +77,7 @@ def test_a_broken_loader_fails_parity(tmp_path, monkeypatch, what):
                                                      up_w="mlp.gate_proj.weight"))
     write_mtp_target(tmp_path / "t", "qwen2", "mimo")
     with pytest.raises(SpecexportError, match="validation failed for mtp"):
-        build(mtp_recipe("t"), tmp_path, tmp_path / "out")
+        build_head_only(mtp_recipe("t"), tmp_path, tmp_path / "out")
 
 
 MALFORMED = [

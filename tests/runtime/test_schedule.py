@@ -14,7 +14,8 @@ from specexport.contract import DraftSchedule
 from specexport.errors import BadInput
 from specexport.runtime import load
 from specexport.runtime.acceptance import Sampling
-from specexport.runtime.batch_decode import BatchedTarget, Request, decode_batch
+from specexport.runtime.batch_decode import Request, decode_batch
+from specexport.runtime.batched_model import BatchedTarget
 from tests.conftest import run_cli, tiny_recipe
 
 
@@ -62,15 +63,16 @@ def test_the_loop_drafts_only_where_the_schedule_allows(batched_engines):
     target = BatchedTarget(pipe.manifest, pipe.backend, pipe.options, pipe.sessions)
     d = pipe.manifest.draft_len
 
-    def run(schedule):
+    def run(schedule, per_sequence=False):
         requests = [Request(np.asarray(p), 12, Sampling()) for p in prompts]
         return decode_batch(target, pipe.drafter("ngram"), requests, draft_len=d, eos_ids=pipe.text.eos_ids,
-                            schedule=schedule)
+                            schedule=schedule, per_sequence=per_sequence)
 
-    off = run(DraftSchedule.disable_by_batch_size(3, d))  # three running: no drafting
-    assert [r.tokens for r in off] == alone and sum(r.stats.proposed for r in off) == 0
-    on = run(DraftSchedule(((4, d),)))
-    assert [r.tokens for r in on] == alone and sum(r.stats.proposed for r in on) > 0
+    for per_sequence in (False, True):  # per-sequence depth chooses widths under the schedule's cap
+        off = run(DraftSchedule.disable_by_batch_size(3, d), per_sequence)  # three running: no drafting
+        assert [r.tokens for r in off] == alone and sum(r.stats.proposed for r in off) == 0
+        on = run(DraftSchedule(((4, d),)), per_sequence)
+        assert [r.tokens for r in on] == alone and sum(r.stats.proposed for r in on) > 0
 
 
 def test_a_measured_schedule_keeps_the_fastest_depth_per_batch_size():

@@ -3,7 +3,7 @@
 import numpy as np
 
 from specexport.runtime.acceptance import Sampling
-from specexport.runtime.api import _TextTracker
+from specexport.runtime.api import TextTracker
 from specexport.runtime.decode import DecodeStats, decode
 from tests.runtime.fakes import MarkovRunner, OracleDrafter, random_table
 
@@ -19,7 +19,7 @@ def test_token_ids_keep_the_stop_string_tokens_and_the_text_drops_it():
     pieces = {t: LETTERS[t] + "-" for t in range(6)}  # each token detokenizes to two characters
     text = "".join(pieces[t] for t in full)
     stop = text[5:8]  # begins inside the third token's text, completes inside the fourth's
-    tracker = _TextTracker(pieces.get, [stop])
+    tracker = TextTracker(pieces.get, [stop])
     stats = DecodeStats(draft_len=4)
     ids = list(decode(MarkovRunner(table), OracleDrafter(table), prompt, draft_len=4, max_new_tokens=8,
                       sampling=Sampling(), eos_ids=frozenset(), rng=np.random.default_rng(0), stop=tracker.add,

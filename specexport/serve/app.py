@@ -1,0 +1,327 @@
+"""The FastAPI app: OpenAI's completions and chat completions over the engine thread.
+
+The engine directory loads in the lifespan, in a thread, so the port answers at once: /health
+and the completion routes say 503 until the engine is ready. Request bodies are read and
+checked here (not by FastAPI's automatic validation) so every bad request gets OpenAI's error
+body with the status a client can act on: 400 bad field, 401 wrong key, 404 unknown model or
+route, 413 too long, 429 queue full, 503 loading. Nothing a request sends reaches the engine
+thread unchecked: a bad request never disturbs the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specexport.errors import SpecexportError
+from specexport.serve.config import ServeConfig
+from specexport.serve.engine_loop import EngineThread, Event, Job, Params, QueueFull
+from specexport.serve.metrics import ServerMetrics
+from specexport.serve.protocol import ApiError, ChatRequest, CompletionRequest
+
+_log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 4 * 1024 * 1024  # more than any prompt the engines can hold
+_SERVED_BY = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (Ray replicas differ)
+
+
+def default_loader(config: ServeConfig):
+    from specexport.runtime import load
+
+    return load(config.engine_dir, threads=config.threads)
+
+
+class ServerState:
+    """The loaded pipeline, its engine thread and metrics; or why they are not there yet."""
+
+    def __init__(self, config: ServeConfig, loader: Callable[[ServeConfig], object]):
+        self.config, self.loader = config, loader
+        self.pipe = None
+        self.engine: EngineThread | None = None
+        self.metrics: ServerMetrics | None = None
+        self.error: str | None = None
+        self.loaded = threading.Event()
+        self._loading = threading.Thread(target=self._load, name="specexport-load", daemon=True)
+
+    def start(self) -> None:
+        self._loading.start()
+
+    def _load(self) -> None:
+        try:
+            pipe = self.loader(self.config)
+            loop = pipe.batch_loop(drafter=self.config.drafter, max_batch=self.config.max_batch,
+                                   schedule=self.config.schedule, per_sequence=self.config.per_sequence)
+            self.metrics = ServerMetrics(self.config.served_name, pipe.manifest.draft_len)
+            engine = EngineThread(pipe, loop, self.metrics, self.config.max_waiting)
+            engine.start()
+            self.pipe, self.engine = pipe, engine
+        except SpecexportError as err:
+            self.error = str(err)
+        except Exception as err:  # noqa: BLE001 - reported by /health and every request
+            _log.exception("loading %s failed", self.config.engine_dir)
+            self.error = f"{type(err).__name__}: {err}"
+        finally:
+            self.loaded.set()
+
+    def stop(self) -> None:
+        self._loading.join(timeout=120)
+        if self.engine is not None:
+            self.engine.stop()
+
+    def ready_engine(self) -> EngineThread:
+        if self.error is not None:
+            raise ApiError(503, f"the engine failed to load: {self.error}", kind="server_error", code="engine_failed")
+        if self.engine is None:
+            raise ApiError(503, "the engine is still loading; retry shortly", kind="server_error", code="loading")
+        if not self.engine.alive:
+            raise ApiError(503, "the engine thread has stopped", kind="server_error", code="engine_stopped")
+        return self.engine
+
+
+def create_app(config: ServeConfig, *, loader: Callable[[ServeConfig], object] | None = None) -> FastAPI:
+    """The server for one engine directory. ``loader(config) -> Pipeline`` (default:
+    specexport.runtime.load with the config's threads)."""
+    state = ServerState(config, loader or default_loader)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.start()
+        yield
+        await asyncio.to_thread(state.stop)
+
+    app = FastAPI(title="specexport", lifespan=lifespan)
+    app.state.server = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError):
+        if state.metrics is not None:
+            state.metrics.reject(err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers={"x-served-by": _SERVED_BY})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        return JSONResponse(ApiError(err.status_code, str(err.detail), code=str(err.status_code)).body(),
+                            status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, err: Exception):
+        _log.exception("request failed")
+        return JSONResponse(ApiError(500, f"internal error: {type(err).__name__}", kind="server_error").body(),
+                            status_code=500)
+
+    def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                           kind="authentication_error", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        state.ready_engine()
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        if state.metrics is None:
+            state.ready_engine()
+        return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        max_len = state.pipe.max_seq_len if state.pipe is not None else None
+        return {"object": "list", "data": [{"id": config.served_name, "object": "model", "created": 0,
+                                            "owned_by": "specexport", "max_model_len": max_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        authorize(request)
+        body = await _parse(request, CompletionRequest)
+        engine = state.ready_engine()
+        ids = _encode(state, lambda: _completion_ids(state, body.prompt), "prompt")
+        return await _respond(request, state, engine, body, ids, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        authorize(request)
+        body = await _parse(request, ChatRequest)
+        engine = state.ready_engine()
+        messages = [m.as_template_input() for m in body.messages]
+        ids = _encode(state, lambda: state.pipe.text.encode_chat(messages), "messages")
+        return await _respond(request, state, engine, body, ids, body.token_budget, chat=True)
+
+    return app
+
+
+async def _parse(request: Request, model):
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is {len(raw)} bytes, more than {MAX_BODY_BYTES}", code="body_too_large")
+    try:
+        data = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the body is not JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or None
+        raise ApiError(400, f"{field}: {first['msg']}", param=field) from None
+    if (bad := body.unsupported()) is not None:
+        raise ApiError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
+    server = request.app.state.server
+    if body.model != server.config.served_name:
+        raise ApiError(404, f"model '{body.model}' is not served here; this server serves '{server.config.served_name}'",
+                       param="model", code="model_not_found")
+    return body
+
+
+def _completion_ids(state: ServerState, prompt) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        vocab = state.pipe.manifest.models["target"].vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ApiError(400, f"prompt: token ids must lie in [0, {vocab})", param="prompt")
+        return list(prompt)
+    text = prompt[0] if isinstance(prompt, list) and prompt else prompt
+    return state.pipe.text.encode(text) if isinstance(text, str) and text else []
+
+
+def _encode(state: ServerState, encode: Callable[[], list[int]], field: str) -> list[int]:
+    try:
+        ids = encode()
+    except SpecexportError as err:  # a model without a chat template, a template's own error
+        raise ApiError(400, f"{field}: {err}", param=field) from None
+    if not ids:
+        raise ApiError(400, f"{field}: the prompt is empty", param=field)
+    return ids
+
+
+async def _respond(request: Request, state: ServerState, engine: EngineThread, body, ids: list[int],
+                   max_tokens: int | None, *, chat: bool):
+    limit = state.pipe.max_seq_len
+    if len(ids) >= limit:
+        raise ApiError(413, f"the prompt has {len(ids)} tokens; this model's context is {limit} tokens "
+                            "(prompt and completion together)", param="messages" if chat else "prompt",
+                       code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = limit - len(ids)
+    elif len(ids) + max_tokens > limit:
+        raise ApiError(400, f"max_tokens: {len(ids)} prompt tokens + {max_tokens} exceed this model's context of "
+                            f"{limit}; ask for at most {limit - len(ids)}", param="max_tokens",
+                       code="context_length_exceeded")
+    job = Job(engine.next_id("chatcmpl" if chat else "cmpl"), ids,
+              Params(max_tokens, body.temperature, body.top_p, max(body.top_k, 0), body.seed, tuple(body.stops)),
+              asyncio.get_running_loop(), stream=body.stream)
+    try:
+        engine.submit(job)
+    except QueueFull as err:
+        raise ApiError(429, str(err), kind="rate_limit_error", code="queue_full") from None
+    chunks = _Chunks(job.id, state.config.served_name, chat, body.return_token_ids)
+    headers = {"x-served-by": _SERVED_BY}
+    if body.stream:
+        return StreamingResponse(_stream(engine, job, chunks, len(ids), body.include_usage, body.continuous_usage),
+                                 media_type="text/event-stream", headers=headers)
+    text, tokens, reason = [], [], None
+    while True:
+        try:
+            event: Event = await asyncio.wait_for(job.events.get(), timeout=1.0)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                engine.cancel(job.id)
+                return Response(status_code=499)
+            continue
+        if event.error is not None:
+            raise ApiError(500, event.error, kind="server_error")
+        text.append(event.text)
+        tokens += event.token_ids
+        if event.done:
+            reason = event.finish_reason
+            break
+    return JSONResponse(chunks.whole("".join(text), reason, _usage(len(ids), len(tokens)), tokens), headers=headers)
+
+
+async def _stream(engine: EngineThread, job: Job, chunks: _Chunks, prompt_tokens: int,
+                  include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
+    done = False
+    tokens = 0
+    try:
+        if chunks.chat:
+            yield _sse(chunks.piece(None, None, role=True))
+        while not done:
+            event: Event = await job.events.get()
+            done = event.done
+            if event.error is not None:
+                yield _sse(ApiError(500, event.error, kind="server_error").body())
+                break
+            tokens += len(event.token_ids)
+            if event.text or event.token_ids or done:
+                piece = chunks.piece(event.text, event.finish_reason if done else None, event.token_ids)
+                if continuous_usage:
+                    piece["usage"] = _usage(prompt_tokens, tokens)
+                yield _sse(piece)
+        if include_usage:
+            yield _sse(chunks.usage(_usage(prompt_tokens, tokens)))
+        yield "data: [DONE]\n\n"
+    finally:
+        if not done:  # the client went away: free the slot at the next round
+            engine.cancel(job.id)
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class _Chunks:
+    """OpenAI's response and chunk bodies for one request (with vLLM's ``return_token_ids``
+    extension: each choice also carries its token ids)."""
+
+    def __init__(self, job_id: str, model: str, chat: bool, token_ids: bool):
+        self.id, self.model, self.chat, self.token_ids = job_id, model, chat, token_ids
+        self.created = int(time.time())
+
+    def _head(self, object_: str) -> dict:
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
+
+    def piece(self, text: str | None, reason: str | None, token_ids: list[int] | None = None,
+              role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        if self.token_ids and not role:
+            choice["token_ids"] = token_ids or []
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+
+    def usage(self, usage: dict) -> dict:
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": usage}
+
+    def whole(self, text: str, reason: str | None, usage: dict, token_ids: list[int]) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        if self.token_ids:
+            choice["token_ids"] = token_ids
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+                "usage": usage}
