@@ -66,7 +66,6 @@ class Job:
     held: list[int] = field(default_factory=list)  # a whole response's tokens, posted at the end
     first_at: float | None = None
     last_at: float | None = None
-    completion_tokens: int = 0
 
     def post(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -178,7 +177,6 @@ class EngineThread:
                 continue
             tokens, job.pending = job.pending, []
             n = len(tokens)
-            job.completion_tokens += n
             self.metrics.generation_tokens.inc(n)
             if job.first_at is None:
                 job.first_at = now
