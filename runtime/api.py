@@ -294,12 +294,15 @@ class Pipeline:
         return self._batched[1]
 
     def batch_loop(self, *, drafter: str = "none", draft_len: int | None = None, max_batch: int | None = None,
-                   schedule: bool = True, per_sequence: bool = False, on_token=None, on_round=None):
+                   schedule: bool = True, per_sequence: bool = False, adaptive: bool = True, on_token=None,
+                   on_round=None):
         """A continuous-batching loop (runtime/batch_decode.BatchLoop) over this pipeline's
         batched target: submit requests made by ``batch_request`` and step it. Rounds draft
         at most the manifest's depth for the number of running sequences (the plan's schedule,
         unless ``schedule`` is False) and ``draft_len``; ``per_sequence``: each round's width,
-        under that cap, from every row's own acceptance and the measured batch costs. Drafters: none,
+        under that cap, from every row's own acceptance and the measured batch costs; otherwise
+        ``adaptive``: each sequence's own adaptive depth under it, as ``generate`` chooses it
+        alone (so a request alone in the batch decodes exactly as ``generate``). Drafters: none,
         ngram, the int4 copy and draft models (their batched graphs at every batch size the
         target runs; runtime/batch_drafter.py says why one cannot run)."""
         from specexport.runtime.batch_decode import BatchLoop
@@ -307,10 +310,11 @@ class Pipeline:
 
         target = self.batched_target(max_batch)
         chosen = batch_drafter(self, drafter, target)  # BadInput: a drafter that cannot run batched
+        policy = (lambda: self._policy(chosen.name)) if adaptive and chosen.name != "none" else None
         return BatchLoop(target, chosen, draft_len=self._depth(draft_len),
                          eos_ids=self.text.eos_ids, on_token=on_token,
                          schedule=self.manifest.draft_schedule if schedule else None,
-                         per_sequence=per_sequence, on_round=on_round)
+                         per_sequence=per_sequence, on_round=on_round, adaptive=policy)
 
     def batch_request(self, ids: Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
                       top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = ()):
@@ -329,14 +333,14 @@ class Pipeline:
                        drafter: str = "none", max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
                        draft_len: int | None = None, max_batch: int | None = None,
-                       schedule: bool = True, per_sequence: bool = False) -> list[Generation]:
+                       schedule: bool = True, per_sequence: bool = False, adaptive: bool = True) -> list[Generation]:
         """Decode many prompts together (runtime/batch_decode.py): up to ``max_batch`` (default:
         the largest batch size built) share each verify pass, joining as others finish. A prompt
         is text, a {"messages": [...]} or {"prompt": "..."} record (the bench's format), or token
         ids. Each result is what ``generate`` gives for that prompt alone (greedy: the same
         tokens). Sequence i samples with seed ``seed + i``. Depth: as ``batch_loop``."""
         loop = self.batch_loop(drafter=drafter, draft_len=draft_len, max_batch=max_batch, schedule=schedule,
-                               per_sequence=per_sequence)
+                               per_sequence=per_sequence, adaptive=adaptive)
         trackers, ids_of = [], []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, dict):

@@ -62,6 +62,7 @@ class _Running:
     context: np.ndarray  # [S_max + 1] committed tokens: prompt + output
     length: int  # committed tokens; the cache holds length - 1 of them
     stats: DecodeStats
+    policy: DepthPolicy | None = None  # this sequence's own adaptive depth (as runtime/decode.py's)
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,8 @@ class BatchLoop:
 
     def __init__(self, target: BatchedTarget, drafter: BatchDrafter | Drafter, *, draft_len: int, eos_ids: frozenset[int],
                  on_token: Callable[[Hashable, int], None] | None = None, schedule: DraftSchedule | None = None,
-                 per_sequence: bool = False, on_round: Callable[[RoundReport], None] | None = None):
+                 per_sequence: bool = False, on_round: Callable[[RoundReport], None] | None = None,
+                 adaptive: Callable[[], DepthPolicy] | None = None):
         if per_sequence and not target.costs:
             target.measure_costs()
         self.target, self.draft_len, self.eos_ids = target, draft_len, eos_ids
@@ -163,6 +165,10 @@ class BatchLoop:
         self.on_token, self.on_round = on_token, on_round
         self.schedule = schedule  # caps the depth; per_sequence then picks the width under it
         self.widths = _Widths(DepthPolicy(lambda tokens: None)) if per_sequence else None
+        # Each sequence's own adaptive depth under the cap, chosen and updated exactly as the
+        # single-sequence loop does: a request alone in the batch decodes as `generate` does
+        # (the same depths, so the same draws when sampled). per_sequence replaces it.
+        self.adaptive = None if per_sequence else adaptive
         self.waiting: deque[tuple[Hashable, Request]] = deque()
         self.running: list[_Running] = []
         self._cancelled: set[Hashable] = set()
@@ -185,6 +191,8 @@ class BatchLoop:
         while self.waiting and len(self.running) < self.target.slots:  # join: prefill alone, into the next slot
             key, request = self.waiting.popleft()
             self.running.append(_start(self.target, self.drafter, len(self.running), key, request, self.draft_len))
+            if self.adaptive is not None:
+                self.running[-1].policy = self.adaptive()
         if self.running:
             depth = self.draft_len if self.schedule is None else min(self.draft_len, self.schedule.depth(len(self.running)))
             report = _round(self.target, self.drafter, self.running, depth, self.eos_ids, self.on_token, self.widths)
@@ -222,14 +230,16 @@ class BatchLoop:
 
 def decode_batch(target: BatchedTarget, drafter: BatchDrafter | Drafter, requests: Sequence[Request], *, draft_len: int,
                  eos_ids: frozenset[int], on_token: Callable[[int, int], None] | None = None,
-                 schedule: DraftSchedule | None = None, per_sequence: bool = False) -> list[Finished]:
+                 schedule: DraftSchedule | None = None, per_sequence: bool = False,
+                 adaptive: Callable[[], DepthPolicy] | None = None) -> list[Finished]:
     """Decode every request, up to ``target.slots`` at a time, each exactly as it would decode
     alone (greedy: the same tokens; sampled: the same distribution). ``on_token(index, token)``
     sees each emitted token. ``schedule``: each round drafts at most its depth for the number of
     running sequences (and ``draft_len``). ``per_sequence``: each round's verify width, under
-    that cap, from the rows' own acceptance and the measured batch costs (runtime/goodput.py)."""
+    that cap, from the rows' own acceptance and the measured batch costs (runtime/goodput.py).
+    ``adaptive``: makes each sequence's own DepthPolicy (its depth under the cap, as alone)."""
     loop = BatchLoop(target, drafter, draft_len=draft_len, eos_ids=eos_ids, on_token=on_token,  # type: ignore[arg-type]
-                     schedule=schedule, per_sequence=per_sequence)
+                     schedule=schedule, per_sequence=per_sequence, adaptive=adaptive)
     for index, request in enumerate(requests):
         loop.submit(index, request)
     finished: dict[Hashable, Finished] = {}
@@ -284,9 +294,11 @@ def _round(target: BatchedTarget, drafter: BatchDrafter, running: list[_Running]
     # each row's depth: the round's, within its cache and its token budget (0: it only verifies)
     ks = [min(draft_len, target.max_seq_len - seq.length, seq.request.max_new_tokens - seq.stats.tokens - 1)
           for seq in running]
+    ks = [seq.policy.best_depth(drafter.name, k) if seq.policy is not None else k for seq, k in zip(running, ks)]
     engine_before = drafter.engine_seconds
     drafts = drafter.propose([DraftRow(seq.context[: seq.length], seq.request.sampling, seq.request.rng)
                               for seq in running], ks)
+    drafts = [seq.policy.trim(d, drafter.name) if seq.policy is not None else d for seq, d in zip(running, drafts)]
     draft_s, draft_engine_s = time.perf_counter() - start, drafter.engine_seconds - engine_before
     for seq in running:  # every row waits for the whole batched draft, as for the verify pass
         seq.stats.draft_s += draft_s
@@ -317,8 +329,9 @@ def _round(target: BatchedTarget, drafter: BatchDrafter, running: list[_Running]
             n_accepted, next_token = rejection(draft, Warped(out[LOGITS][r, :valid], seq.request.sampling),
                                                seq.request.rng)
         drafter.accept(r, n_accepted, next_token)
-        if widths is not None:
-            widths.policy.update(draft.tag or drafter.name, draft.size, n_accepted)
+        for policy in (widths.policy if widths is not None else None, seq.policy):
+            if policy is not None:
+                policy.update(draft.tag or drafter.name, draft.size, n_accepted)
         before = (seq.stats.proposed, seq.stats.accepted)
         _commit(seq, draft, n_accepted, next_token, eos_ids, on_token)
         report.proposed.append(seq.stats.proposed - before[0])

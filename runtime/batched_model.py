@@ -114,7 +114,10 @@ class BatchedModel:
         self.slots = max(batches)
         self.max_seq_len = info.max_seq_len
         shape = info.kv.shape(self.slots)  # [B_max, n_kv, S_max, hd]
-        self.cache = {name: np.zeros(shape, dtype=info.kv_dtype) for name in past_names(info.num_layers)}
+        # written now (np.full, not the lazily mapped np.zeros): the pages are faulted in at load,
+        # not inside the first rounds that reach each row (a server's first requests, a bench's
+        # first mode at a batch size)
+        self.cache = {name: np.full(shape, 0, dtype=info.kv_dtype) for name in past_names(info.num_layers)}
         self.calls: dict[tuple[int, int], BatchedCall] = {}  # (B, T) -> the call
         for batch in batches:
             for entry in manifest.engines_of(model, backend, batch=batch):

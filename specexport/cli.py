@@ -182,8 +182,8 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
         if prompt is not None or prompt_file is not None:
             raise BadInput("give --prompts-file alone, without --prompt or --prompt-file")
         _generate_batch(engine_dir, prompts_file, max_batch, as_json, dict(
-            chat=chat, drafter=drafter, draft_len=draft_len, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_k=top_k, top_p=top_p, seed=seed, stop=stop), dict(threads=threads, backend=backend, device=device))
+            chat=chat, drafter=drafter, draft_len=draft_len, adaptive=adaptive, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop), dict(threads=threads, backend=backend, device=device))
         return
     if prompt_file is not None:
         if prompt is not None:
@@ -300,7 +300,7 @@ def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, dr
                 pipe.manifest.raw["recipe"]["target"], Path(pipe.manifest.raw.get("recipe_dir", ".")), wanted,
                 threads, engine_dir.parent / f".{engine_dir.name}.peers")
         result = run_batched(pipe, prompts, sizes, names, max_new_tokens, Reporter(quiet=as_json),
-                             batch_peers, batch_skipped)
+                             batch_peers, batch_skipped, repeats)
         files = write_batched(result, out)
         if as_json:
             _print_json(result)

@@ -26,7 +26,7 @@ def _layers(value: str | None) -> list[int] | None:
 @click.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--drafter", "drafter", default="eagle3", show_default=True,
-              help="The head to train: eagle3 (SafeAILab layout) or dflash (speculators layout).")
+              help="The head to train: eagle3 (SafeAILab layout), dflash or dspark (speculators layout).")
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True,
               help="Output folder: the checkpoint (config.json, model.safetensors), distill.json, state/.")
 @click.option("--minutes", type=click.FloatRange(min=0.0, min_open=True), default=10.0, show_default=True,
@@ -63,13 +63,17 @@ def _layers(value: str | None) -> list[int] | None:
 @click.option("--layers", default=None, help="Target layers tapped, the stream entering each (default eagle3: "
               "2,L//2,L-3; dflash: up to 5 spread over 1..L-1).")
 @click.option("--block-size", type=click.IntRange(2), default=None,
-              help="dflash: block size, the anchor + its drafts (default: the plan's D + 1).")
+              help="dflash/dspark: block size, the anchor + its drafts (default: the plan's D + 1; dspark, "
+                   "whose anchor slot drafts too: D).")
 @click.option("--draft-layers", type=click.IntRange(1), default=1, show_default=True,
-              help="dflash: decoder layers of the head.")
+              help="dflash/dspark: decoder layers of the head.")
 @click.option("--anchors", type=click.IntRange(1), default=64, show_default=True,
-              help="dflash: random blocks per sequence per step (and blocks per scoring pass).")
+              help="dflash/dspark: random blocks per sequence per step (and blocks per scoring pass).")
 @click.option("--gamma", type=click.FloatRange(min=0.0, min_open=True), default=None,
-              help="dflash: loss weight exp(-(k-1)/gamma) of block slot k (default: 7 at block 16, 5 at 10, 4 at 8).")
+              help="dflash/dspark: loss weight exp(-i/gamma) of drafting slot i (default: 7 at 15 drafts, "
+                   "5 at 9, 4 at 7).")
+@click.option("--markov-rank", type=click.IntRange(1), default=None,
+              help="dspark: rank of the vanilla Markov head (default: 32).")
 @click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Where the teacher's rows are cached (default: the system's temporary folder).")
 @click.option("--cache-gb", type=click.FloatRange(0.0), default=4.0, show_default=True,
@@ -80,9 +84,9 @@ def distill(recipe: Path, drafter: str, out: Path, minutes: float, device: str, 
             eval_minutes: float, samples: int, temperature: float, max_new: int, gen_batch: int, holdout: float,
             draft_vocab: int, topk: int, ttt_steps: int, batch_tokens: int, lr: float, warmup: int,
             layers: str | None, block_size: int | None, draft_layers: int, anchors: int, gamma: float | None,
-            cache_dir: Path | None, cache_gb: float, quiet: bool) -> None:
-    """Train a drafter head (--drafter eagle3 or dflash) for RECIPE's target from the target's
-    own responses; write a checkpoint a recipe's drafters can name (kind: eagle3 or dflash, path: OUT)."""
+            markov_rank: int | None, cache_dir: Path | None, cache_gb: float, quiet: bool) -> None:
+    """Train a drafter head (--drafter eagle3, dflash or dspark) for RECIPE's target from the target's
+    own responses; write a checkpoint a recipe's drafters can name (kind: eagle3, dflash or dspark, path: OUT)."""
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
         raise missing_extra("torch", "export")
     from specexport.exporter.distill.command import DistillOptions, summary
@@ -94,7 +98,7 @@ def distill(recipe: Path, drafter: str, out: Path, minutes: float, device: str, 
         samples=samples, temperature=temperature, max_new=max_new, gen_batch=gen_batch, holdout=holdout,
         draft_vocab=draft_vocab, topk=topk, ttt_steps=ttt_steps, batch_tokens=batch_tokens, lr=lr, warmup=warmup,
         layers=_layers(layers), block_size=block_size, draft_layers=draft_layers, anchors=anchors, gamma=gamma,
-        cache_dir=cache_dir, cache_gb=cache_gb, quiet=quiet,
+        markov_rank=markov_rank, cache_dir=cache_dir, cache_gb=cache_gb, quiet=quiet,
     )
     provenance = run(opts)
     if not quiet:

@@ -66,6 +66,8 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None) -> str
 @click.option("--served-model-name", default="", help="The model name clients ask for (default: the directory's name).")
 @click.option("--no-schedule", is_flag=True, help="Draft the full depth at every batch size (ignore draft.schedule).")
 @click.option("--per-sequence", is_flag=True, help="Each round's width from the rows' own acceptance and costs.")
+@click.option("--adaptive/--fixed-depth", default=True, show_default=True,
+              help="Each request's own adaptive depth under the schedule, as `generate` chooses it alone.")
 @click.option("--ray", "use_ray", is_flag=True, help="Serve through Ray Serve: one engine loop per replica.")
 @click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True, help="With --ray.")
 @click.option("--autoscale", default=None, help="With --ray: MIN:MAX replicas, scaled by ongoing requests.")
@@ -74,10 +76,10 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None) -> str
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int | None, max_waiting: int,
           threads: int | None, api_key: str | None, served_model_name: str, no_schedule: bool, per_sequence: bool,
-          use_ray: bool, replicas: int, autoscale: str | None, ray_address: str | None, log_level: str) -> None:
+          adaptive: bool, use_ray: bool, replicas: int, autoscale: str | None, ray_address: str | None, log_level: str) -> None:
     """Serve ENGINE_DIR over OpenAI's API: /v1/completions, /v1/chat/completions (streamed or
     not), /v1/models, /health and /metrics (Prometheus). One engine thread batches every
-    request; depth follows the plan's draft.schedule."""
+    request; depth follows the plan's draft.schedule, and each request's adaptive depth under it."""
     for package, extra in (("fastapi", "serve"), ("uvicorn", "serve"), ("prometheus_client", "serve")):
         if importlib.util.find_spec(package) is None:
             raise missing_extra(package, extra)
@@ -87,7 +89,7 @@ def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int |
     from specexport.serve.config import ServeConfig
 
     config = ServeConfig(str(engine_dir.resolve()), served_model_name, drafter, max_batch, max_waiting, threads,
-                         api_key, not no_schedule, per_sequence)
+                         api_key, not no_schedule, per_sequence, adaptive)
     if use_ray:
         if importlib.util.find_spec("ray") is None:
             raise missing_extra("ray", "ray")

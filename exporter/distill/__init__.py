@@ -12,10 +12,13 @@ The modules, one job each:
 - ``dflash_model.py``: the DFlash head being trained (speculators layout, the math of the
   build's reference forward), many blocks in one batched forward;
 - ``dflash_train.py``: random anchors, the position-decayed block loss, block acceptance;
-- ``checkpoint.py``: the output folder (a checkpoint the ``eagle3`` or ``dflash`` loader reads, provenance,
+- ``dspark_model.py``, ``dspark_train.py``: DSpark, the DFlash block drafting from the anchor
+  slot plus a vanilla Markov head (teacher-forced) and a confidence head (BCE, calibrated so its
+  running product predicts acceptance), in the speculators ``dspark`` layout;
+- ``checkpoint.py``: the output folder (a checkpoint the ``eagle3``, ``dflash`` or ``dspark`` loader reads, provenance,
   and the training state ``--resume`` continues), written whole or not at all;
 - ``command.py``: the run: options, progress, checkpoints, Ctrl-C.
 """
 
-DRAFTER_KINDS = ("eagle3", "dflash")  # the kinds `--drafter` names
-TRAINED_KINDS = ("eagle3", "dflash")
+DRAFTER_KINDS = ("eagle3", "dflash", "dspark")  # the kinds `--drafter` names
+TRAINED_KINDS = ("eagle3", "dflash", "dspark")

@@ -4,7 +4,7 @@
 2. data: the target's own responses to ``--prompts`` (greedy, plus sampled ones) and
    ``--data`` text, a held-out split, the draft vocabulary (or, with ``--resume``, all of it
    from the checkpoint);
-3. training (EAGLE-3 with training-time test, or DFlash blocks at random anchors) until
+3. training (EAGLE-3 with training-time test, DFlash or DSpark blocks at random anchors) until
    ``--minutes`` or ``--max-steps``, the held-out split scored every ``--eval-minutes``, each
    score also a checkpoint;
 4. a final score and checkpoint. Ctrl-C keeps the last checkpoint (``checkpoint.py``).
@@ -40,6 +40,8 @@ from specexport.progress import Reporter
 
 MAX_DATA_TOKENS = 2048  # a --data line is cut to this many tokens
 EVAL_SEQUENCES = 64  # held-out sequences scored at each checkpoint (all of them at the end)
+DEFAULT_MARKOV_RANK = 32
+BLOCK_KINDS = ("dflash", "dspark")  # drafters trained as blocks at random anchors
 
 
 class Interrupted(SpecexportError):
@@ -74,10 +76,11 @@ class DistillOptions:
     lr: float = 1e-3
     warmup: int = 100
     layers: list[int] | None = None
-    block_size: int | None = None  # dflash: the block (anchor + drafts); default the plan's D + 1
-    draft_layers: int = 1  # dflash: decoder layers of the head
-    anchors: int = 64  # dflash: blocks per sequence per step
-    gamma: float | None = None  # dflash: loss decay exp(-(k-1)/gamma) over block slots; default by block size
+    block_size: int | None = None  # dflash/dspark: the block; default the plan's D + 1 (dspark: D, the anchor drafts)
+    draft_layers: int = 1  # dflash/dspark: decoder layers of the head
+    anchors: int = 64  # dflash/dspark: blocks per sequence per step
+    gamma: float | None = None  # dflash/dspark: loss decay over the drafting slots; default by the drafts
+    markov_rank: int | None = None  # dspark: rank of the Markov head; default DEFAULT_MARKOV_RANK
     cache_dir: Path | None = None
     cache_gb: float = 4.0
     quiet: bool = False
@@ -85,7 +88,7 @@ class DistillOptions:
 
 # settings a resumed run keeps from the first one (the data and the model's shape depend on them)
 KEPT_ON_RESUME = ("seed", "samples", "temperature", "max_new", "holdout", "draft_vocab", "topk", "ttt_steps",
-                  "batch_tokens", "lr", "warmup", "block_size", "draft_layers", "anchors", "gamma")
+                  "batch_tokens", "lr", "warmup", "block_size", "draft_layers", "anchors", "gamma", "markov_rank")
 
 
 def check_options(opts: DistillOptions) -> None:
@@ -97,10 +100,17 @@ def check_options(opts: DistillOptions) -> None:
         raise BadInput(f"--device: '{opts.device}' is not cpu or cuda")
     if opts.drafter == "eagle3" and opts.layers is not None and len(opts.layers) != 3:
         raise BadInput(f"--layers: EAGLE-3 reads three target layers, got {len(opts.layers)}")
-    if opts.layers is not None and len(set(opts.layers)) != len(opts.layers) and opts.drafter == "dflash":
-        raise BadInput(f"--layers: {opts.layers} repeats a layer (DFlash reads distinct target layers)")
-    if opts.drafter != "dflash" and (opts.block_size is not None or opts.draft_layers != 1 or opts.gamma is not None):
-        raise BadInput("--block-size, --draft-layers and --gamma are DFlash settings (--drafter dflash)")
+    if opts.layers is not None and len(set(opts.layers)) != len(opts.layers) and opts.drafter in BLOCK_KINDS:
+        raise BadInput(f"--layers: {opts.layers} repeats a layer (block heads read distinct target layers)")
+    if opts.drafter not in BLOCK_KINDS and (opts.block_size is not None or opts.draft_layers != 1
+                                            or opts.gamma is not None):
+        raise BadInput("--block-size, --draft-layers and --gamma are DFlash settings (--drafter dflash or dspark)")
+    if opts.drafter != "dspark" and opts.markov_rank is not None:
+        raise BadInput("--markov-rank is a DSpark setting (--drafter dspark)")
+    if opts.markov_rank is not None and opts.markov_rank < 1:
+        raise BadInput(f"--markov-rank: {opts.markov_rank} is not a positive rank")
+    if opts.drafter == "dspark" and opts.block_size is not None and opts.block_size < 2:
+        raise BadInput(f"--block-size: {opts.block_size} is below 2 (the dspark layout's least block)")
     out = opts.out
     if out.exists() and not out.is_dir():
         raise BadInput(f"-o {out}: is a file; choose a folder")
@@ -252,33 +262,48 @@ def _eagle3_head(s: dict, cfg, taps, draft_ids, d: int, longest: int, target, te
     return _Head(head, config, "safeailab", list(head.parameters()), step, score)
 
 
-def _dflash_head(s: dict, cfg, taps, draft_ids, d: int, longest: int, target, teacher, seqs, draft_t, draft_of,
-                 device, facts: dict | None) -> _Head:
+def _block_facts(kind: str, s: dict, cfg, d: int, target, seqs) -> dict:
+    """What fixes a new block head's shape and loss (kept for --resume and the provenance)."""
+    from specexport.exporter.distill.dflash_train import default_gamma, mask_token
+
+    # DSpark's anchor slot drafts too: a block of B drafts B tokens (the dspark layout's least block is 2)
+    block = s["block_size"] or (max(2, d) if kind == "dspark" else d + 1)
+    drafts = block if kind == "dspark" else block - 1
+    special = list(getattr(target.tokenizer, "all_special_ids", []) or [])
+    facts = {"block_size": block, "draft_layers": s["draft_layers"], "gamma": s["gamma"] or default_gamma(drafts + 1),
+             "mask_token_id": mask_token(seqs, cfg.vocab_size, special)}
+    if kind == "dspark":
+        facts["markov_rank"] = s["markov_rank"] or DEFAULT_MARKOV_RANK
+    return facts
+
+
+def _block_head(kind: str, s: dict, cfg, taps, draft_ids, d: int, longest: int, target, teacher, seqs, draft_t,
+                draft_of, device, facts: dict | None) -> _Head:
+    """A DFlash or DSpark head (DSpark: the DFlash block and its training, plus its two heads)."""
     import torch
 
-    from specexport.exporter.distill.dflash_model import DFlashDraft, head_config, rope_tables
-    from specexport.exporter.distill.dflash_train import default_gamma, evaluate, mask_token, train_step
+    from specexport.exporter.distill import dflash_model, dflash_train, dspark_model, dspark_train
     from specexport.exporter.distill.eagle3_train import assemble
 
-    if facts is None:
-        block = s["block_size"] or d + 1
-        special = list(getattr(target.tokenizer, "all_special_ids", []) or [])
-        facts = {"block_size": block, "draft_layers": s["draft_layers"], "gamma": s["gamma"] or default_gamma(block),
-                 "mask_token_id": mask_token(seqs, cfg.vocab_size, special)}
+    facts = facts or _block_facts(kind, s, cfg, d, target, seqs)
     block, gamma = facts["block_size"], facts["gamma"]
-    config = head_config(cfg, taps, len(draft_ids), block, facts["draft_layers"], facts["mask_token_id"])
+    shape = (cfg, taps, len(draft_ids), block, facts["draft_layers"], facts["mask_token_id"])
+    if kind == "dspark":
+        config, model, train = dspark_model.head_config(*shape, facts["markov_rank"]), dspark_model.DSparkDraft, dspark_train
+    else:
+        config, model, train = dflash_model.head_config(*shape), dflash_model.DFlashDraft, dflash_train
     embed = target.model.get_input_embeddings().weight.detach().float().to(device)  # [V, H]
     lm_head = target.model.get_output_embeddings().weight.detach().float().to(device)[draft_t]  # [V_d, H]
-    head = DFlashDraft(config, embed, lm_head, rope_tables(config, longest + block + 2)).to(device)
+    head = model(config, embed, lm_head, dflash_model.rope_tables(config, longest + block + 2)).to(device)
     gen = torch.Generator().manual_seed(s["seed"])
 
     def step(members, lr):
         batch = assemble(teacher, seqs, members, block, device)
-        return train_step(head, step.opt, batch, s["anchors"], draft_of, gamma, lr, device, gen)
+        return train.train_step(head, step.opt, batch, s["anchors"], draft_of, gamma, lr, device, gen)
 
     def score(members):
-        return evaluate(head, teacher, seqs, members, d, s["anchors"], draft_t, draft_of, gamma, s["batch_tokens"],
-                        device)
+        return train.evaluate(head, teacher, seqs, members, d, s["anchors"], draft_t, draft_of, gamma,
+                              s["batch_tokens"], device)
 
     return _Head(head, config, "speculators", head.trainable(), step, score, facts)
 
@@ -322,7 +347,7 @@ def _run(opts, inputs, recipe, base, device, cache: Path, rep: Reporter, on_even
     if state is not None:
         taps = tuple(state.info["taps"])
     else:
-        defaults = default_taps if opts.drafter == "eagle3" else dflash_model.default_taps
+        defaults = default_taps if opts.drafter == "eagle3" else dflash_model.default_taps  # dspark: DFlash's
         taps = tuple(opts.layers) if opts.layers is not None else tuple(defaults(n_layers))
         if not all(0 <= i < n_layers for i in taps):
             raise BadInput(f"--layers: {list(taps)} must be target layers in 0..{n_layers - 1}")
@@ -348,7 +373,7 @@ def _run(opts, inputs, recipe, base, device, cache: Path, rep: Reporter, on_even
     if opts.drafter == "eagle3":
         trained = _eagle3_head(*parts)
     else:
-        trained = _dflash_head(*parts, state.info.get("head") if state is not None else None)
+        trained = _block_head(opts.drafter, *parts, state.info.get("head") if state is not None else None)
     head = trained.module
     if state is not None:
         names = head.checkpoint_names()
@@ -407,7 +432,8 @@ def _run(opts, inputs, recipe, base, device, cache: Path, rep: Reporter, on_even
         info["curve"].append({"step": info["step"], "train_minutes": round(info["train_seconds"] / 60, 3), **result})
         accept = result["acceptance"]
         rep.note(f"held-out at step {info['step']}: loss {result['loss']:.4f}"
-                 + (f", acceptance per position {accept}, E[L] {result['expected_length']} at D={d}" if accept else ""))
+                 + (f", acceptance per position {accept}, E[L] {result['expected_length']} at D={d}" if accept else "")
+                 + _confidence_note(result))
 
     budget = opts.minutes * 60.0
     total_budget = train_before + budget
@@ -476,6 +502,13 @@ def _progress(rep: Reporter):
                     TimeRemainingColumn(), console=rep.console, transient=False)
 
 
+def _confidence_note(result: dict) -> str:
+    conf = result.get("confidence")
+    if not conf or conf["right"] is None or conf["wrong"] is None:
+        return ""
+    return f"; mean confidence {conf['right']} on right drafts, {conf['wrong']} on wrong ones"
+
+
 def summary(provenance: dict) -> str:
     """One paragraph for the terminal: the first and last held-out scores."""
     curve = provenance["curve"]
@@ -485,4 +518,4 @@ def summary(provenance: dict) -> str:
     if first.get("expected_length") is not None and last.get("expected_length") is not None:
         line += (f"; E[L] at D={provenance['draft_len']} {first['expected_length']} -> {last['expected_length']}"
                  f"; acceptance per position {last['acceptance']}")
-    return line
+    return line + _confidence_note(last)

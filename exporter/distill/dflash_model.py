@@ -128,6 +128,8 @@ class DFlashDraft(nn.Module):
         hd, eps, std = c["head_dim"], c["rms_norm_eps"], 0.02
         n_taps = len(config["aux_hidden_state_layer_ids"])
         self.block, self.heads, self.kv_heads, self.hd = config["block_size"], heads, kv, hd
+        self.first = 0 if config.get("sample_from_anchor") else 1  # DSpark: the anchor slot drafts too
+        self.drafts = self.block - self.first  # drafting slots per block
         self.fc = _linear(n_taps * config["target_hidden_size"], h, std)
         self.hidden_norm, self.norm = Norm(h, eps), Norm(h, eps)
         self.layers = nn.ModuleList(Layer(h, heads, kv, hd, c["intermediate_size"], eps, std)
@@ -149,6 +151,11 @@ class DFlashDraft(nn.Module):
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
+    def draft_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """hidden [..., S, H] of the drafting slots -> logits [..., S, V_d]; ``prev`` [..., S] (the
+        token before each drafted one) is for heads that read it (DSpark's Markov head)."""
+        return self.lm_head(hidden)
+
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x [..., T, heads, hd]; positions broadcastable to [..., T]
         cos, sin = self.rope_cos[positions].unsqueeze(-2), self.rope_sin[positions].unsqueeze(-2)
@@ -156,8 +163,8 @@ class DFlashDraft(nn.Module):
 
     def forward(self, tok: torch.Tensor, aux: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """tok [b, W] ids, aux [b, W, n·H_t] the taps of every row, anchors [b, N] positions
-        (each >= 1: rows j < anchor are its context) -> hidden [b, N, B-1, H] of the drafting
-        slots (norm applied; ``lm_head`` of it gives the draft logits)."""
+        (each >= 1: rows j < anchor are its context) -> hidden [b, N, drafts, H] of the drafting
+        slots (norm applied; ``draft_logits`` of it gives the draft logits)."""
         b, w = tok.shape
         n, bs, heads, kv, hd = anchors.shape[1], self.block, self.heads, self.kv_heads, self.hd
         group = heads // kv
@@ -190,4 +197,4 @@ class DFlashDraft(nn.Module):
                    + torch.einsum("bhnqk,bnkhd->bnqhd", probs[..., w:], v))  # [b, N, B, heads, hd]
             x = x + att.o_proj(out.reshape(b, n, bs, heads * hd))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)[:, :, 1:]
+        return self.norm(x)[:, :, self.first :]

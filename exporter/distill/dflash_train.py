@@ -18,11 +18,16 @@ target's argmax at row a+k-1. Along the target's own greedy response that is exa
 runtime's rule (the context is the committed tokens, which are the target's argmax chain).
 Per position: P(draft k accepted | drafts < k were); E[L] = 1 + E[accepted drafts], at the
 plan's D (or the block's B-1 drafts when fewer).
+
+DSpark (dspark_train.py) reuses all of it through ``loss_fn`` and a ``Tally``: its anchor slot
+drafts too (slot k = 0..B-1 drafts a+k+1 from row a+k: ``slot_rows`` covers both).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -56,9 +61,10 @@ def sample_anchors(batch: Batch, n: int, gen: torch.Generator | None) -> tuple[t
     return picked.masked_fill(~valid, 1), valid
 
 
-def _targets(batch: Batch, anchors: torch.Tensor, bs: int) -> torch.Tensor:
-    """[B, N, bs-1] teacher rows of the drafting slots: a+k-1 for k = 1..bs-1."""
-    return anchors.unsqueeze(-1) + torch.arange(bs - 1, device=anchors.device)
+def slot_rows(anchors: torch.Tensor, drafts: int) -> torch.Tensor:
+    """[B, N, drafts] the teacher rows of the drafting slots: a+i for slot i (DFlash's slot k = i+1
+    drafts a+k, predicted by row a+k-1; DSpark's slot k = i drafts a+k+1, row a+k)."""
+    return anchors.unsqueeze(-1) + torch.arange(drafts, device=anchors.device)
 
 
 def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -67,26 +73,43 @@ def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t[b, rows]
 
 
-def block_loss(head: DFlashDraft, batch: Batch, anchors: torch.Tensor, valid: torch.Tensor, draft_of: torch.Tensor,
-               gamma: float, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the weighted soft cross-entropy, the draft logits [B, N, bs-1, V_d], the teacher rows)."""
-    if hidden is None:
-        hidden = head(batch.tok, batch.aux, anchors)
-    rows = _targets(batch, anchors, head.block)
-    logits = head.lm_head(hidden).float()
+@dataclass
+class Scored:
+    """One batch of blocks through the head and the loss."""
+
+    loss: torch.Tensor  # the weighted soft cross-entropy (DSpark: plus the confidence BCE)
+    logits: torch.Tensor  # [B, N, S, V_d] draft logits
+    rows: torch.Tensor  # [B, N, S] teacher rows of the slots
+    mask: torch.Tensor  # [B, N, S] slots the loss counts
+
+
+def soft_ce(batch: Batch, logits: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, draft_of: torch.Tensor,
+            gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the weighted soft cross-entropy, [B, N, S] the slots it counts)."""
     amax = _rows(batch.amax, rows)  # [B, N, S]
     mask = valid.unsqueeze(-1) & _rows(batch.resp, rows) & (amax >= 0) & (draft_of[amax.clamp(min=0)] >= 0)
-    k = torch.arange(head.block - 1, device=logits.device, dtype=torch.float32)
+    k = torch.arange(rows.shape[-1], device=logits.device, dtype=torch.float32)
     weight = torch.exp(-k / gamma).view(1, 1, -1) * mask  # [B, N, S]
     logp = torch.log_softmax(logits, dim=-1)
     ce = -(_rows(batch.top_p, rows) * logp.gather(-1, _rows(batch.top_idx, rows))).sum(-1)  # [B, N, S]
-    total = weight.sum()
-    loss = (ce * weight).sum() / total.clamp(min=1e-6)
-    return loss, logits, rows
+    return (ce * weight).sum() / weight.sum().clamp(min=1e-6), mask
+
+
+def block_loss(head: DFlashDraft, batch: Batch, anchors: torch.Tensor, valid: torch.Tensor, draft_of: torch.Tensor,
+               gamma: float) -> Scored:
+    hidden = head(batch.tok, batch.aux, anchors)  # [B, N, S, H]
+    rows = slot_rows(anchors, head.drafts)
+    logits = head.draft_logits(hidden, _rows(batch.tok, rows)).float()  # tok[row]: the token before the draft
+    loss, mask = soft_ce(batch, logits, rows, valid, draft_of, gamma)
+    return Scored(loss, logits, rows, mask)
+
+
+LossFn = Callable[[DFlashDraft, Batch, torch.Tensor, torch.Tensor, torch.Tensor, float], Scored]
 
 
 def train_step(head: DFlashDraft, opt: torch.optim.Optimizer, batch: Batch, anchors: int, draft_of: torch.Tensor,
-               gamma: float, lr: float, device: torch.device, gen: torch.Generator | None = None) -> float:
+               gamma: float, lr: float, device: torch.device, gen: torch.Generator | None = None,
+               loss_fn: LossFn = block_loss) -> float:
     """One optimizer step (AdamW at ``lr``, gradients clipped to norm 0.5); returns the loss."""
     for group in opt.param_groups:
         group["lr"] = lr
@@ -94,7 +117,7 @@ def train_step(head: DFlashDraft, opt: torch.optim.Optimizer, batch: Batch, anch
     if not bool(valid.any()):
         return 0.0
     with autocast(device):
-        loss, _, _ = block_loss(head, batch, where, valid, draft_of, gamma)
+        loss = loss_fn(head, batch, where, valid, draft_of, gamma).loss
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(head.trainable(), 0.5)
@@ -102,14 +125,26 @@ def train_step(head: DFlashDraft, opt: torch.optim.Optimizer, batch: Batch, anch
     return float(loss.detach())
 
 
+class Tally:
+    """Extra held-out figures of a head kind: ``add`` per scored chunk, ``summary`` at the end."""
+
+    def add(self, scored: Scored, full: torch.Tensor, dd: int) -> None:
+        pass
+
+    def summary(self) -> dict:
+        return {}
+
+
 @torch.no_grad()
 def evaluate(head: DFlashDraft, teacher: Teacher, seqs: Sequences, members: list[int], d: int, anchors: int,
-             draft_ids: torch.Tensor, draft_of: torch.Tensor, gamma: float, budget: int, device: torch.device) -> dict:
+             draft_ids: torch.Tensor, draft_of: torch.Tensor, gamma: float, budget: int, device: torch.device,
+             loss_fn: LossFn = block_loss, tally: Tally | None = None) -> dict:
     """The held-out loss (every anchor) and the acceptance of greedy block drafts (module doc)."""
     was_training = head.training
     head.eval()
+    tally = tally or Tally()
     bs = head.block
-    dd = max(1, min(d, bs - 1))
+    dd = max(1, min(d, head.drafts))
     loss_sum, weight_sum, hits, agree = 0.0, 0, [], []
     lengths = [len(x) for x in seqs.ids]
     for members_b in make_batches(members, lengths, budget, random.Random(0)):
@@ -122,19 +157,20 @@ def evaluate(head: DFlashDraft, teacher: Teacher, seqs: Sequences, members: list
             if not bool(valid.any()):
                 continue
             with autocast(device):
-                loss, logits, rows = block_loss(head, batch, where, valid, draft_of, gamma)
+                scored = loss_fn(head, batch, where, valid, draft_of, gamma)
             n_valid = int(valid.sum())
-            loss_sum += float(loss) * n_valid
+            loss_sum += float(scored.loss) * n_valid
             weight_sum += n_valid
-            pred = draft_ids[logits[..., :dd, :].argmax(-1)]  # [B, N, dd] target ids
-            amax = _rows(batch.amax, rows[..., :dd])
-            full = valid & _rows(batch.resp, rows[..., :dd]).all(-1) & batch.greedy[:, None]  # [B, N]
-            hits.append((pred == amax)[full].cpu())
+            pred = draft_ids[scored.logits[..., :dd, :].argmax(-1)]  # [B, N, dd] target ids
+            rows = scored.rows[..., :dd]
+            full = valid & _rows(batch.resp, rows).all(-1) & batch.greedy[:, None]  # [B, N]
+            hits.append((pred == _rows(batch.amax, rows))[full].cpu())
+            tally.add(scored, full, dd)
         follows = batch.resp[:, : batch.rows] & batch.greedy[:, None]
         agree.append((batch.amax[:, : batch.rows] == batch.tok[:, 1 : batch.rows + 1])[follows].cpu())
     head.train(was_training)
     result: dict = {"loss": round(loss_sum / max(weight_sum, 1), 5), "D": d, "block_size": bs}
-    return held_out_summary(result, hits, agree, dd)
+    return held_out_summary(result, hits, agree, dd) | tally.summary()
 
 
 def mask_token(seqs: Sequences, vocab: int, special: list[int]) -> int:

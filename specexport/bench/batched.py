@@ -4,7 +4,8 @@ First the single-sequence loop (``Pipeline.generate``, prompt after prompt) per 
 batch-1 reference. Then, for each batch size B, the whole prompt set (a mixed workload: every category in the same
 batches) runs through ``Pipeline.generate_batch(max_batch=B)``, for the target alone and for
 each drafter at a fixed depth (D, and 1), with per-sequence depth (runtime/goodput.py), and
-with the manifest's depth-by-batch-size schedule when it has one. Reported per (B, mode): aggregate tokens/s (all tokens over the wall time),
+with the manifest's depth-by-batch-size schedule when it has one (each sequence's adaptive depth
+under it, as the server runs it). Reported per (B, mode): aggregate tokens/s (all tokens over the wall time),
 the median sequence's own tokens/s, E[L], and the speedup against the target alone at the same
 B, in the same run. Greedy outputs are compared with the batch-1 run of the same mode: batching
 must not change a token. Speculation spends spare compute; as B grows that compute goes to
@@ -43,9 +44,10 @@ def parse_batches(text: str) -> list[int]:
 
 
 def run_batched(pipe, prompts_path: Path, batches: list[int], drafters: list[str], max_new_tokens: int,
-                reporter, peers=(), peers_skipped=()) -> dict:
+                reporter, peers=(), peers_skipped=(), repeats: int = 1) -> dict:
     """``peers``: made by bench/peers.make_peers (those without ``run_batch`` are reported in
-    ``peers_skipped``, as are the ones that could not be made)."""
+    ``peers_skipped``, as are the ones that could not be made); they run once, after our rows
+    at each B in the first repeat. ``repeats``: runs of every mode, interleaved (the median)."""
     built = pipe.manifest.batch_sizes("target")
     missing = [b for b in batches if b > max(built)]
     if missing:
@@ -66,18 +68,6 @@ def run_batched(pipe, prompts_path: Path, batches: list[int], drafters: list[str
         modes += [(name, depth, "fixed"), (name, 1, "fixed"), (name, depth, "per-sequence")]
         if pipe.manifest.draft_schedule is not None:
             modes.append((name, depth, "schedule"))
-    rows, outputs = [], {}
-    for drafter, k, rule in modes:  # today's single-sequence loop, for the batch-1 comparison
-        if rule != "fixed":  # the schedule and per-sequence depth exist in the batched loop only
-            continue
-        with reporter.step("bench", f"single-sequence loop, {drafter} d={k}") as step:
-            start = time.perf_counter()
-            single = [pipe.generate(r.get("prompt"), messages=r.get("messages"), drafter=drafter, draft_len=k,
-                                    adaptive=False, max_new_tokens=max_new_tokens) for r in records]
-            wall = time.perf_counter() - start
-            step.detail = f"{sum(g.stats.tokens for g in single) / wall:.1f} tok/s"
-        outputs[(drafter, k, rule)] = [g.token_ids for g in single]
-        rows.append(_row(1, drafter, k, rule, single, wall, "single", True))
     peers_skipped = list(peers_skipped)
     batch_peers = []
     for peer in peers:
@@ -86,33 +76,63 @@ def run_batched(pipe, prompts_path: Path, batches: list[int], drafters: list[str
         else:
             peers_skipped.append({"peer": peer.name, "skipped": "runs one sequence at a time (not a batched peer)"})
     prompt_ids = [pipe.prompt_ids(r.get("prompt"), messages=r.get("messages")) for r in records]
-    for batch in batches:
-        for drafter, k, rule in modes:
-            label = f"{drafter} d={k} {rule}"
-            with reporter.step("bench", f"batch {batch}, {label}") as step:
+    # Every mode runs once per repeat, the modes of a loop and batch size in turn, so a drift of
+    # the machine hits them alike; a row reports its median run (runs of the same computation on
+    # this VM differ by up to ~10%). Repeats stay within a batch size: switching B rebuilds the
+    # batched target (its [B] cache), which the first run after a switch would pay for.
+    runs: dict[tuple, list[tuple[float, list]]] = {}
+    peer_rows: dict[int, list[dict]] = {}
+    for repeat in range(repeats):
+        for drafter, k, rule in modes:  # today's single-sequence loop, for the batch-1 comparison
+            if rule != "fixed":  # the schedule and per-sequence depth exist in the batched loop only
+                continue
+            with reporter.step("bench", f"repeat {repeat + 1}: single-sequence loop, {drafter} d={k}") as step:
                 start = time.perf_counter()
-                results = pipe.generate_batch(records, drafter=drafter, max_new_tokens=max_new_tokens,
-                                              draft_len=k, max_batch=batch, schedule=rule == "schedule",
-                                              per_sequence=rule == "per-sequence")
+                single = [pipe.generate(r.get("prompt"), messages=r.get("messages"), drafter=drafter, draft_len=k,
+                                        adaptive=False, max_new_tokens=max_new_tokens) for r in records]
                 wall = time.perf_counter() - start
-                tokens = sum(r.stats.tokens for r in results)
-                step.detail = f"{tokens / wall:.1f} tok/s"
-            key = (drafter, k, rule)
-            # greedy: the same tokens as the single-sequence loop (or, scheduled, the smallest batch)
-            outputs.setdefault(key, [r.token_ids for r in results])
-            rows.append(_row(batch, drafter, k, rule, results, wall, "batched",
-                             [r.token_ids for r in results] == outputs[key]))
-        for peer in batch_peers:  # the same B, right after ours
+                step.detail = f"{sum(g.stats.tokens for g in single) / wall:.1f} tok/s"
+            runs.setdefault(("single", 1, drafter, k, rule), []).append((wall, single))
+    alone = [g.token_ids for g in runs[("single", 1, "none", 0, "fixed")][0][1]]
+    for batch in batches:
+        with reporter.step("bench", f"batch {batch}, warm-up"):
+            # untimed: the first mode at a batch size must not pay for the sessions' first runs at
+            # its shapes (every width T the modes use), which the later modes would not
+            for drafter, k, _ in modes:
+                pipe.generate_batch(records[:batch], drafter=drafter, max_new_tokens=4, draft_len=k,
+                                    max_batch=batch, schedule=False, adaptive=False)
+        for repeat in range(repeats):
+            for drafter, k, rule in modes:
+                with reporter.step("bench", f"repeat {repeat + 1}: batch {batch}, {drafter} d={k} {rule}") as step:
+                    start = time.perf_counter()
+                    results = pipe.generate_batch(records, drafter=drafter, max_new_tokens=max_new_tokens,
+                                                  draft_len=k, max_batch=batch, schedule=rule == "schedule",
+                                                  per_sequence=rule == "per-sequence", adaptive=rule == "schedule")
+                    wall = time.perf_counter() - start
+                    step.detail = f"{sum(r.stats.tokens for r in results) / wall:.1f} tok/s"
+                runs.setdefault(("batched", batch, drafter, k, rule), []).append((wall, results))
+        for peer in batch_peers:  # the same B, right after ours (once: peers are slow)
             with reporter.step("bench", f"batch {batch}, peer {peer.name}") as step:
-                row = _peer_row(peer, batch, prompt_ids, max_new_tokens, outputs[("none", 0, "fixed")])
+                row = _peer_row(peer, batch, prompt_ids, max_new_tokens, alone)
                 step.detail = f"{row['aggregate_tokens_per_s']:.1f} tok/s"
-            rows.append(row)
+            peer_rows.setdefault(batch, []).append(row)
+    rows, outputs = [], {}
+    for (loop, batch, drafter, k, rule), done in runs.items():
+        wall, results = sorted(done, key=lambda run: run[0])[len(done) // 2]
+        key = (drafter, k, rule)
+        # greedy: the same tokens as the single-sequence loop (or, scheduled, the smallest batch),
+        # in every repeat
+        outputs.setdefault(key, [r.token_ids for r in done[0][1]])
+        lossless = all([r.token_ids for r in results_] == outputs[key] for _, results_ in done)
+        rows.append(_row(batch, drafter, k, rule, results, wall, loop, lossless))
+        if loop == "batched" and (drafter, k, rule) == modes[-1]:
+            rows += peer_rows.get(batch, [])
     for row in rows:  # against the target alone at the same batch size and loop (peers: batched), same run
         loop = "batched" if row["loop"] == "peer" else row["loop"]
         alone = next(r for r in rows if r["batch"] == row["batch"] and r["drafter"] == "none" and r["loop"] == loop)
         row["speedup"] = round(row["aggregate_tokens_per_s"] / alone["aggregate_tokens_per_s"], 3)
     return {"engines": str(pipe.manifest.root), "prompts": str(prompts_path), "prompt_count": len(records),
-            "max_new_tokens": max_new_tokens, "batches": batches, "built_batches": built,
+            "max_new_tokens": max_new_tokens, "repeats": repeats, "batches": batches, "built_batches": built,
             "schedule": pipe.manifest.plan.get("schedule"), "rows": rows,
             "peers": [{"peer": p.name, "threads": p.threads, "settings": p.settings} for p in batch_peers],
             "peers_skipped": peers_skipped,

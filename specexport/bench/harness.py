@@ -169,6 +169,20 @@ def run_bench(engine_dir: Path, options: BenchOptions, reporter) -> dict:
                                          "settings": getattr(peer, "settings", {}), "stats": run.stats})
             step.detail = f"{len(prompts)} prompts × {len(drafters) + len(peers)} runs"
 
+    fixed_records: list[dict] = []
+    if options.adaptive and options.temperature == 0.0:
+        # Adaptive depth follows this machine's costs, so its E[L] moves from machine to machine;
+        # greedy E[L] at the fixed full depth does not: it is what the gate compares (untimed).
+        with reporter.step("bench", "acceptance at the fixed full depth") as step:
+            for prompt in prompts:
+                for name in drafters[1:]:
+                    result = pipe.generate(prompt_ids=ids[prompt["id"]], drafter=name, adaptive=False,
+                                           max_new_tokens=options.max_new_tokens, **sampling,
+                                           draft_len=options.draft_len)
+                    fixed_records.append({"drafter": name, "prompt_id": prompt["id"],
+                                          "tokens": result.stats.tokens, "rounds": result.stats.rounds})
+            step.detail = f"{len(prompts)} prompts × {len(drafters) - 1} drafters"
+
     with reporter.step("bench", "costs (cost curve, draft steps)"):
         costs = measure_costs(pipe, drafters, options.cost_repeats, want_logits=options.temperature > 0,
                               draft_len=options.draft_len or pipe.manifest.draft_len)
@@ -176,7 +190,7 @@ def run_bench(engine_dir: Path, options: BenchOptions, reporter) -> dict:
     from specexport.bench.summary import summarize
     from specexport.runtime.memory import memory
 
-    result = summarize(pipe, options, prompts, drafters, records, peer_records, skipped, costs)
+    result = summarize(pipe, options, prompts, drafters, records, peer_records, skipped, costs, fixed_records)
     # the whole bench process (engines, caches, peers run in-process): peak and current RSS
     result["memory"] = memory()
     result["engine_costs"] = pipe.costs_source  # what adaptive depth read: "build" or "tuned (host, date)"

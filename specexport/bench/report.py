@@ -36,15 +36,15 @@ def markdown(result: dict) -> str:
         "",
         "## By category (medians over prompts)",
         "",
-        "| drafter | category | tok/s | speedup | predicted | E[L] | host | lossless |",
-        "|---|---|---|---|---|---|---|---|",
+        "| drafter | category | tok/s | speedup | predicted | E[L] | E[L] at fixed D | host | lossless |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["categories"]:
         lossless = {True: "yes", False: "**NO**", None: "n/a"}[row["matches_baseline"]]
         lines.append(
             f"| {row['drafter']} | {row['category']} | {_fmt(row['tokens_per_s'], '.1f')} | "
             f"{_fmt(row['speedup'])}× | {_fmt(row['predicted_speedup'])}× | {_fmt(row['acceptance_length'])} | "
-            f"{_fmt(row.get('host_fraction'), '.1%')} | {lossless} |"
+            f"{_fmt(row.get('acceptance_length_fixed'))} | {_fmt(row.get('host_fraction'), '.1%')} | {lossless} |"
         )
     lines += ["", "## Per prompt", "",
               "| drafter | prompt | tok/s | speedup | predicted | E[L] | draft/verify/host (drafter's host) |",

@@ -51,7 +51,8 @@ def _fraction(runs: list[dict], key: str, minus: str | None = None) -> float | N
     return round(part / seconds, 3) if seconds else None
 
 
-def _per_prompt(records: list[dict], baseline: dict[str, dict], costs: dict) -> list[dict]:
+def _per_prompt(records: list[dict], baseline: dict[str, dict], costs: dict,
+                fixed: dict[tuple[str, str], float]) -> list[dict]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for record in records:
         groups[(record["drafter"], record["prompt_id"])].append(record)
@@ -74,6 +75,8 @@ def _per_prompt(records: list[dict], baseline: dict[str, dict], costs: dict) -> 
             "tokens_per_s": round(tps, 2) if tps else None,
             "speedup": round(tps / base["tokens_per_s"], 3) if tps and base["tokens_per_s"] else None,
             "acceptance_length": round(el, 3),
+            # greedy E[L] at the fixed full depth (None: not measured, or the run was not adaptive)
+            "acceptance_length_fixed": fixed.get((drafter, prompt_id), 1.0 if drafter == "none" else None),
             "predicted_speedup": round(predicted, 3) if predicted else None,
             "acceptance_by_position": [round(a / p, 3) if p else None for a, p in zip(accepted, proposed)],
             # of decode time: the drafter's engines, the target's, and everything outside them
@@ -115,6 +118,7 @@ def _by_category(results: list[dict]) -> list[dict]:
             "tokens_per_s": _median([r["tokens_per_s"] for r in items]),
             "speedup": _median([r["speedup"] for r in items]),
             "acceptance_length": _median([r["acceptance_length"] for r in items]),
+            "acceptance_length_fixed": _median([r.get("acceptance_length_fixed") for r in items]),
             "predicted_speedup": _median([r["predicted_speedup"] for r in items]),
             "host_fraction": _median([r["host_fraction"] for r in items]),
             "matches_baseline": None if items[0]["matches_baseline"] is None
@@ -147,10 +151,13 @@ def _peers(peer_records: list[dict], baseline: dict[str, dict]) -> list[dict]:
     return rows
 
 
-def summarize(pipe, options, prompts, drafters, records, peer_records, skipped, costs) -> dict:
+def summarize(pipe, options, prompts, drafters, records, peer_records, skipped, costs,
+              fixed_records: list[dict] | None = None) -> dict:
     greedy = options.temperature == 0.0
     baseline = _baseline(records, greedy)
-    results = _per_prompt(records, baseline, costs)
+    fixed = {(r["drafter"], r["prompt_id"]): round(r["tokens"] / r["rounds"], 3)
+             for r in fixed_records or [] if r["rounds"]}
+    results = _per_prompt(records, baseline, costs, fixed)
     curve = costs["curve"]
     plan = pipe.manifest.plan
     tile_tokens = plan["tile_draft_len"] + 1

@@ -61,7 +61,8 @@ class ServerState:
         try:
             pipe = self.loader(self.config)
             loop = pipe.batch_loop(drafter=self.config.drafter, max_batch=self.config.max_batch,
-                                   schedule=self.config.schedule, per_sequence=self.config.per_sequence)
+                                   schedule=self.config.schedule, per_sequence=self.config.per_sequence,
+                                   adaptive=self.config.adaptive)
             self.metrics = ServerMetrics(self.config.served_name, pipe.manifest.draft_len)
             engine = EngineThread(pipe, loop, self.metrics, self.config.max_waiting)
             engine.start()

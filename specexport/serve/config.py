@@ -17,6 +17,7 @@ class ServeConfig:
     api_key: str | None = None  # clients send "Authorization: Bearer KEY"
     schedule: bool = True  # depth by batch size (the plan's draft.schedule)
     per_sequence: bool = False  # each round's width from the rows' own acceptance
+    adaptive: bool = True  # each request's own adaptive depth under the schedule (as `generate`)
 
     @property
     def served_name(self) -> str:

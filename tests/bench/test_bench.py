@@ -82,6 +82,29 @@ def test_gate_passes_against_itself_and_catches_regressions(bench_result):
     assert any(c.metric == "lossless" and not c.ok for c in compare(lossy, baseline))
 
 
+def test_gate_compares_fixed_depth_acceptance_not_the_adaptive_one(bench_result):
+    """Adaptive E[L] follows the machine's tuned costs; the gate reads E[L] at the fixed depth."""
+    result, _ = bench_result
+    drafted = [r for r in result["categories"] if r["drafter"] != "none"]
+    assert drafted and all(r["acceptance_length_fixed"] >= 1.0 for r in drafted)
+    baseline = baseline_of(result)
+    shallower = json.loads(json.dumps(result))
+    for row in shallower["categories"]:
+        row["acceptance_length"] = 1.0  # another machine's costs chose depth 0 everywhere
+    assert all(c.ok for c in compare(shallower, baseline))
+    assert {c.metric for c in compare(shallower, baseline)} == {"speedup", "acceptance_length_fixed"}
+    worse = json.loads(json.dumps(result))
+    best = max((r for r in worse["categories"] if r["drafter"] != "none"), key=lambda r: r["acceptance_length_fixed"])
+    assert best["acceptance_length_fixed"] > 1.2  # some drafter's drafts land on the tiny model
+    best["acceptance_length_fixed"] = 1.0  # and now none do
+    failed = [c for c in compare(worse, baseline) if not c.ok]
+    assert [(c.drafter, c.category, c.metric) for c in failed] == [
+        (best["drafter"], best["category"], "acceptance_length_fixed")]
+    old = {**baseline, "categories": [{k: v for k, v in row.items() if k != "acceptance_length_fixed"}
+                                      for row in baseline["categories"]]}
+    assert {c.metric for c in compare(result, old)} == {"speedup", "acceptance_length"}  # an older baseline
+
+
 def test_gate_cli_exit_codes(tiny_engines, prompts, tmp_path):
     engines = tiny_engines.get("llama", **SHAPE)
     baseline = tmp_path / "baseline.json"
@@ -91,7 +114,7 @@ def test_gate_cli_exit_codes(tiny_engines, prompts, tmp_path):
     assert code == 0 and baseline.is_file(), err
     stored = json.loads(baseline.read_text())
     for row in stored["categories"]:
-        row["acceptance_length"] *= 10  # an impossible bar: the gate must fail
+        row["acceptance_length_fixed"] *= 10  # an impossible bar: the gate must fail
     baseline.write_text(json.dumps(stored))
     code, out, _ = run_cli(*args)
     assert code == 1 and "REGRESSION" in out

@@ -85,13 +85,12 @@ def test_the_training_forward_is_the_reference(trained, work):  # noqa: F811
         np.testing.assert_allclose(mine[row].numpy(), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_the_checkpoint_builds_with_parity_and_decodes_losslessly(trained, work):  # noqa: F811
-    from specexport.runtime import load
-
-    out, _ = trained
-    recipe = {"name": "tiny-dflash", "target": TARGET, "drafters": [{"kind": "dflash", "name": "distilled",
+def build_with_block_parity(out, base, kind: str):
+    """Build a recipe with the trained block head as drafter "distilled"; every block graph's
+    parity enforced and met. Returns the engine directory and its manifest."""
+    recipe = {"name": f"tiny-{kind}", "target": TARGET, "drafters": [{"kind": kind, "name": "distilled",
                                                                       "path": str(out)}]}
-    engines = build(recipe, work, work / "engines-dflash")
+    engines = build(recipe, base, base / f"engines-{kind}")
     manifest = json.loads((engines / "manifest.json").read_text())
     blocks = [e for e in manifest["engines"] if e["model"] == "distilled"]
     assert blocks and {e["role"] for e in blocks} == {"block"}
@@ -99,6 +98,14 @@ def test_the_checkpoint_builds_with_parity_and_decodes_losslessly(trained, work)
         p = e["parity"]
         assert p["enforced"] and p["positions"] >= 20, (e["name"], p)
         assert p["max_rel_logit_diff"] <= 1e-4 and p["argmax_agreement"] == 1.0, (e["name"], p)
+    return engines, manifest
+
+
+def test_the_checkpoint_builds_with_parity_and_decodes_losslessly(trained, work):  # noqa: F811
+    from specexport.runtime import load
+
+    out, _ = trained
+    engines, _ = build_with_block_parity(out, work, "dflash")
     check_greedy_lossless(load(engines), "distilled")
 
 

@@ -179,7 +179,7 @@ def test_unchanged_rebuild_is_reused(built):
     assert {name: (out_dir / name).stat().st_mtime_ns for name in built_files} == before
 
 
-def test_changed_recipe_or_force_rebuilds(small, tmp_path):
+def test_changed_recipe_or_force_rebuilds_showing_every_step(small, tmp_path):
     recipe, out = _copy_small(small, tmp_path)
     first = json.loads((out / "manifest.json").read_text())
     assert first["plan"]["draft_len"] == 4
@@ -189,14 +189,20 @@ def test_changed_recipe_or_force_rebuilds(small, tmp_path):
     assert (out / "manifest.json").stat().st_ino != inode  # a new directory was swapped in
     forced = json.loads((out / "manifest.json").read_text())
     assert forced["inputs_sha256"] == first["inputs_sha256"]  # same inputs, rebuilt anyway
-    tiny_recipe(recipe, "llama", **SMALL, max_draft=2)
-    code, text, _ = run_cli("build", recipe, "-o", out, "--json")
-    assert code == 0 and json.loads(text)["reused"] is False
+    # a changed recipe (a shorter draft, an int4 drafter) is rebuilt; without --quiet or --json
+    # the build shows every step on stderr
+    tiny_recipe(recipe, "llama", **SMALL, max_draft=2, drafters=[{"kind": "quantized-self"}])
+    code, _, err = run_cli("build", recipe, "-o", out)
+    assert code == 0, err
+    for step in ("load", "plan", "export", "quantize", "validate", "write"):
+        assert f" {step} " in f" {err} ", step
     changed = json.loads((out / "manifest.json").read_text())
     assert changed["plan"]["draft_len"] == 2 and changed["inputs_sha256"] != first["inputs_sha256"]
     assert "target.verify.b1.t3.onnx" in changed["files"] and "target.verify.b1.t5.onnx" not in changed["files"]
     assert not (out / "target.verify.b1.t5.onnx").exists()  # replaced in place, not merged
     assert not list(tmp_path.glob(".engines.*"))
+    # a full build with --quiet (the shared small one, -q) prints nothing at all
+    assert small["err"] == "" and small["out"] == ""
 
 
 def test_tampered_engine_directory_is_rebuilt_not_reused(small, tmp_path):
@@ -262,16 +268,6 @@ def test_local_transformers_directory_builds_offline(tmp_path, monkeypatch):
         assert engine["parity"]["max_abs_logit_diff"] <= engine["parity"]["max_abs_logit_diff_limit"]
     manifest = json.loads((tmp_path / "engines" / "manifest.json").read_text())
     assert manifest["models"]["target"]["model_type"] == "qwen3"
-
-
-def test_progress_shows_every_step(small, tmp_path):
-    recipe = tiny_recipe(tmp_path / "r.yaml", "llama", **SMALL, drafters=[{"kind": "quantized-self"}])
-    code, _, err = run_cli("build", recipe, "-o", tmp_path / "engines")
-    assert code == 0
-    for step in ("load", "plan", "export", "quantize", "validate", "write"):
-        assert f" {step} " in f" {err} ", step
-    # a full build with --quiet (the shared small one, -q) prints nothing at all
-    assert small["code"] == 0 and small["err"] == "" and small["out"] == ""
 
 
 if os.name != "posix":  # pragma: no cover

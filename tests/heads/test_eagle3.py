@@ -115,11 +115,11 @@ def _break(monkeypatch, what: str):
         monkeypatch.setattr(eagle3, "Tensors", Flipped)  # the loader's reader only
 
 
-@pytest.mark.parametrize("what", ["convention", "mapping", "d2t"])
+@pytest.mark.parametrize("what", ["convention", "d2t"])
 def test_a_broken_loader_fails_parity(tmp_path, monkeypatch, what):
     """The reference reads the checkpoint on its own: a loader that reads the layer ids in the
-    wrong convention, swaps two tensors or mis-maps d2t fails the head's parity (a head-only
-    build: no target export)."""
+    wrong convention or mis-maps d2t fails the head's parity (a head-only build: no target
+    export). One that swaps two tensors (the "mapping" break): the whole build below."""
     write_eagle3(tmp_path / "spec", target_config(), "speculators", layer_ids=[0, 1, 3])
     _break(monkeypatch, what)
     with pytest.raises(SpecexportError, match="validation failed for e.catchup|validation failed for e.prefill"):
@@ -127,8 +127,9 @@ def test_a_broken_loader_fails_parity(tmp_path, monkeypatch, what):
 
 
 def test_a_head_failing_parity_fails_the_whole_build(tmp_path, monkeypatch):
-    """The builder does not drop a head whose parity fails: the build fails and leaves no
-    directory (the prefill chunk is 1+D: two target graphs before the head's)."""
+    """A loader that swaps two tensors (gate and up: same shapes) fails the head's parity, and
+    the builder does not drop that head: the build fails and leaves no directory (the prefill
+    chunk is 1+D: two target graphs before the head's)."""
     write_eagle3(tmp_path / "spec", target_config(), "speculators", layer_ids=[0, 1, 3])
     _break(monkeypatch, "mapping")
     raw = {**recipe({"kind": "eagle3", "name": "e", "path": "spec"}), "shapes": {**SHAPES, "prefill_chunk": 4}}

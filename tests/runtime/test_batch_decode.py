@@ -121,9 +121,12 @@ def test_bench_batch_reports_every_batch_size_and_mode_losslessly(batched_engine
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "category": "c" if i % 2 else "g",
                                            "prompt": "abc abc abc " * (i + 1)}) + "\n" for i in range(5)))
     out = tmp_path / "out"
-    code, _, err = run_cli("bench", batched_engines, "--batch", "1,2,4", "--prompts", prompts, "-n", "6", "--out", out)
+    code, _, err = run_cli("bench", batched_engines, "--batch", "1,2,4", "--prompts", prompts, "-n", "6", "--out", out,
+                           "--repeats", "2")
     assert code == 0, err
     result = json.loads((out / "bench_batched.json").read_text())
+    assert result["repeats"] == 2 and len(result["rows"]) == len({(r["loop"], r["batch"], r["drafter"], r["depth"],
+                                                                   r["depth_rule"]) for r in result["rows"]})
     depth = load(batched_engines).manifest.draft_len
     seen = {(r["loop"], r["batch"], r["drafter"], r["depth"], r["depth_rule"]) for r in result["rows"]}
     fixed = (("none", 0, "fixed"), ("ngram", depth, "fixed"), ("ngram", 1, "fixed"))
@@ -163,3 +166,29 @@ def test_batched_sampled_tokens_follow_the_target(batched_engines, drafter, leng
     assert accepted > 0 or drafter == "ngram"  # the int4 copy's drafts are kept too (n-gram's, here, never)
     passes, figures = chi_square_passes(counts, exact, draws)
     assert passes, (figures, counts)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "quantized-self"])
+def test_a_request_alone_decodes_as_generate_with_its_adaptive_depth(batched_engines, drafter):
+    """Alone in the loop, a request gets generate's adaptive depth round for round (the same
+    drafts proposed at each position) and so, seeded and sampled, the same draws and tokens.
+    Costs are set here (a wide verify is dear), not timed by the build, so that adaptive depth
+    surely chooses otherwise than the full depth."""
+    from specexport.runtime.api import Pipeline
+    from specexport.runtime.costs import TunedCosts
+
+    built = load(batched_engines)
+    ms = {e.name: 1.0 + 3.0 * e.tokens if e.model == "target" else 2.0 for e in built.manifest.engines}
+    pipe = Pipeline(built.manifest, built.options, built.backend,
+                    tuned=TunedCosts({built.backend: ms}, "test", "fixed", batched_engines / "costs.json"))
+    prompts = [p for i, p in enumerate(_prompts(6, seed=2)) if i % 2]  # repetitive: drafts land
+    varied = False
+    for settings in ({}, {"temperature": 1.0, "top_k": 8, "seed": 5}):
+        for prompt in prompts:
+            alone = pipe.generate(prompt_ids=prompt, drafter=drafter, max_new_tokens=24, **settings)
+            fixed = pipe.generate(prompt_ids=prompt, drafter=drafter, max_new_tokens=24, adaptive=False, **settings)
+            [looped] = pipe.generate_batch([prompt], drafter=drafter, max_new_tokens=24, **settings)
+            assert looped.token_ids == alone.token_ids
+            assert (looped.stats.rounds, looped.stats.proposed_at) == (alone.stats.rounds, alone.stats.proposed_at)
+            varied |= alone.stats.proposed_at != fixed.stats.proposed_at  # adaptive depth chose otherwise
+    assert varied  # the equality above is about depth choices, not fixed depth on both sides

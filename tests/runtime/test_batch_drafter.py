@@ -92,7 +92,8 @@ def test_sampled_rows_draw_exactly_what_they_would_draw_alone(batched_engines):
     prompts = _prompts(5, seed=4)
     alone = [pipe.generate(prompt_ids=p, drafter="quantized-self", max_new_tokens=12, temperature=1.0, seed=3 + i,
                            adaptive=False).token_ids for i, p in enumerate(prompts)]
-    together = pipe.generate_batch(prompts, drafter="quantized-self", max_new_tokens=12, temperature=1.0, seed=3)
+    together = pipe.generate_batch(prompts, drafter="quantized-self", max_new_tokens=12, temperature=1.0, seed=3,
+                                   adaptive=False)
     assert [g.token_ids for g in together] == alone
     assert sum(g.stats.accepted for g in together) > 0
     assert together[0].backends == {"target": "onnxruntime", "quantized-self": "onnxruntime"}
@@ -178,7 +179,7 @@ def test_bench_batch_runs_the_int4_drafter_losslessly(batched_engines, tmp_path)
                                for i in range(4)))
     out = tmp_path / "out"
     code, _, err = run_cli("bench", batched_engines, "--batch", "1,2", "--drafters", "quantized-self",
-                           "--prompts", prompts, "-n", "6", "--out", out)
+                           "--prompts", prompts, "-n", "6", "--out", out, "--repeats", "1")
     assert code == 0, err
     rows = json.loads((out / "bench_batched.json").read_text())["rows"]
     drafted = [r for r in rows if r["drafter"] == "quantized-self"]

@@ -47,3 +47,15 @@ def metric(text: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
     return 0.0
+
+
+def wait_idle(url: str, timeout: float = 30.0) -> None:
+    """Until the engine has no request running or waiting (a stream an earlier test broke off
+    leaves its row in the batch until the next round)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(f"{url}/metrics").text
+        if metric(text, "specexport_num_requests_running") + metric(text, "specexport_num_requests_waiting") == 0:
+            return
+        assert time.monotonic() < deadline, "the server did not become idle"
+        time.sleep(0.05)

@@ -12,7 +12,7 @@ import pytest
 
 from specexport.serve.app import create_app
 from specexport.serve.config import ServeConfig
-from tests.serve.common import metric, running
+from tests.serve.common import metric, running, wait_idle
 
 MODEL = "tiny"
 KEY = "sk-test"
@@ -258,14 +258,16 @@ def test_a_server_with_the_int4_drafter_gives_the_solo_tokens(batched_engines):
 
 
 def test_sampling_fields_reach_the_sampler(server, batched_engines):
-    """temperature, top_p, top_k and seed: a seeded sampled request is the seeded batch-1 run
-    (each request samples with its own generator, whatever else is in the batch)."""
+    """temperature, top_p, top_k and seed: a seeded sampled request alone in the batch is the
+    seeded batch-1 run (each request samples with its own generator; with other rows in the
+    batch the schedule's depth, and so the number of draws, follows the batch size)."""
     from specexport.runtime import load
 
     pipe = load(batched_engines, threads=2)
     settings = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 1234}
     want = pipe.generate(prompt_ids=pipe.prompt_ids(PROMPTS[7]), drafter="ngram", max_new_tokens=24, **settings)
     body = {"model": MODEL, "prompt": PROMPTS[7], "max_tokens": 24, "return_token_ids": True, **settings}
+    wait_idle(server)
     replies = [httpx.post(f"{server}/v1/completions", json=body, headers=_auth(), timeout=60).json() for _ in range(2)]
     assert [r["choices"][0]["token_ids"] for r in replies] == [want.token_ids] * 2
     other = httpx.post(f"{server}/v1/completions", json={**body, "seed": 99}, headers=_auth(), timeout=60).json()
