@@ -329,9 +329,11 @@ def _round(target: BatchedTarget, drafter: BatchDrafter, running: list[_Running]
             n_accepted, next_token = rejection(draft, Warped(out[LOGITS][r, :valid], seq.request.sampling),
                                                seq.request.rng)
         drafter.accept(r, n_accepted, next_token)
-        for policy in (widths.policy if widths is not None else None, seq.policy):
-            if policy is not None:
-                policy.update(draft.tag or drafter.name, draft.size, n_accepted)
+        tag = draft.tag or drafter.name
+        if widths is not None:
+            widths.policy.update(tag, draft.size, n_accepted)
+        if seq.policy is not None:
+            seq.policy.update(tag, draft.size, n_accepted)
         before = (seq.stats.proposed, seq.stats.accepted)
         _commit(seq, draft, n_accepted, next_token, eos_ids, on_token)
         report.proposed.append(seq.stats.proposed - before[0])

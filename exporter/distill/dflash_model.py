@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specexport.exporter.distill.eagle3_model import Norm  # the same RMSNorm as the EAGLE-3 head
+
 
 def default_taps(n_layers: int, count: int = 5) -> list[int]:
     """Up to ``count`` target layers spread from the second to the last (the stream entering each)."""
@@ -70,14 +72,6 @@ def rope_tables(config: dict, positions: int) -> tuple[torch.Tensor, torch.Tenso
     return cos[0].float(), sin[0].float()
 
 
-class Norm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(size)), eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
 def _linear(n_in: int, n_out: int, std: float) -> nn.Linear:

@@ -49,23 +49,13 @@ def test_the_training_forward_is_the_reference(trained, work):  # noqa: F811
     forward (block_reference.py, what parity holds the graph to) at several anchors."""
     import numpy as np
     import torch
-    from safetensors.torch import load_file
 
     from specexport.exporter.distill import checkpoint
-    from specexport.exporter.distill.dflash_model import DFlashDraft, rope_tables
+    from specexport.exporter.distill.dflash_model import DFlashDraft
     from specexport.exporter.heads.block_reference import reference_block
-    from specexport.exporter.recipe import TinySource
-    from specexport.exporter.sources import load_source
 
     out, _ = trained
-    target = load_source(TinySource(**TARGET), work, "target")
-    config = json.loads((out / "config.json").read_text())
-    saved = load_file(str(out / "model.safetensors"))
-    embed = target.model.get_input_embeddings().weight.detach()
-    ours = DFlashDraft(config, embed, saved["lm_head.weight"].float(), rope_tables(config, 128)).eval()
-    with torch.no_grad():
-        for name, param in ours.checkpoint_names().items():
-            param.copy_(saved[name].float())
+    target, config, saved, ours = load_trained(out, work, DFlashDraft)
     seqs = checkpoint.read(out).sequences
     ids = seqs.ids[seqs.members(holdout=True, greedy_only=True)[0]][:40]
     with torch.no_grad():
@@ -78,6 +68,27 @@ def test_the_training_forward_is_the_reference(trained, work):  # noqa: F811
     for row, a in enumerate(anchors[0].tolist()):
         ref, _ = reference_block("speculators", config, tensors, target.model, states, ids, a)  # [3, V_d]
         np.testing.assert_allclose(mine[row].numpy(), ref, rtol=1e-4, atol=1e-4)
+
+
+def load_trained(out, base, head_class):
+    """The tiny target, and the trained head read back from its checkpoint into ``head_class``
+    (the training module): (target, config, saved tensors, module in eval mode)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from specexport.exporter.distill.dflash_model import rope_tables
+    from specexport.exporter.recipe import TinySource
+    from specexport.exporter.sources import load_source
+
+    target = load_source(TinySource(**TARGET), base, "target")
+    config = json.loads((out / "config.json").read_text())
+    saved = load_file(str(out / "model.safetensors"))
+    embed = target.model.get_input_embeddings().weight.detach()
+    module = head_class(config, embed, saved["lm_head.weight"].float(), rope_tables(config, 128)).eval()
+    with torch.no_grad():
+        for name, param in module.checkpoint_names().items():
+            param.copy_(saved[name].float())
+    return target, config, saved, module
 
 
 def build_with_block_parity(out, base, kind: str):

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import run_cli
 from tests.distill.test_distill import TARGET, TOPICS, check_training_gain, command, work  # noqa: F401 (work: the shared fixture)
-from tests.distill.test_distill_dflash import build_with_block_parity
+from tests.distill.test_distill_dflash import build_with_block_parity, load_trained
 from tests.heads.common import check_greedy_lossless
 
 STEPS = 150
@@ -76,25 +76,14 @@ def test_the_training_forward_is_the_reference(trained, work):  # noqa: F811
     numpy heads at several anchors, each slot fed the token the reference drafted before it."""
     import numpy as np
     import torch
-    from safetensors.torch import load_file
 
     from specexport.exporter.distill import checkpoint
-    from specexport.exporter.distill.dflash_model import rope_tables
     from specexport.exporter.distill.dspark_model import DSparkDraft
     from specexport.exporter.heads.block_reference import reference_block, reference_markov
-    from specexport.exporter.recipe import TinySource
-    from specexport.exporter.sources import load_source
     from specexport.runtime.block_drafter import BlockHeads
 
     out, _ = trained
-    target = load_source(TinySource(**TARGET), work, "target")
-    config = json.loads((out / "config.json").read_text())
-    saved = load_file(str(out / "model.safetensors"))
-    embed = target.model.get_input_embeddings().weight.detach()
-    ours = DSparkDraft(config, embed, saved["lm_head.weight"].float(), rope_tables(config, 128)).eval()
-    with torch.no_grad():
-        for name, param in ours.checkpoint_names().items():
-            param.copy_(saved[name].float())
+    target, config, saved, ours = load_trained(out, work, DSparkDraft)
     d2t = (torch.arange(len(saved["d2t"])) + saved["d2t"]).numpy()
     tensors = {k: v.float() if v.is_floating_point() else v for k, v in saved.items()}
     arrays = {"markov_w1": tensors["markov_head.markov_w1.weight"].numpy(),
