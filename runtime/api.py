@@ -28,7 +28,7 @@ from specexport.runtime.integrity import ensure_verified
 from specexport.runtime.kv_cache import KVCache
 from specexport.runtime.manifest import DrafterEntry, EngineEntry, KVUpdate, Manifest
 from specexport.runtime.memory import memory
-from specexport.runtime.runner import ModelRunner
+from specexport.runtime.runner import ModelRunner, monotone_costs
 from specexport.runtime.text import TextCodec
 
 
@@ -193,7 +193,7 @@ class Pipeline:
 
     def _policy(self, drafter: str) -> DepthPolicy:
         """A fresh adaptive-depth policy over the engines' costs (tuned here, else the build's)."""
-        target = {e.tokens: self.cost_ms(e) for e in self.manifest.engines_of("target", self.backend)}
+        target = monotone_costs({e.tokens: self.cost_ms(e) for e in self.manifest.engines_of("target", self.backend)})
 
         def verify_cost(tokens: int) -> float | None:
             ms = target.get(self.target.engine_size(tokens))

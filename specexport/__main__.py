@@ -1,3 +1,4 @@
 from specexport.cli import main
 
-main()
+if __name__ == "__main__":  # not when a spawned process (bench peers) imports it
+    main()

@@ -290,17 +290,23 @@ def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, dr
             n for n, d in pipe.manifest.drafters.items() if d.kind == "ngram"]
         batch_peers, batch_skipped = [], []
         if peers:
-            from specexport.bench.peers import PEER_NAMES, make_peers
+            from specexport.bench.peer_process import start_peers
+            from specexport.bench.peers import PEER_NAMES
 
             wanted = list(PEER_NAMES) if peers == "all" else [p for p in peers.split(",") if p]
             unknown = sorted(set(wanted) - set(PEER_NAMES))
             if unknown:
                 raise BadInput(f"--peers: unknown peer {unknown[0]!r}; choose from {', '.join(PEER_NAMES)} or all")
-            batch_peers, batch_skipped = make_peers(
+            batch_peers, batch_skipped = start_peers(
                 pipe.manifest.raw["recipe"]["target"], Path(pipe.manifest.raw.get("recipe_dir", ".")), wanted,
                 threads, engine_dir.parent / f".{engine_dir.name}.peers")
-        result = run_batched(pipe, prompts, sizes, names, max_new_tokens, Reporter(quiet=as_json),
-                             batch_peers, batch_skipped, repeats)
+        from specexport.bench.peer_process import close_peers
+
+        try:
+            result = run_batched(pipe, prompts, sizes, names, max_new_tokens, Reporter(quiet=as_json),
+                                 batch_peers, batch_skipped, repeats)
+        finally:
+            close_peers(batch_peers)
         files = write_batched(result, out)
         if as_json:
             _print_json(result)

@@ -122,6 +122,47 @@ def _record(drafter: str, prompt: dict, repeat: int, result) -> dict:
     }
 
 
+def _interleaved_runs(pipe, options: BenchOptions, reporter, prompts: list[dict], drafters: list[str], ids: dict,
+                      peers: list, sampling: dict, depth: dict) -> tuple[list[dict], list[dict]]:
+    """Every repeat, every prompt: each drafter's run and each peer's: (our records, the peers')."""
+    records: list[dict] = []
+    peer_records: list[dict] = []
+    for repeat in range(options.repeats):
+        with reporter.step("bench", f"repeat {repeat + 1}/{options.repeats}") as step:
+            for index, prompt in enumerate(prompts):
+                prompt_ids = ids[prompt["id"]]
+                # ours first on every other prompt, the peers first on the rest: neither side
+                # always runs right after the other, so what one run leaves behind (warm caches,
+                # a machine drifting) does not land on the same side every time
+                ours_first = (index + repeat) % 2 == 0
+                if ours_first:
+                    records += _our_runs(pipe, drafters, prompt, prompt_ids, repeat, options, sampling, depth)
+                peer_records += _peer_runs(peers, prompt, prompt_ids, repeat, options.max_new_tokens)
+                if not ours_first:
+                    records += _our_runs(pipe, drafters, prompt, prompt_ids, repeat, options, sampling, depth)
+            step.detail = f"{len(prompts)} prompts × {len(drafters) + len(peers)} runs"
+    return records, peer_records
+
+
+def _our_runs(pipe, drafters: list[str], prompt: dict, prompt_ids: list[int], repeat: int, options: BenchOptions,
+              sampling: dict, depth: dict) -> list[dict]:
+    """One generation of the prompt per drafter (the target alone first)."""
+    return [_record(name, prompt, repeat, pipe.generate(prompt_ids=prompt_ids, drafter=name, seed=repeat,
+                                                        max_new_tokens=options.max_new_tokens, **sampling, **depth))
+            for name in drafters]
+
+
+def _peer_runs(peers: list, prompt: dict, prompt_ids: list[int], repeat: int, max_new_tokens: int) -> list[dict]:
+    records = []
+    for peer in peers:
+        run = peer.run(prompt_ids, max_new_tokens)
+        records.append({"peer": peer.name, "threads": peer.threads, "prompt_id": prompt["id"],
+                        "category": prompt["category"], "repeat": repeat, "token_ids": run.token_ids,
+                        "total_s": run.total_s, "first_token_s": run.first_token_s, "decode_s": run.decode_s,
+                        "settings": getattr(peer, "settings", {}), "stats": run.stats})
+    return records
+
+
 def run_bench(engine_dir: Path, options: BenchOptions, reporter) -> dict:
     from specexport.runtime import load
 
@@ -135,12 +176,22 @@ def run_bench(engine_dir: Path, options: BenchOptions, reporter) -> dict:
         for p in prompts
     }
     peers, skipped = [], []
-    if options.peers:
-        from specexport.bench.peers import make_peers
+    if options.peers:  # each in a process of its own (bench/peer_process.py says why)
+        from specexport.bench.peer_process import start_peers
 
         target = pipe.manifest.raw["recipe"]["target"]
-        peers, skipped = make_peers(target, Path(pipe.manifest.raw.get("recipe_dir", ".")), options.peers,
-                                    options.threads, engine_dir.parent / f".{engine_dir.name}.peers")
+        peers, skipped = start_peers(target, Path(pipe.manifest.raw.get("recipe_dir", ".")), options.peers,
+                                     options.threads, engine_dir.parent / f".{engine_dir.name}.peers")
+    try:
+        return _run(pipe, options, reporter, prompts, drafters, ids, peers, skipped)
+    finally:
+        from specexport.bench.peer_process import close_peers
+
+        close_peers(peers)
+
+
+def _run(pipe, options: BenchOptions, reporter, prompts: list[dict], drafters: list[str], ids: dict,
+         peers: list, skipped: list[dict]) -> dict:
     sampling = dict(temperature=options.temperature)
     depth = dict(adaptive=options.adaptive, draft_len=options.draft_len)
 
@@ -151,23 +202,7 @@ def run_bench(engine_dir: Path, options: BenchOptions, reporter) -> dict:
         for peer in peers:
             peer.run(first, 8)
 
-    records: list[dict] = []
-    peer_records: list[dict] = []
-    for repeat in range(options.repeats):
-        with reporter.step("bench", f"repeat {repeat + 1}/{options.repeats}") as step:
-            for prompt in prompts:
-                prompt_ids = ids[prompt["id"]]
-                for name in drafters:
-                    result = pipe.generate(prompt_ids=prompt_ids, drafter=name, max_new_tokens=options.max_new_tokens,
-                                           seed=repeat, **sampling, **depth)
-                    records.append(_record(name, prompt, repeat, result))
-                for peer in peers:
-                    run = peer.run(prompt_ids, options.max_new_tokens)
-                    peer_records.append({"peer": peer.name, "threads": peer.threads, "prompt_id": prompt["id"],
-                                         "category": prompt["category"], "repeat": repeat, "token_ids": run.token_ids,
-                                         "total_s": run.total_s, "first_token_s": run.first_token_s,
-                                         "settings": getattr(peer, "settings", {}), "stats": run.stats})
-            step.detail = f"{len(prompts)} prompts × {len(drafters) + len(peers)} runs"
+    records, peer_records = _interleaved_runs(pipe, options, reporter, prompts, drafters, ids, peers, sampling, depth)
 
     fixed_records: list[dict] = []
     if options.adaptive and options.temperature == 0.0:
@@ -191,7 +226,7 @@ def run_bench(engine_dir: Path, options: BenchOptions, reporter) -> dict:
     from specexport.runtime.memory import memory
 
     result = summarize(pipe, options, prompts, drafters, records, peer_records, skipped, costs, fixed_records)
-    # the whole bench process (engines, caches, peers run in-process): peak and current RSS
+    # the bench process (engines, caches; the peers run in processes of their own): peak and current RSS
     result["memory"] = memory()
     result["engine_costs"] = pipe.costs_source  # what adaptive depth read: "build" or "tuned (host, date)"
     return result

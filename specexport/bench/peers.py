@@ -1,4 +1,7 @@
-"""Peers for `specexport bench`: other inference stacks run on the same model, in fp32, in this process.
+"""Peers for `specexport bench`: other inference stacks run on the same model, in fp32.
+
+``make_peers`` makes them in the calling process; the bench runs each through
+``bench/peer_process.start_peers``, in a process of its own (that module says why).
 
 The harness interleaves their runs with ours so a reader sees where our engines stand. Each
 peer generates greedily from the prompt ids it is given and reports its wall times:
@@ -12,7 +15,7 @@ peer generates greedily from the prompt ids it is given and reports its wall tim
   (``ngram_size=3``: the last 2 tokens are looked up; ``max_draft_tokens=4``).
 
 Threads: ``make_peers`` calls ``torch.set_num_threads(threads)`` when a transformers peer is
-asked for. That setting is global to the process (the bench runs in a process of its own); the
+asked for. That setting is global to the process (the bench runs each peer in a process of its own); the
 onnxruntime-genai peers set ``intra_op_num_threads`` on their own session.
 
 Batched (``bench --batch``): the target-alone peers that can batch, ``transformers-greedy``
@@ -62,6 +65,9 @@ class PeerRun:
     total_s: float  # wall time of the whole generation call
     first_token_s: float  # wall time of a 1-token generation of the same prompt, run right before
     stats: dict = field(default_factory=dict)  # what the peer says about itself (ort-genai-ngram: acceptance)
+    # from the first token to the last, timed in this run, where the peer's loop lets it be
+    # (onnxruntime-genai); else decode time is total_s - first_token_s, two runs apart
+    decode_s: float | None = None
 
 
 @dataclass
@@ -203,8 +209,10 @@ class OrtGenaiPeer:
 
         start = time.perf_counter()
         generator = self._generator(prompt_ids, len(prompt_ids) + max_new_tokens)
+        marks = []
         while not generator.is_done():
             generator.generate_next_token()
+            marks.append(time.perf_counter())
         total_s = time.perf_counter() - start
         tokens = [int(t) for t in generator.get_sequence(0)[len(prompt_ids):]]
         # onnxruntime-genai stops on EOS without appending it to the sequence; the step's
@@ -213,7 +221,7 @@ class OrtGenaiPeer:
         if len(tokens) < max_new_tokens and last in self.eos_ids:
             tokens.append(last)
         stats = _speculative_summary(generator.get_speculative_stats()) if self.speculative else {}
-        return PeerRun(tokens, total_s, first_token_s, stats)
+        return PeerRun(tokens, total_s, first_token_s, stats, decode_s=marks[-1] - marks[0] if len(marks) > 1 else None)
 
 
     def run_batch(self, prompts: list[list[int]], max_new_tokens: int) -> BatchPeerRun:

@@ -127,14 +127,26 @@ def _by_category(results: list[dict]) -> list[dict]:
     return rows
 
 
+def _peer_decode_rate(record: dict) -> float | None:
+    """Tokens per second after the first token: timed in the run where the peer can
+    (``decode_s``), else the run's time less a separate first-token run's."""
+    steps = len(record["token_ids"]) - 1
+    if steps < 1:
+        return None
+    if record.get("decode_s"):
+        return steps / record["decode_s"]
+    decode_s = record["total_s"] - record["first_token_s"]
+    return steps / decode_s if decode_s > 0 else None
+
+
 def _peers(peer_records: list[dict], baseline: dict[str, dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for record in peer_records:
         groups[(record["peer"], record["prompt_id"])].append(record)
     rows = []
     for (peer, prompt_id), runs in groups.items():
-        decode = [(len(r["token_ids"]) - 1) / (r["total_s"] - r["first_token_s"])
-                  for r in runs if len(r["token_ids"]) > 1 and r["total_s"] > r["first_token_s"]]
+        decode = [_peer_decode_rate(r) for r in runs]
+        decode = [rate for rate in decode if rate is not None]
         tps = _median(decode)
         base = baseline[prompt_id]
         rows.append({

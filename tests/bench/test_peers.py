@@ -201,3 +201,112 @@ def test_default_model_peers_equal_transformers_greedy(tmp_path_factory):
             assert reference[-1] == 2 and len(reference) < new_tokens  # stopped on EOS, EOS included
         else:
             assert runs["ort-genai-ngram"].stats["draft_tokens_accepted"] > 0
+
+
+# --- peers in processes of their own (what the bench runs) ---------------------------------
+
+
+def test_a_peer_in_its_own_process_equals_it_in_process(tiny_peers, pipe, tiny, target, cache):
+    """start_peers runs transformers-greedy in a fresh interpreter: the same tokens as the
+    in-process peer and our runtime, its settings reported, and the process gone after close."""
+    from specexport.bench.peer_process import close_peers, start_peers
+
+    peers, skipped = start_peers(target, tiny, ["transformers-greedy", "vllm"], 2, cache)
+    try:
+        assert [p.name for p in peers] == ["transformers-greedy"]
+        assert skipped[0]["peer"] == "vllm" and "known: " in skipped[0]["skipped"]
+        peer = peers[0]
+        assert peer.threads == 2 and peer.settings == tiny_peers["transformers-greedy"].settings
+        process = peer._process
+        assert process.pid != __import__("os").getpid() and process.poll() is None
+        for label, ids in prompts(pipe).items():
+            run = peer.run(ids, NEW_TOKENS)
+            check_run(run, NEW_TOKENS)
+            assert run.token_ids == tiny_peers["transformers-greedy"].run(ids, NEW_TOKENS).token_ids, label
+            assert run.token_ids == pipe.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS).token_ids, label
+        batch = peer.run_batch(list(prompts(pipe).values()), NEW_TOKENS)
+        assert batch.token_ids == tiny_peers["transformers-greedy"].run_batch(list(prompts(pipe).values()),
+                                                                             NEW_TOKENS).token_ids
+        with pytest.raises(BadInput, match="peer transformers-greedy: a peer needs a non-empty prompt"):
+            peer.run([], NEW_TOKENS)  # the child's one-line error, and the child lives on
+        assert peer.run(prompts(pipe)["raw"], 4).token_ids
+    finally:
+        close_peers(peers)
+    assert process.poll() is not None  # ended, not left behind
+    with pytest.raises(BadInput, match="its process ended"):
+        peer.run(prompts(pipe)["raw"], 4)
+
+
+def test_start_peers_refuses_bad_arguments_in_one_line(tiny, tmp_path):
+    from specexport.bench.peer_process import start_peers
+
+    with pytest.raises(BadInput, match="threads"):
+        start_peers({"source": "hf", "path": "x"}, tiny, ["transformers-greedy"], 0, tmp_path)
+    with pytest.raises(BadInput, match="target source"):  # raised in the child, re-raised here
+        start_peers({"source": "onnx", "path": "x"}, tiny, ["transformers-greedy"], 2, tmp_path)
+
+
+def test_peer_decode_rate_prefers_the_time_taken_in_the_run():
+    from specexport.bench.summary import _peer_decode_rate
+
+    record = {"token_ids": [1] * 11, "total_s": 3.0, "first_token_s": 1.0}
+    assert _peer_decode_rate(record) == pytest.approx(10 / 2.0)  # two runs apart
+    assert _peer_decode_rate({**record, "decode_s": 2.5}) == pytest.approx(10 / 2.5)  # in the run
+    assert _peer_decode_rate({**record, "token_ids": [1]}) is None
+    assert _peer_decode_rate({**record, "first_token_s": 3.5}) is None
+
+
+def _peer_processes() -> list[int]:
+    """Live processes running bench/peer_process.py whose parent is this process."""
+    import os
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and b"specexport.bench.peer_process" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def test_bench_interleaves_a_peer_in_its_own_process(tiny, tmp_path):
+    """`bench --peers` end to end: the peer runs in its own process, on every prompt, alternating
+    which side goes first; its output equals ours and its process is gone afterwards."""
+    from tests.bench.short_prompts import short_prompts
+    from tests.conftest import run_cli
+
+    out = tmp_path / "out"
+    code, _, err = run_cli("bench", tiny, "--drafters", "ngram", "--peers", "transformers-greedy", "-n", "6",
+                           "--repeats", "2", "--prompts", short_prompts(tmp_path / "p.jsonl", 3), "--out", out,
+                           "--threads", "2")
+    assert code == 0, err
+    result = json.loads((out / "bench.json").read_text())
+    rows = result["peers"]
+    assert [r["prompt_id"] for r in rows] == ["a", "b", "c"] and result["peers_skipped"] == []
+    assert all(r["matches_baseline"] is True and r["tokens_per_s"] > 0 for r in rows)
+    assert _peer_processes() == []
+
+
+def test_bench_alternates_which_side_runs_first(monkeypatch):
+    import contextlib
+
+    from specexport.bench import harness
+
+    order = []
+    monkeypatch.setattr(harness, "_our_runs", lambda pipe, drafters, prompt, *rest: order.append(("ours", prompt["id"])) or [])
+    monkeypatch.setattr(harness, "_peer_runs", lambda peers, prompt, *rest: order.append(("peer", prompt["id"])) or [])
+    options = harness.BenchOptions(prompts=Path("x"), max_new_tokens=4, repeats=2)
+
+    class Reporter:
+        def step(self, *args):
+            return contextlib.nullcontext(type("Step", (), {"detail": ""})())
+
+    prompts = [{"id": "a", "category": "c"}, {"id": "b", "category": "c"}]
+    harness._interleaved_runs(None, options, Reporter(), prompts, [], {"a": [1], "b": [2]}, [], {}, {})
+    assert order == [("ours", "a"), ("peer", "a"), ("peer", "b"), ("ours", "b"),  # repeat 1
+                     ("peer", "a"), ("ours", "a"), ("ours", "b"), ("peer", "b")]  # repeat 2

@@ -196,9 +196,34 @@ def test_timing_interleaves_every_model_round_after_round():
     calls = []
     a, b = _Recorder("a", calls), _Recorder("b", calls)
     times = time_interleaved({"a": (a, [1, 5]), "b": (b, [1])}, rounds=2)
-    one_round = [("a", 1), ("a", 5), ("b", 1)]
-    assert calls == one_round * 3 + [("a", "end"), ("b", "end")]  # warm-up, then 2 rounds
+    # warm-up, then 2 rounds, each starting one graph later (no graph always timed first)
+    assert calls == [("a", 1), ("a", 5), ("b", 1), ("a", 5), ("b", 1), ("a", 1), ("b", 1), ("a", 1), ("a", 5),
+                     ("a", "end"), ("b", "end")]
     assert times == {"a": {1: 1.0, 5: 5.0}, "b": {1: 1.0}}
+
+
+def test_a_smaller_graph_never_costs_more_than_a_larger_one():
+    """A tuned file once measured the 1-token graph dearer than the 2-token one: uncapped, every
+    decode step ran the 2-token graph with a padded row."""
+    from specexport.runtime.runner import monotone_costs
+
+    assert monotone_costs({1: 36.3, 2: 28.9, 4: 34.1, 6: 33.4, 8: 39.6, 16: None, 64: 150.0}) == {
+        1: 28.9, 2: 28.9, 4: 33.4, 6: 33.4, 8: 39.6, 16: None, 64: 150.0}
+    assert monotone_costs({1: 20.0, 2: 25.0}) == {1: 20.0, 2: 25.0}  # sane figures are kept
+
+
+def test_the_runner_decodes_one_token_with_the_one_token_graph_whatever_the_noise(tiny_engines):
+    from specexport.runtime.runner import ModelRunner
+
+    pipe = load(tiny_engines.get("llama", **SHAPE))
+    target = pipe.target
+    engines = [target._by_size[t] for t in target.decoding_sizes]
+    assert target.decoding_sizes[:2] == [1, 2]
+    noisy = {t: float(t) + 10.0 for t in target.decoding_sizes}
+    noisy[1] = noisy[2] + 5.0  # the 1-token graph timed in a busy moment
+    runner = ModelRunner("target", engines, target.cache, {e.name: t for t, e in zip(target.decoding_sizes, engines)},
+                         noisy, target._in_place)
+    assert runner.engine_size(1) == 1 and runner.engine_size(2) == 2
 
 
 def test_build_times_all_models_in_one_schedule(tiny_engines):

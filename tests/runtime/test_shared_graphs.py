@@ -63,3 +63,19 @@ def test_a_standard_load_opens_a_session_per_size(tiny_engines):
     pipe.generate(prompt_ids=list(range(3, 40)), drafter="none", max_new_tokens=4)
     opened = [size for size in pipe.target.sizes if pipe.target.is_open(size)]
     assert len(pipe.sessions) == len(opened) >= 3
+
+
+def test_outputs_handed_out_survive_the_next_run_of_the_same_engine(tiny_engines):
+    """In-place engines reuse their binding and its output buffers: what a run returned must be
+    the caller's own, not a view the next run of that engine overwrites."""
+    import numpy as np
+
+    pipe = load(tiny_engines.get("llama", attention="ort-gqa", **SHAPE))
+    runner = pipe.runner("target")
+    runner.rewind(0)
+    first = runner.forward(list(range(3, 10)), want_logits=True)  # [7], [7, V]
+    kept_tokens, kept_logits = first.next_tokens.copy(), first.logits.copy()
+    runner.rewind(0)
+    second = runner.forward(list(range(20, 27)), want_logits=True)  # the same engine (same size)
+    assert not np.array_equal(second.logits, kept_logits)
+    assert np.array_equal(first.next_tokens, kept_tokens) and np.array_equal(first.logits, kept_logits)
