@@ -47,11 +47,15 @@ demo: engines
 	$(BIN)/specexport generate $(ENGINES) --chat --threads $(THREADS) --drafter eagle3 --max-new-tokens 128 \
 		--prompt-file bench/prompts/demo.txt
 
+# One pytest-xdist worker per core (at most 8), a test file per worker at a time: a file's module
+# fixtures are built once, and builds shared across files once per run (tests/conftest.py).
+TEST_WORKERS ?= auto
+
 test: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --maxprocesses 8 --dist loadfile
 
 test-fast: $(STAMP)
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --maxprocesses 8 --dist loadfile -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check specexport exporter runtime tests

@@ -20,14 +20,16 @@ class LayerWeights:
     """One decoder layer. Linear weights keep the transformers layout [out, in]."""
 
     attn_norm: torch.Tensor  # [hidden]
-    q_w: torch.Tensor  # [heads*head_dim, hidden]
-    k_w: torch.Tensor  # [kv_heads*head_dim, hidden]
-    v_w: torch.Tensor  # [kv_heads*head_dim, hidden]
     o_w: torch.Tensor  # [hidden, heads*head_dim]
     mlp_norm: torch.Tensor  # [hidden]
+    # the dense MLP; in an MoE layer its shared experts (added to the routed experts' output)
     gate_w: torch.Tensor  # [intermediate, hidden]
     up_w: torch.Tensor  # [intermediate, hidden]
     down_w: torch.Tensor  # [hidden, intermediate]
+    # the Q/K/V projections; None in an MLA layer, whose projections ``mla`` holds
+    q_w: torch.Tensor | None = None  # [heads*head_dim, hidden]
+    k_w: torch.Tensor | None = None  # [kv_heads*head_dim, hidden]
+    v_w: torch.Tensor | None = None  # [kv_heads*head_dim, hidden]
     q_b: torch.Tensor | None = None
     k_b: torch.Tensor | None = None
     v_b: torch.Tensor | None = None
@@ -38,6 +40,53 @@ class LayerWeights:
     mlp_out_norm: torch.Tensor | None = None
     sliding_window: int | None = None  # keys further back than this are masked
     rope_table: str = "default"  # which cos/sin table this layer uses
+    moe: MoeWeights | None = None  # routed experts (DeepSeek-V3 / GLM-4.5 MoE layers)
+    mla: MlaWeights | None = None  # multi-head latent attention (DeepSeek-V3)
+
+
+@dataclass
+class MoeWeights:
+    """DeepSeek-V3 / GLM-4.5 routed experts: a sigmoid router whose choice (not whose weights)
+    adds ``score_bias``, top-k among the best ``topk_group`` of ``n_group`` expert groups, the
+    chosen scores normalised (``norm_topk_prob``) and scaled. Per expert, transformers' layout."""
+
+    router_w: torch.Tensor  # [experts, hidden]
+    score_bias: torch.Tensor  # [experts] e_score_correction_bias
+    gate_w: torch.Tensor  # [experts, moe_intermediate, hidden]
+    up_w: torch.Tensor  # [experts, moe_intermediate, hidden]
+    down_w: torch.Tensor  # [experts, hidden, moe_intermediate]
+    top_k: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    scaling: float  # routed_scaling_factor
+
+
+@dataclass
+class MlaWeights:
+    """DeepSeek's multi-head latent attention, rearranged (``mla_weights``) so the graph attends
+    as plain multi-head attention over per-head K and V of the qk width (nope + rope): each head's
+    Q and K put the rotary part first (de-interleaved, so the graph's rotate-half RoPE applies to
+    the first ``rope`` dims), V and the output projection are zero-padded from v_head_dim to the
+    qk width (exact: the padded columns are zeros and meet zero weights)."""
+
+    in_w: torch.Tensor  # [q_in + kv_lora + rope, hidden]: q_a_proj (or q_proj), kv_a_proj_with_mqa
+    in_b: torch.Tensor | None  # [q_in + kv_lora + rope] (attention_bias)
+    q_a_norm: torch.Tensor | None  # [q_lora]; None: no q_lora, in_w's first rows are Q itself
+    q_b_w: torch.Tensor | None  # [heads*qk, q_lora] (q_b_proj; per head [rope | nope])
+    kv_a_norm: torch.Tensor  # [kv_lora]
+    kv_b_w: torch.Tensor  # [heads*(nope + qk), kv_lora]: per head k_nope, then V padded to qk
+    heads: int
+    q_in: int  # q_lora, or heads*qk without q_lora
+    kv_lora: int
+    rope: int
+    nope: int
+    v_dim: int  # v_head_dim before the padding
+    latent_eps: float  # q_a_layernorm / kv_a_layernorm epsilon
+
+    @property
+    def qk(self) -> int:
+        return self.nope + self.rope
 
 
 @dataclass
@@ -79,6 +128,8 @@ class DecoderParts:
 class ArchTraits:
     norm_offset: float = 0.0  # Gemma norms scale by (1 + w)
     fused_qkv: bool = False  # Phi-3: one qkv_proj, one gate_up_proj
+    mla: bool = False  # DeepSeek-V3: multi-head latent attention (MlaWeights)
+    # MoE layers (mlp.experts, mlp.gate, mlp.shared_experts) are read wherever a layer has them
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
@@ -90,6 +141,8 @@ ARCHITECTURES: dict[str, ArchTraits] = {
     "gemma2": ArchTraits(norm_offset=1.0),
     "gemma3_text": ArchTraits(norm_offset=1.0),
     "phi3": ArchTraits(fused_qkv=True),
+    "glm4_moe": ArchTraits(),  # GQA, partial rotary, MoE after first_k_dense_replace layers
+    "deepseek_v3": ArchTraits(mla=True),
 }
 
 _ACTIVATIONS = {
@@ -145,6 +198,108 @@ def _norm(module, offset: float) -> torch.Tensor:
     return module.weight.detach().float() + offset
 
 
+def moe_weights(config, router_w: torch.Tensor, score_bias: torch.Tensor, gate_w: torch.Tensor,
+                up_w: torch.Tensor, down_w: torch.Tensor) -> MoeWeights:
+    """The routed experts with the routing settings of a DeepSeek-V3 / GLM-4.5 ``config``."""
+    return MoeWeights(router_w=router_w, score_bias=score_bias, gate_w=gate_w, up_w=up_w, down_w=down_w,
+                      top_k=int(config.num_experts_per_tok), n_group=int(config.n_group or 1),
+                      topk_group=int(config.topk_group or 1), norm_topk_prob=bool(config.norm_topk_prob),
+                      scaling=float(config.routed_scaling_factor))
+
+
+def _read_moe(config, mlp) -> MoeWeights:
+    """transformers 5 stacks the experts: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+    gate_w, up_w = mlp.experts.gate_up_proj.detach().float().chunk(2, dim=1)  # [E, I, H] ×2
+    return moe_weights(config, _t(mlp.gate.weight), _t(mlp.gate.e_score_correction_bias), gate_w.clone(),
+                       up_w.clone(), _t(mlp.experts.down_proj))
+
+
+def _deinterleave(rope: int) -> torch.Tensor:
+    """DeepSeek rotates pairs (x0, x1), (x2, x3), ...; taking the evens then the odds makes it
+    the rotate-half RoPE (transformers' apply_rotary_pos_emb_interleave says the same)."""
+    return torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))  # [rope]
+
+
+def _rope_first(w: torch.Tensor, heads: int, nope: int, rope: int, interleaved: bool) -> torch.Tensor:
+    """Rows [heads·(nope+rope), in] of per-head [nope | rope] reordered to [rope | nope]."""
+    per_head = w.reshape(heads, nope + rope, -1)
+    rope_rows = per_head[:, nope:][:, _deinterleave(rope)] if interleaved else per_head[:, nope:]
+    return torch.cat((rope_rows, per_head[:, :nope]), dim=1).reshape(w.shape)
+
+
+def mla_weights(config, get, has, eps: float, origin: str) -> tuple[MlaWeights, torch.Tensor]:
+    """(MlaWeights, the output projection padded to [hidden, heads·qk]) from DeepSeek's published
+    tensors: ``get(name, shape)`` / ``has(name)`` by their names under ``self_attn.``.
+
+    The graph caches each head's expanded K and V (num_kv_heads = num_heads, V zero-padded to
+    the qk width): the simplest exact form. The memory-efficient form caches the compressed
+    latent (kv_lora + rope per token, shared by the heads) and absorbs kv_b_proj into the query
+    and output projections."""
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    nope, rope, v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+    kv_lora, q_lora, qk = config.kv_lora_rank, config.q_lora_rank, nope + rope
+    interleaved = bool(getattr(config, "rope_interleave", False))
+    if v_dim > qk:
+        raise BadInput(f"{origin}: v_head_dim ({v_dim}) above the qk head dim ({qk}) is not supported")
+    if q_lora:
+        q_first = get("q_a_proj.weight", (q_lora, hidden))
+        q_b = _rope_first(get("q_b_proj.weight", (heads * qk, q_lora)), heads, nope, rope, interleaved)
+    else:
+        q_first = _rope_first(get("q_proj.weight", (heads * qk, hidden)), heads, nope, rope, interleaved)
+        q_b = None
+    kv_a = get("kv_a_proj_with_mqa.weight", (kv_lora + rope, hidden))
+    order = torch.cat((torch.arange(kv_lora), kv_lora + (_deinterleave(rope) if interleaved else torch.arange(rope))))
+    in_b = None
+    if has("kv_a_proj_with_mqa.bias"):  # attention_bias: q_a_proj and kv_a_proj_with_mqa (and o_proj)
+        q_bias = get("q_a_proj.bias", (q_lora,)) if q_lora else torch.zeros(heads * qk)
+        in_b = torch.cat((q_bias, get("kv_a_proj_with_mqa.bias", (kv_lora + rope,))[order]))
+    kv_b = get("kv_b_proj.weight", (heads * (nope + v_dim), kv_lora)).reshape(heads, nope + v_dim, kv_lora)
+    v_padded = torch.cat((kv_b[:, nope:], torch.zeros(heads, qk - v_dim, kv_lora)), dim=1)  # [heads, qk, kv_lora]
+    kv_b_w = torch.cat((kv_b[:, :nope], v_padded), dim=1)  # [heads, nope+qk, kv_lora]
+    o_w = get("o_proj.weight", (hidden, heads * v_dim)).reshape(hidden, heads, v_dim)
+    o_w = torch.cat((o_w, torch.zeros(hidden, heads, qk - v_dim)), dim=2).reshape(hidden, heads * qk)  # zero rows meet V's zeros
+    mla = MlaWeights(
+        in_w=torch.cat((q_first, kv_a[order])), in_b=in_b,
+        q_a_norm=get("q_a_layernorm.weight", (q_lora,)) if q_lora else None, q_b_w=q_b,
+        kv_a_norm=get("kv_a_layernorm.weight", (kv_lora,)), kv_b_w=kv_b_w.reshape(heads * (nope + qk), kv_lora),
+        heads=heads, q_in=q_lora or heads * qk, kv_lora=kv_lora, rope=rope, nope=nope, v_dim=v_dim,
+        latent_eps=eps,
+    )
+    return mla, o_w
+
+
+def _read_mla(config, attn, origin: str) -> tuple[MlaWeights, torch.Tensor]:
+    params = {name: p.detach().float() for name, p in attn.named_parameters()}
+    return mla_weights(config, lambda name, _shape: params[name], params.__contains__,
+                       float(attn.kv_a_layernorm.variance_epsilon), origin)
+
+
+def _read_attention(traits: ArchTraits, config, attn, q_size: int, kv_size: int, origin: str) -> dict:
+    """A layer's attention projections, as LayerWeights fields."""
+    if traits.mla:
+        mla, o_w = _read_mla(config, attn, origin)
+        return dict(mla=mla, o_w=o_w, o_b=_t(attn.o_proj.bias))
+    if traits.fused_qkv:  # Phi-3: one qkv_proj, no biases
+        qkv = attn.qkv_proj.weight.detach().float()
+        q_w, k_w, v_w = qkv[:q_size], qkv[q_size : q_size + kv_size], qkv[q_size + kv_size :]
+        return dict(q_w=_t(q_w), k_w=_t(k_w), v_w=_t(v_w), o_w=_t(attn.o_proj.weight), o_b=_t(attn.o_proj.bias))
+    return dict(q_w=_t(attn.q_proj.weight), k_w=_t(attn.k_proj.weight), v_w=_t(attn.v_proj.weight),
+                q_b=_t(attn.q_proj.bias), k_b=_t(attn.k_proj.bias), v_b=_t(attn.v_proj.bias),
+                o_w=_t(attn.o_proj.weight), o_b=_t(attn.o_proj.bias))
+
+
+def _read_mlp(traits: ArchTraits, config, mlp) -> dict:
+    """A layer's MLP, as LayerWeights fields: the dense MLP, or an MoE layer's routed experts and
+    its shared experts as the dense part."""
+    moe = _read_moe(config, mlp) if hasattr(mlp, "experts") else None
+    dense = mlp.shared_experts if moe is not None else mlp
+    if traits.fused_qkv:  # Phi-3: one gate_up_proj
+        gate_w, up_w = dense.gate_up_proj.weight.chunk(2, dim=0)
+    else:
+        gate_w, up_w = dense.gate_proj.weight, dense.up_proj.weight
+    return dict(gate_w=_t(gate_w), up_w=_t(up_w), down_w=_t(dense.down_proj.weight), moe=moe)
+
+
 def read_decoder(model, max_positions: int, origin: str) -> DecoderParts:
     """Read a transformers *ForCausalLM into DecoderParts (fp32 copies of every weight)."""
     config = model.config
@@ -153,6 +308,8 @@ def read_decoder(model, max_positions: int, origin: str) -> DecoderParts:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if traits.mla:  # the graph caches every head's expanded K and V at the qk width (mla_weights)
+        kv_heads, head_dim = heads, config.qk_nope_head_dim + config.qk_rope_head_dim
     act_name = getattr(config, "hidden_activation", None) or config.hidden_act
     if act_name not in _ACTIVATIONS:
         raise BadInput(f"{origin}: activation '{act_name}' is not supported ({', '.join(_ACTIVATIONS)})")
@@ -161,30 +318,18 @@ def read_decoder(model, max_positions: int, origin: str) -> DecoderParts:
     rope_tables = _rope_tables(model, max_positions)
     layers: list[LayerWeights] = []
     for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        q_size, kv_size = heads * head_dim, kv_heads * head_dim
-        if traits.fused_qkv:
-            qkv = attn.qkv_proj.weight.detach().float()
-            q_w, k_w, v_w = qkv[:q_size], qkv[q_size : q_size + kv_size], qkv[q_size + kv_size :]
-            gate_up = mlp.gate_up_proj.weight.detach().float()
-            gate_w, up_w = gate_up.chunk(2, dim=0)
-            q_b = k_b = v_b = None
-        else:
-            q_w, k_w, v_w = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
-            q_b, k_b, v_b = attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias
-            gate_w, up_w = mlp.gate_proj.weight, mlp.up_proj.weight
+        attn = layer.self_attn
         sandwich = hasattr(layer, "pre_feedforward_layernorm")
         layers.append(
             LayerWeights(
                 attn_norm=_norm(layer.input_layernorm, off),
-                q_w=_t(q_w), k_w=_t(k_w), v_w=_t(v_w), o_w=_t(attn.o_proj.weight),
-                q_b=_t(q_b), k_b=_t(k_b), v_b=_t(v_b), o_b=_t(attn.o_proj.bias),
+                **_read_attention(traits, config, attn, heads * head_dim, kv_heads * head_dim, origin),
                 q_norm=_norm(attn.q_norm, off) if hasattr(attn, "q_norm") else None,
                 k_norm=_norm(attn.k_norm, off) if hasattr(attn, "k_norm") else None,
                 attn_out_norm=_norm(layer.post_attention_layernorm, off) if sandwich else None,
                 mlp_norm=_norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm, off),
                 mlp_out_norm=_norm(layer.post_feedforward_layernorm, off) if sandwich else None,
-                gate_w=_t(gate_w), up_w=_t(up_w), down_w=_t(mlp.down_proj.weight),
+                **_read_mlp(traits, config, layer.mlp),
                 sliding_window=_layer_window(config, i),
                 rope_table=layer_types[i] if layer_types and layer_types[i] in rope_tables else "default",
             )

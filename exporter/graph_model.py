@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specexport.exporter.archs import DecoderParts, LayerWeights
+from specexport.exporter.archs import DecoderParts, LayerWeights, MlaWeights, MoeWeights
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,16 +65,111 @@ def _param(t: torch.Tensor | None) -> nn.Parameter | None:
     return None if t is None else nn.Parameter(t.contiguous(), requires_grad=False)
 
 
+def _activate(x: torch.Tensor, activation: str) -> torch.Tensor:
+    return nn.functional.silu(x) if activation == "silu" else nn.functional.gelu(x, approximate="tanh")
+
+
+class MoeMlp(nn.Module):
+    """DeepSeek-V3 / GLM-4.5 routed experts (archs.MoeWeights), static shapes, exact: router
+    scores -> group-limited top-k -> a dense [.., experts] weight, zero off each token's top-k,
+    applied to every expert's output. The experts are two plain MatMuls over the stacked weights
+    ([hidden, E·2I] and [E·I, hidden]): clean ONNX, int4-quantizable, and right for tiny and
+    few-expert models. For large models (256 experts, top-8) this computes E/k times the needed
+    work and reads every expert's weights each step; a gather-of-top-k form (Gather the k chosen
+    experts' [2I, hidden] / [hidden, I] slices per token, then batched MatMuls) costs k experts'
+    work but copies k weight slices per token, and a fused MoE kernel avoids both. One
+    implementation, shared by the target graph and the chain heads (MTP)."""
+
+    def __init__(self, w: MoeWeights, activation: str):
+        super().__init__()
+        experts, inter, hidden = w.gate_w.shape
+        self.experts, self.inter, self.activation = experts, inter, activation
+        self.top_k, self.n_group, self.topk_group = w.top_k, w.n_group, w.topk_group
+        self.norm_topk_prob, self.scaling = w.norm_topk_prob, w.scaling
+        self.router_w = _param(w.router_w.T)  # [hidden, E]
+        self.score_bias = _param(w.score_bias)  # [E]
+        gate_up = torch.cat((w.gate_w, w.up_w), dim=1)  # [E, 2I, hidden]: per expert gate rows, then up
+        self.gate_up_w = _param(gate_up.reshape(experts * 2 * inter, hidden).T)  # [hidden, E·2I]
+        self.down_w = _param(w.down_w.transpose(1, 2).reshape(experts * inter, hidden))  # [E·I, hidden]
+
+    def routing(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden] -> each expert's weight [B, T, E], zero off the token's top-k."""
+        batch, tokens, _ = x.shape
+        scores = torch.sigmoid(x @ self.router_w)  # [B, T, E]
+        choice = scores + self.score_bias  # the bias steers the choice, not the weights
+        if self.topk_group < self.n_group:  # keep the experts of the best topk_group groups
+            per_group = self.experts // self.n_group
+            grouped = choice.view(batch, tokens, self.n_group, per_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [B, T, G]: each group's best two
+            best = group_scores.topk(self.topk_group, dim=-1).indices  # [B, T, topk_group]
+            kept = torch.zeros_like(group_scores).scatter(-1, best, 1.0)  # [B, T, G]
+            kept = kept.unsqueeze(-1).expand(batch, tokens, self.n_group, per_group).reshape(batch, tokens, -1)
+            choice = torch.where(kept > 0, choice, float("-inf"))  # [B, T, E]
+        chosen = choice.topk(self.top_k, dim=-1).indices  # [B, T, k]
+        weights = scores.gather(-1, chosen)  # [B, T, k]
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * self.scaling
+        return torch.zeros_like(scores).scatter(-1, chosen, weights)  # [B, T, E]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden] (the normed MLP input) -> the routed experts' sum [B, T, hidden]."""
+        batch, tokens, _ = x.shape
+        weights = self.routing(x)  # [B, T, E]
+        gate_up = (x @ self.gate_up_w).view(batch, tokens, self.experts, 2 * self.inter)  # [B, T, E, 2I]
+        gate, up = torch.split(gate_up, self.inter, dim=-1)  # [B, T, E, I] ×2
+        act = _activate(gate, self.activation) * up * weights.unsqueeze(-1)  # [B, T, E, I]
+        return act.reshape(batch, tokens, self.experts * self.inter) @ self.down_w  # [B, T, hidden]
+
+
+class MlaProjection(nn.Module):
+    """DeepSeek's multi-head latent attention up to the per-head Q, K and V (archs.MlaWeights):
+    each [B, T, heads, qk], the rotary part first and not yet rotated, V zero-padded to qk. The
+    graphs then attend as with any multi-head layer. One implementation, shared by the target
+    graph and the chain heads (MTP)."""
+
+    def __init__(self, w: MlaWeights):
+        super().__init__()
+        self.heads, self.nope, self.rope, self.qk = w.heads, w.nope, w.rope, w.qk
+        self.eps = w.latent_eps
+        self.in_sizes = (w.q_in, w.kv_lora, w.rope)
+        self.in_w = _param(w.in_w.T)  # [hidden, q_in + kv_lora + rope]: one MatMul for both latents
+        self.in_b = _param(w.in_b)
+        self.q_a_norm = _param(w.q_a_norm)  # [q_lora]
+        self.q_b_w = _param(None if w.q_b_w is None else w.q_b_w.T)  # [q_lora, heads·qk]
+        self.kv_a_norm = _param(w.kv_a_norm)  # [kv_lora]
+        self.kv_b_w = _param(w.kv_b_w.T)  # [kv_lora, heads·(nope+qk)]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, tokens, _ = x.shape
+        h, qk = self.heads, self.qk
+        first = x @ self.in_w  # [B, T, q_in + kv_lora + rope]
+        if self.in_b is not None:
+            first = first + self.in_b
+        q, latent, k_pe = torch.split(first, self.in_sizes, dim=-1)
+        if self.q_b_w is not None:  # q_lora: q_a_proj -> q_a_layernorm -> q_b_proj
+            q = _rms_norm(q, self.q_a_norm, self.eps) @ self.q_b_w  # [B, T, heads·qk]
+        q = q.view(batch, tokens, h, qk)  # per head [rope | nope]
+        kv = (_rms_norm(latent, self.kv_a_norm, self.eps) @ self.kv_b_w).view(batch, tokens, h, self.nope + qk)
+        k_nope, v = torch.split(kv, (self.nope, qk), dim=-1)  # [B, T, heads, nope], [B, T, heads, qk]
+        k_pe = k_pe.view(batch, tokens, 1, self.rope).expand(batch, tokens, h, self.rope)  # one for every head
+        k = torch.cat((k_pe, k_nope), dim=-1)  # [B, T, heads, qk]
+        return q, k, v
+
+
 class _Layer(nn.Module):
-    def __init__(self, w: LayerWeights, fused_mlp: bool = True):
+    def __init__(self, w: LayerWeights, activation: str, fused_mlp: bool = True):
         super().__init__()
         # Linear weights are stored [in, out] so each projection is a plain MatMul with an
         # initializer: what onnxruntime's int4 quantizer and TensorRT both want.
         self.attn_norm = _param(w.attn_norm)
-        # Q, K and V in one MatMul (and gate with up below): fewer, larger kernels.
-        self.qkv_w = _param(torch.cat((w.q_w, w.k_w, w.v_w), dim=0).T)  # [hidden, (H+2·n_kv)·hd]
-        self.qkv_b = _param(torch.cat((w.q_b, w.k_b, w.v_b)) if w.q_b is not None else None)
-        self.qkv_sizes = (w.q_w.shape[0], w.k_w.shape[0], w.v_w.shape[0])
+        self.mla = None if w.mla is None else MlaProjection(w.mla)
+        self.moe = None if w.moe is None else MoeMlp(w.moe, activation)  # beside the dense (shared) MLP
+        if w.mla is None:
+            # Q, K and V in one MatMul (and gate with up below): fewer, larger kernels.
+            self.qkv_w = _param(torch.cat((w.q_w, w.k_w, w.v_w), dim=0).T)  # [hidden, (H+2·n_kv)·hd]
+            self.qkv_b = _param(torch.cat((w.q_b, w.k_b, w.v_b)) if w.q_b is not None else None)
+            self.qkv_sizes = (w.q_w.shape[0], w.k_w.shape[0], w.v_w.shape[0])
         self.o_w, self.o_b = _param(w.o_w.T), _param(w.o_b)
         self.q_norm, self.k_norm = _param(w.q_norm), _param(w.k_norm)
         self.attn_out_norm = _param(w.attn_out_norm)
@@ -155,7 +250,8 @@ class StaticDecoder(nn.Module):
         if self.fusions.matmul_head:
             head = parts.embed if parts.lm_head is None else parts.lm_head
             setattr(self, HEAD_WEIGHT, _param(head.T))  # [hidden, V]
-        self.layers = nn.ModuleList(_Layer(w, fused_mlp=not self.fusions.split_mlp) for w in parts.layers)
+        self.layers = nn.ModuleList(_Layer(w, parts.activation, fused_mlp=not self.fusions.split_mlp)
+                                    for w in parts.layers)
         self.rope_tables = sorted(parts.rope_tables)
         rot = next(iter(parts.rope_tables.values()))[0].shape[-1]
         self.register_buffer("rope_rotate", _rotate_half_matrix(rot), persistent=False)
@@ -283,13 +379,7 @@ class StaticDecoder(nn.Module):
         """x: the normed layer input [B, T, hidden]."""
         batch, tokens, _ = x.shape
         hd, n_kv, g = self.head_dim, self.n_kv, self.group
-        qkv = x @ layer.qkv_w  # [B, T, (H+2·n_kv)·hd]
-        if layer.qkv_b is not None:
-            qkv = qkv + layer.qkv_b
-        q, k, v = torch.split(qkv, layer.qkv_sizes, dim=-1)  # [B, T, H·hd], [B, T, n_kv·hd] ×2
-        q = q.view(batch, tokens, self.n_heads, hd)
-        k = k.view(batch, tokens, n_kv, hd)
-        v = v.view(batch, tokens, n_kv, hd)
+        q, k, v = self._project(layer, x)  # [B, T, H, hd], [B, T, n_kv, hd] ×2
         if layer.q_norm is not None:
             q = _rms_norm(q, layer.q_norm, self.eps)
             k = _rms_norm(k, layer.k_norm, self.eps)
@@ -316,19 +406,35 @@ class StaticDecoder(nn.Module):
             out = out + layer.o_b
         return out, k_new, v_new
 
+    def _project(self, layer: _Layer, x):
+        """The normed input [B, T, hidden] -> q [B, T, H, hd], k and v [B, T, n_kv, hd], before RoPE."""
+        if layer.mla is not None:
+            return layer.mla(x)
+        batch, tokens, _ = x.shape
+        qkv = x @ layer.qkv_w  # [B, T, (H+2·n_kv)·hd]
+        if layer.qkv_b is not None:
+            qkv = qkv + layer.qkv_b
+        q, k, v = torch.split(qkv, layer.qkv_sizes, dim=-1)  # [B, T, H·hd], [B, T, n_kv·hd] ×2
+        hd = self.head_dim
+        return (q.view(batch, tokens, self.n_heads, hd), k.view(batch, tokens, self.n_kv, hd),
+                v.view(batch, tokens, self.n_kv, hd))
+
     def _attention_gqa(self, layer: _Layer, x, cos, sin, past_k, past_v, lengths):
         """One com.microsoft GroupQueryAttention node; present K/V are the updated caches.
         x: the normed layer input [B, T, hidden]."""
         batch, tokens, _ = x.shape
         hd = self.head_dim
-        qkv = x @ layer.qkv_w  # [B, T, (H+2·n_kv)·hd]
-        if layer.qkv_b is not None:
-            qkv = qkv + layer.qkv_b
         full_rotary = cos.shape[-1] == hd
-        if self.fusions.packed_qkv and layer.q_norm is None and full_rotary:
-            q, k, v = qkv, None, None  # the op splits a packed QKV itself
+        if layer.mla is not None:  # per-head [B, T, H, qk] of its own (MLA rotates part of each head)
+            q, k, v = (t.reshape(batch, tokens, -1) for t in layer.mla(x))
         else:
-            q, k, v = torch.split(qkv, layer.qkv_sizes, dim=-1)
+            qkv = x @ layer.qkv_w  # [B, T, (H+2·n_kv)·hd]
+            if layer.qkv_b is not None:
+                qkv = qkv + layer.qkv_b
+            if self.fusions.packed_qkv and layer.q_norm is None and full_rotary:
+                q, k, v = qkv, None, None  # the op splits a packed QKV itself
+            else:
+                q, k, v = torch.split(qkv, layer.qkv_sizes, dim=-1)
         if layer.q_norm is not None or not full_rotary:
             q = q.view(batch, tokens, self.n_heads, hd)
             k = k.view(batch, tokens, self.n_kv, hd)
@@ -345,7 +451,9 @@ class StaticDecoder(nn.Module):
             attrs["softcap"] = float(self.attn_softcap)
         if layer.sliding_window is not None:
             attrs["local_window_size"] = int(layer.sliding_window)
-        tables = (getattr(self, f"rope_cos_half_{layer.rope_table}"), getattr(self, f"rope_sin_half_{layer.rope_table}"))
+        # the op checks its tables even with do_rotary=0 (half width a multiple of 8): none then
+        tables = ((getattr(self, f"rope_cos_half_{layer.rope_table}"), getattr(self, f"rope_sin_half_{layer.rope_table}"))
+                  if full_rotary else (None, None))
         seqlens_k, total, query_seqlens = lengths
         # the op's optional inputs between the rotary tables and query_seqlens: position_ids,
         # attention_bias, head_sink, k_scale, v_scale, q_norm_weight, k_norm_weight (unused)
@@ -368,8 +476,7 @@ class StaticDecoder(nn.Module):
             gate, up = torch.split(x @ layer.gate_up_w, layer.intermediate, dim=-1)  # [B, T, intermediate] ×2
         else:
             gate, up = x @ layer.gate_w, x @ layer.up_w
-        if self.activation == "silu":
-            act = nn.functional.silu(gate)
-        else:
-            act = nn.functional.gelu(gate, approximate="tanh")
-        return (act * up) @ layer.down_w  # [B, T, hidden]
+        out = (_activate(gate, self.activation) * up) @ layer.down_w  # [B, T, hidden]
+        if layer.moe is not None:  # the dense part above is the MoE layer's shared experts
+            out = out + layer.moe(x)
+        return out

@@ -6,6 +6,10 @@ imports at the graph's opset, for the data type it is given; no tensor has a dty
 rejects. The tables follow onnx-tensorrt (TensorRT 10.x): its importer registry and type
 checks in onnxOpImporters.cpp, and docs/operators.md (opsets 9 to 22).
 
+In an engine directory, a graph file that several static sizes share (a chain head's catch-up
+graph, its token count symbolic) is checked once per engine, fixed to that engine's shapes
+(``static_graph``): that is what the TensorRT build compiles.
+
 A graph that uses onnxruntime contrib operators (com.microsoft, e.g. MatMulNBits in the
 quantized-self drafter) is reported as ``skip``: `specexport build` leaves it out of the
 TensorRT compile with a warning, and the onnxruntime backend still runs it. Only ``fail``
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import onnx
 
-from specexport.contract import MANIFEST, read_manifest
+from specexport.contract import MANIFEST, EngineEntry, read_manifest
 from specexport.errors import BadInput
 
 MIN_OPSET, MAX_OPSET = 9, 22
@@ -238,12 +242,50 @@ def lint_model(model: onnx.ModelProto, name: str) -> GraphReport:
     return report
 
 
-def lint_file(path: Path) -> GraphReport:
+def _load(path: Path) -> onnx.ModelProto:
     try:
-        model = onnx.load(str(path), load_external_data=False)
+        return onnx.load(str(path), load_external_data=False)
     except Exception as err:  # noqa: BLE001
         raise BadInput(f"{path}: not a readable ONNX file ({type(err).__name__}: {err})") from None
-    return lint_model(model, path.stem)
+
+
+def lint_file(path: Path) -> GraphReport:
+    return lint_model(_load(path), path.stem)
+
+
+def has_symbolic_io(model: onnx.ModelProto) -> bool:
+    return any(_shape_problem(v) for v in [*model.graph.input, *model.graph.output])
+
+
+def static_graph(model: onnx.ModelProto, entry: EngineEntry) -> onnx.ModelProto:
+    """``model`` with every input and output fixed to ``entry``'s static shape: what TensorRT
+    is given for one engine of a graph several sizes share (a chain head's catch-up graph has a
+    symbolic token count; onnxruntime runs every size from it). A static graph comes back as is."""
+    if not has_symbolic_io(model):
+        return model
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(model)
+    specs = {**entry.inputs, **entry.outputs}
+    for value in [*fixed.graph.input, *fixed.graph.output]:
+        if value.name not in specs:
+            raise BadInput(f"{entry.path}: the graph's {value.name} is not in the manifest entry {entry.name}; "
+                           "rebuild the engine directory")
+        dims = value.type.tensor_type.shape.dim
+        del dims[:]
+        for size in specs[value.name].shape:
+            dims.add().dim_value = size
+    del fixed.graph.value_info[:]  # symbolic inside too: shape inference redoes it from the fixed I/O
+    return fixed
+
+
+def lint_entries(path: Path, entries: list[EngineEntry]) -> list[GraphReport]:
+    """One graph file of an engine directory as the TensorRT compile sees it: once, or, when its
+    shapes are symbolic and TensorRT would compile it, once per engine fixed to that engine's shapes."""
+    model = _load(path)
+    whole = lint_model(model, path.stem)
+    if whole.status == "skip" or not entries or not has_symbolic_io(model):
+        return [whole]
+    return [lint_model(static_graph(model, e), e.name) for e in entries]
 
 
 # -- an engine directory, a folder of graphs, or one file -----------------------------------
@@ -271,4 +313,10 @@ def graph_files(target: Path) -> list[Path]:
 
 def lint_tensorrt(target: str | Path, strict: bool = False) -> LintReport:
     target = Path(target)
-    return LintReport(str(target), [lint_file(p) for p in graph_files(target)], strict)
+    paths = graph_files(target)
+    by_file: dict[Path, list[EngineEntry]] = {}
+    if target.is_dir() and (target / MANIFEST).is_file():
+        for e in read_manifest(target).engines:
+            if e.backend == "onnxruntime":
+                by_file.setdefault(target / e.path, []).append(e)
+    return LintReport(str(target), [r for p in paths for r in lint_entries(p, by_file.get(p, []))], strict)

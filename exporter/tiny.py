@@ -26,6 +26,36 @@ CHAT_TEMPLATE = (
 _CONFIG_NAMES = {"gemma3": "gemma3_text"}
 # Embedding rows of norm ~4: logits spread by a few units, so argmax has clear margins.
 EMBED_STD_SCALE = 4.0
+# MoE settings of the tiny DeepSeek-V3 / GLM-4.5 models: 4 experts in 2 groups, top-2 within the
+# best group, a shared expert, the first layer dense.
+_TINY_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                 first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5)
+
+
+def _tiny_moe_config(src: TinySource, head_dim: int) -> dict:
+    return {**_TINY_MOE, "moe_intermediate_size": src.intermediate_size // 4}
+
+
+def _tiny_glm4_moe_config(src: TinySource, head_dim: int) -> dict:
+    # GLM-4.5: q/k/v biases, half the head rotated
+    return {**_tiny_moe_config(src, head_dim), "attention_bias": True, "partial_rotary_factor": 0.5}
+
+
+def _tiny_deepseek_v3_config(src: TinySource, head_dim: int) -> dict:
+    # MLA: every head its own K/V; v_head_dim below the qk width (nope + rope, a multiple of 16 as
+    # onnxruntime's GroupQueryAttention wants); interleaved RoPE
+    return {**_tiny_moe_config(src, head_dim), "num_key_value_heads": src.num_attention_heads,
+            "q_lora_rank": src.hidden_size // 2, "kv_lora_rank": src.hidden_size // 2,
+            "qk_nope_head_dim": head_dim + head_dim // 2, "qk_rope_head_dim": head_dim // 2, "v_head_dim": head_dim,
+            "head_dim": head_dim // 2, "rope_interleave": True}  # DeepseekV3Config's head_dim: the rotary width
+
+
+# model_type -> its extra config fields
+_TINY_EXTRAS = {"glm4_moe": _tiny_glm4_moe_config, "deepseek_v3": _tiny_deepseek_v3_config}
+# a router's logits should spread by a unit or so (sigmoid scores without exact ties), and its
+# score-correction bias (a buffer, zero at init) should matter
+ROUTER_STD = 0.15
+SCORE_BIAS_STD = 0.1
 
 
 def byte_tokenizer():
@@ -50,7 +80,8 @@ def byte_tokenizer():
     )
 
 
-def tiny_config(src: TinySource, vocab_size: int):
+def tiny_config(src: TinySource, vocab_size: int, overrides: dict | None = None):
+    """``overrides``: config fields to set last (tests of an architecture's variants)."""
     from transformers import AutoConfig
 
     model_type = _CONFIG_NAMES.get(src.arch, src.arch)
@@ -90,15 +121,18 @@ def tiny_config(src: TinySource, vocab_size: int):
         kwargs["query_pre_attn_scalar"] = head_dim
     if model_type == "phi3":
         kwargs["pad_token_id"] = 0
+    if model_type in _TINY_EXTRAS:
+        kwargs.update(_TINY_EXTRAS[model_type](src, head_dim))
+    kwargs.update(overrides or {})
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def tiny_model(src: TinySource):
+def tiny_model(src: TinySource, overrides: dict | None = None):
     """Return (model, tokenizer): a random-weight causal LM over the byte tokenizer."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = byte_tokenizer()
-    config = tiny_config(src, vocab_size=len(tokenizer))
+    config = tiny_config(src, vocab_size=len(tokenizer), overrides=overrides)
     generator = torch.Generator().manual_seed(src.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     # Gemma scales embeddings by sqrt(hidden); undo it so the residual stream is not just
@@ -108,12 +142,15 @@ def tiny_model(src: TinySource):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.ndim >= 2:
-                std = embed_std if "embed" in name else src.init_std
+                std = embed_std if "embed" in name else ROUTER_STD if name.endswith("mlp.gate.weight") else src.init_std
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
             else:
                 # norms and biases: near their identity, with a little spread
                 base = 0.0 if ("bias" in name or model_type_uses_offset(config)) else 1.0
                 param.copy_(base + 0.1 * torch.randn(param.shape, generator=generator))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * SCORE_BIAS_STD)
     return model.eval(), tokenizer
 
 

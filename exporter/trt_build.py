@@ -10,8 +10,14 @@ specs and the runtime's buffers do not change with the precision.
 
 One timing cache per TensorRT version and GPU is kept beside the engine directory and reused
 by every build. Each engine is run beside its ONNX graph right after it is built
-(exporter/trt_parity.py); the figures go into its manifest entry's ``parity``. Graphs with onnxruntime contrib operators (the quantized-self drafter's
-MatMulNBits) are left out with a warning; the lint says why.
+(exporter/trt_parity.py); the figures go into its manifest entry's ``parity``. Graphs with
+onnxruntime contrib operators (the quantized-self drafter's MatMulNBits) are left out with a
+warning; the lint says why.
+
+The hidden-state heads' graphs take the same path: a block head's graphs and a chain head's
+step graph are static as exported; a chain head's catch-up sizes share one graph with a
+symbolic token count (onnxruntime holds its weights once), which TensorRT is given once per
+size, fixed to that entry's shapes (``lint.static_graph``), so every engine is static.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from onnx import helper, numpy_helper
 from specexport import atomic
 from specexport.contract import EngineEntry
 from specexport.errors import BadInput, SpecexportError
-from specexport.exporter.lint import lint_model, tensor_types
+from specexport.exporter.lint import has_symbolic_io, lint_model, static_graph, tensor_types
 from specexport.exporter.progress import Reporter
 from specexport.exporter.trt_parity import engine_parity
 from specexport.runtime import trt_engine
@@ -286,9 +292,10 @@ def _parse(builder: trt.Builder, logger: trt.ILogger, path: Path,
 
 def compile_engines(tmp: Path, engines: list[EngineEntry], recipe: Recipe, reporter: Reporter,
                     timing_cache_dir: Path, options: TrtBuildOptions | None = None) -> list[EngineEntry]:
-    """Build a TensorRT engine for every onnxruntime graph in ``engines``; return their
-    manifest entries (backend "tensorrt"). The ONNX files stay: they are what
-    `specexport build --from-onnx` rebuilds from on another machine."""
+    """Build a TensorRT engine for every onnxruntime graph in ``engines`` (the target's, a draft
+    model's, a hidden-state head's: each entry its own static engine, also where several sizes
+    share one graph file); return their manifest entries (backend "tensorrt"). The ONNX files
+    stay: they are what `specexport build --from-onnx` rebuilds from on another machine."""
     require_tensorrt()
     import tensorrt as trt
 
@@ -305,27 +312,14 @@ def compile_engines(tmp: Path, engines: list[EngineEntry], recipe: Recipe, repor
     try:
         for onnx_entry in [e for e in engines if e.backend == "onnxruntime"]:
             source = tmp / onnx_entry.path
-            lint = lint_model(onnx.load(str(source), load_external_data=False), onnx_entry.name)
-            if lint.status == "skip":
-                reporter.warn(f"{onnx_entry.name}: not compiled for TensorRT: {lint.problems[0]}")
+            if not _compilable(onnx_entry, source, reporter):
                 continue
-            if lint.status == "fail":
-                raise SpecexportError(f"{onnx_entry.name} cannot be built by TensorRT: {'; '.join(lint.problems)}")
             with reporter.step("tensorrt", onnx_entry.name) as s:
                 plan = tmp / f"{onnx_entry.name}.plan"
-                graph = source
-                if opts.precision != "fp32":
-                    graph = _write_cast_copy(source, scratch, opts.precision)
+                graph = tensorrt_graph(onnx_entry, source, scratch, opts.precision)
                 del messages[:]
                 network, parser = _parse(builder, logger, graph, onnx_entry.name)
-                config = builder.create_builder_config()
-                config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, opts.workspace_mb << 20)
-                config.builder_optimization_level = opts.optimization_level
-                if opts.precision == "fp32":
-                    config.clear_flag(trt.BuilderFlag.TF32)  # fp32 means fp32: parity with onnxruntime
-                if not config.set_timing_cache(cache, False):
-                    reporter.warn("tensorrt: the timing cache does not match this build; timing from scratch")
-                serialized = builder.build_serialized_network(network, config)
+                serialized = builder.build_serialized_network(network, _builder_config(builder, cache, opts, reporter))
                 del network, parser
                 if serialized is None:
                     why = messages[-1] if messages else "see the warnings above"
@@ -340,6 +334,8 @@ def compile_engines(tmp: Path, engines: list[EngineEntry], recipe: Recipe, repor
                 entry = replace(entry, parity=p)
                 s.detail = (f"max |Δlogit| {p['max_abs_logit_diff']:.2e} (scale {p['logit_scale']:.3g}), "
                             f"argmax agreement {p['argmax_agreement']:.1%}")
+                if "max_rel_output_diff" in p:
+                    s.detail += f", max |Δ|/scale of {p['worst_output']} {p['max_rel_output_diff']:.2e}"
             entries.append(entry)
             shutil.rmtree(scratch, ignore_errors=True)
     finally:
@@ -350,13 +346,48 @@ def compile_engines(tmp: Path, engines: list[EngineEntry], recipe: Recipe, repor
     return entries
 
 
-def _write_cast_copy(source: Path, scratch: Path, precision: str) -> Path:
-    """The graph in ``precision``, written with its weights beside it for the parser."""
+def _compilable(entry: EngineEntry, source: Path, reporter: Reporter) -> bool:
+    """The lint of what TensorRT will be given for ``entry`` (its graph at the entry's static
+    shapes): False, with a warning, for an onnxruntime-only graph; a failing one stops the build."""
+    lint = lint_model(static_graph(onnx.load(str(source), load_external_data=False), entry), entry.name)
+    if lint.status == "skip":
+        reporter.warn(f"{entry.name}: not compiled for TensorRT: {lint.problems[0]}")
+        return False
+    if lint.status == "fail":
+        raise SpecexportError(f"{entry.name} cannot be built by TensorRT: {'; '.join(lint.problems)}")
+    return True
+
+
+def _builder_config(builder: trt.Builder, cache: trt.ITimingCache, opts: TrtBuildOptions,
+                    reporter: Reporter) -> trt.IBuilderConfig:
+    """One engine's builder settings: workspace, optimization level, fp32 without TF32, the
+    shared timing cache."""
+    import tensorrt as trt
+
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, opts.workspace_mb << 20)
+    config.builder_optimization_level = opts.optimization_level
+    if opts.precision == "fp32":
+        config.clear_flag(trt.BuilderFlag.TF32)  # fp32 means fp32: parity with onnxruntime
+    if not config.set_timing_cache(cache, False):
+        reporter.warn("tensorrt: the timing cache does not match this build; timing from scratch")
+    return config
+
+
+def tensorrt_graph(entry: EngineEntry, source: Path, scratch: Path, precision: str) -> Path:
+    """The ONNX file TensorRT parses for ``entry``: the exported graph itself when it is static
+    and fp32; otherwise a copy in ``scratch`` (weights beside it) fixed to the entry's shapes (a
+    graph several sizes share, like a chain head's catch-up graph) and cast to ``precision``."""
+    if precision == "fp32" and not has_symbolic_io(onnx.load(str(source), load_external_data=False)):
+        return source
+    model = static_graph(onnx.load(str(source)), entry)  # weights loaded from the .weights file
+    if precision != "fp32":
+        model = cast_precision(model, precision)
     scratch.mkdir(exist_ok=True)
-    model = cast_precision(onnx.load(str(source)), precision)  # weights loaded from the .weights file
-    out = scratch / f"{source.stem}.{precision}.onnx"
+    stem = f"{entry.name}.{precision}"
+    out = scratch / f"{stem}.onnx"
     onnx.save(model, str(out), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=f"{source.stem}.{precision}.weights", size_threshold=1024)
+              location=f"{stem}.weights", size_threshold=1024)
     return out
 
 

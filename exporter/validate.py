@@ -344,7 +344,8 @@ def row_plan(batch: int, tokens: int, max_seq_len: int) -> list[tuple[int, int]]
 def validate_batched(graphs: list[BatchedGraph], single_name: dict[int, str], specs, single: KVCache,
                      ref_ids: np.ndarray, threads: int | None) -> dict[str, dict]:
     """Each batched (in-place, ort-gqa) graph on rows at different cache lengths with different
-    valid counts and an idle row, against the batch-1 graph of its size on each row alone:
+    valid counts and an idle row, against the batch-1 graph of its size on each row alone (its
+    logits, and the aux_hidden_states of a recipe with a head: those must agree to fp32 rounding):
     graph name -> Parity figures (the batch-1 graph as reference), plus whether padding and the
     idle row left the cache untouched (a one-line error when not). ``single``: a batch-1 cache
     filled with ``ref_ids`` (validate_model's), ``single_name``: tokens -> batch-1 graph name."""
@@ -365,15 +366,21 @@ def validate_batched(graphs: list[BatchedGraph], single_name: dict[int, str], sp
                  CACHE_LENGTH: np.array([length for length, _ in rows], dtype=np.int64),  # [B]
                  VALID_TOKENS: np.array([valid for _, valid in rows], dtype=np.int64)}  # [B]
         presents = {present_of(name): array for name, array in cache.items()}
-        out = engine.run(feeds, [LOGITS, NEXT_TOKENS], presents)  # logits [B, T, V]
+        # a recipe with a hidden-state head: the taps the batched loop hands each row's head
+        taps = [AUX_HIDDEN_STATES] if AUX_HIDDEN_STATES in specs[graph.name][1] else []
+        out = engine.run(feeds, [LOGITS, NEXT_TOKENS, *taps], presents)  # logits [B, T, V], aux [B, T, F]
         parity = Parity()
         for r, (length, valid) in enumerate(rows):
             if valid == 0:
                 continue
             row_feeds = {**filled, INPUT_IDS: ids[r : r + 1], CACHE_LENGTH: np.array([length], dtype=np.int64),
                          VALID_TOKENS: np.array([valid], dtype=np.int64)}
-            want = one.run(row_feeds, [LOGITS], single.in_place_outputs())[LOGITS][0, :valid]  # [valid, V]
-            parity.add(out[LOGITS][r, :valid], want, out[NEXT_TOKENS][r, :valid])
+            alone = one.run(row_feeds, [LOGITS, *taps], single.in_place_outputs())
+            parity.add(out[LOGITS][r, :valid], alone[LOGITS][0, :valid], out[NEXT_TOKENS][r, :valid])
+            for name in taps:
+                if _rows_agree(out[name][r, :valid], alone[name][0, :valid]) is None:
+                    raise SpecexportError(f"{graph.name}: row {r}'s {name} differs from the batch-1 graph run on "
+                                          "that row alone; the heads would read another row's features")
         untouched = all(np.array_equal(cache[name][r, :, length + valid :], before[name][r, :, length + valid :])
                         for name in cache for r, (length, valid) in enumerate(rows))
         if not untouched:
@@ -381,3 +388,61 @@ def validate_batched(graphs: list[BatchedGraph], single_name: dict[int, str], sp
                                   "tokens (padding or an idle row); its valid_tokens input is not honoured")
         results[graph.name] = {**parity.to_dict(), "rows": [list(row) for row in rows], "padding_untouched": True}
     return results
+
+
+def _token_rows(name: str, array: np.ndarray, row: int, count: int | None) -> np.ndarray:
+    """Row ``row``'s first ``count`` tokens of an output (None: all): present.* [B, n_kv, T, hd]
+    on axis 2, every other output [B, T, ...] on axis 1."""
+    return array[row, :, :count] if name.startswith("present.") else array[row, :count]
+
+
+def _rows_agree(got: np.ndarray, want: np.ndarray) -> float | None:
+    """max |Δ| / scale of two outputs of one row (0 for equal integers), or None when they do
+    not agree: integers differ, -inf (a head's logits off its draft vocabulary) in other
+    places, or finite values apart by more than fp32 rounding (1e-4 of the scale)."""
+    if not np.issubdtype(want.dtype, np.floating):
+        return 0.0 if np.array_equal(got, want) else None
+    finite = np.isfinite(want)
+    if not np.array_equal(finite, np.isfinite(got)):
+        return None
+    if not finite.any():
+        return 0.0
+    diff = float(np.abs(got[finite] - want[finite]).max()) / max(1.0, float(np.abs(want[finite]).max()))
+    return diff if diff <= 1e-4 else None
+
+
+def _as_is(got: np.ndarray, want: np.ndarray, next_tokens: np.ndarray | None):
+    return got, want, next_tokens
+
+
+def check_batched_rows(graph: str, batched, single, past: dict[str, np.ndarray], rows: list[dict[str, np.ndarray]],
+                       valid: list[int], outputs: list[str], figures=_as_is, whole: tuple[str, ...] = ()):
+    """An append-mode batched graph (a head's: the runtime writes each row's first valid
+    presents, so it needs no valid_tokens) against its batch-1 graph on each row alone.
+    ``past``: the batch-1 cache every row reads ([1, n_kv, S_max, hd] each); ``rows``: each
+    row's other feeds at batch 1 (input_ids [1, T], cache_length [1], features), right-padded;
+    ``valid``: its real tokens (0: an idle row, not compared). Every output in ``outputs`` must
+    agree over each row's valid tokens (those in ``whole``, a block head's drafts: over all of
+    theirs), else the build fails in one line naming the row.
+    Returns the Parity of the logits (``figures`` maps (got, want, next tokens) to what
+    Parity.add takes: a head's draftable columns) and the worst relative difference."""
+    feeds = {name: np.repeat(array, len(rows), axis=0) for name, array in past.items()}  # [B, n_kv, S_max, hd]
+    for key in rows[0]:
+        feeds[key] = np.concatenate([row[key] for row in rows])  # [B, T, ...]
+    got = batched.run(feeds, outputs)
+    parity, worst = Parity(), 0.0
+    for r, (row, count) in enumerate(zip(rows, valid)):
+        if count == 0:
+            continue
+        want = single.run({**past, **row}, outputs)
+        for name in outputs:
+            span = None if name in whole else count
+            agree = _rows_agree(_token_rows(name, got[name], r, span), _token_rows(name, want[name], 0, span))
+            if agree is None:
+                raise SpecexportError(f"{graph}: row {r} ({count} tokens at cache length {int(row[CACHE_LENGTH][0])}) "
+                                      f"differs in {name} from the batch-1 graph run on that row alone; the "
+                                      "batched graph mixes or misplaces rows")
+            worst = max(worst, agree)
+        span = None if LOGITS in whole else count
+        parity.add(*figures(got[LOGITS][r, :span], want[LOGITS][0, :span], got[NEXT_TOKENS][r, :span]))
+    return parity, worst

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import time
@@ -156,6 +157,15 @@ class Pipeline:
                                              roles={e.name: e.role for e in entries})
         return self._runners[key]
 
+    def with_own_caches(self) -> Pipeline:
+        """This pipeline's manifest, options, backends and sessions, with caches, runners and
+        drafters of its own: what the batched loop makes per slot for a head drafter (one head
+        cache per sequence; the weights stay loaded once)."""
+        view = copy.copy(self)
+        view._runners, view._caches, view._drafters = {}, {}, {"none": NoDrafter()}
+        view._batched = None
+        return view
+
     def cost_ms(self, entry: EngineEntry) -> float | None:
         """One run of the engine: measured on this machine by specexport tune, else at build."""
         tuned = self.tuned.ms(entry) if self.tuned is not None else None
@@ -302,9 +312,10 @@ class Pipeline:
         unless ``schedule`` is False) and ``draft_len``; ``per_sequence``: each round's width,
         under that cap, from every row's own acceptance and the measured batch costs; otherwise
         ``adaptive``: each sequence's own adaptive depth under it, as ``generate`` chooses it
-        alone (so a request alone in the batch decodes exactly as ``generate``). Drafters: none,
-        ngram, the int4 copy and draft models (their batched graphs at every batch size the
-        target runs; runtime/batch_drafter.py says why one cannot run)."""
+        alone (so a request alone in the batch decodes exactly as ``generate``). Drafters: every
+        kind (a drafter model needs batched graphs at every batch size the target runs; heads
+        run on batched head graphs, or per row without them; runtime/batch_drafter.py says why
+        one cannot run)."""
         from specexport.runtime.batch_decode import BatchLoop
         from specexport.runtime.batch_drafter import batch_drafter
 

@@ -13,7 +13,10 @@ Drafters: a ``BatchDrafter`` drafts for every running row at once and keeps any 
 state in slots that follow the target's (``join``, ``accept``, ``move``). Drafters without engine
 state (none, ngram) run through ``PerRow``, one row after another; the int4 copy and draft models
 have their own [B_max] cache and batched graphs (runtime/batch_drafter.py, which also says which
-drafters can run here and why not).
+drafters can run here and why not), the hidden-state heads a [B_max] head cache and batched head
+graphs (runtime/batch_chain.py, batch_block.py). A drafter's ``needs`` (a head's
+aux_hidden_states) are asked of the prefill and of every batched verify pass, and each row's
+slice of the positions it committed is handed to its slot, as runtime/decode.py hands them over.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Sampling, Warped, 
 from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.batched_model import BatchedTarget
 from specexport.runtime.decode import DecodeStats
-from specexport.runtime.drafters import NO_COST, Drafter
+from specexport.runtime.drafters import NO_COST, Drafter, TargetOut
 from specexport.runtime.goodput import best_width, observed
 
 
@@ -80,21 +83,25 @@ class BatchDrafter(Protocol):
     when a row leaves, the last row's state moves into its slot."""
 
     name: str
+    needs: tuple[str, ...]  # target outputs it reads (a head's aux_hidden_states); empty for most
 
     @property
     def engine_seconds(self) -> float:
         """Seconds inside the drafter's engines so far (0 without any)."""
 
-    def join(self, slot: int, prompt: np.ndarray) -> None:
-        """A sequence starts in ``slot`` (the target has just prefilled prompt[:-1] there)."""
+    def join(self, slot: int, prompt: np.ndarray, target_out: TargetOut) -> None:
+        """A sequence starts in ``slot`` (the target has just prefilled prompt[:-1] there;
+        ``target_out``: the outputs named by ``needs``, one row per prefilled position)."""
 
     def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
         """A draft for every running row (row r in slot r) of at most ``ks[r]`` tokens; ks[r] = 0:
         EMPTY_DRAFT, and the row's state stays a valid prefix of its context. Sampled rows give
         the distributions their tokens were drawn from, drawn with the row's own rng."""
 
-    def accept(self, slot: int, n_accepted: int, next_token: int) -> None:
-        """The target kept ``n_accepted`` of the slot's drafts and chose ``next_token`` after them."""
+    def accept(self, slot: int, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
+        """The target kept ``n_accepted`` of the slot's drafts and chose ``next_token`` after them;
+        ``target_out``: the row's outputs named by ``needs`` for the 1 + n_accepted committed
+        positions (valid during the call), as the single-sequence loop hands them over."""
 
     def move(self, src: int, dst: int) -> None:
         """Slot ``dst`` takes over slot ``src``'s sequence (a row left: the last one moves in)."""
@@ -110,19 +117,20 @@ class PerRow:
                            "batched form (runtime/batch_drafter.py), not the single-sequence one")
         self.drafter = drafter
         self.name = drafter.name
+        self.needs: tuple[str, ...] = ()
 
     @property
     def engine_seconds(self) -> float:
         return self.drafter.engine_seconds
 
-    def join(self, slot: int, prompt: np.ndarray) -> None:
+    def join(self, slot: int, prompt: np.ndarray, target_out: TargetOut) -> None:
         self.drafter.reset(prompt, {})
 
     def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
         return [self.drafter.propose(row.context, k, row.sampling, row.rng) if k > 0 else EMPTY_DRAFT
                 for row, k in zip(rows, ks)]
 
-    def accept(self, slot: int, n_accepted: int, next_token: int) -> None:
+    def accept(self, slot: int, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
         self.drafter.accept(n_accepted, next_token, {})
 
     def move(self, src: int, dst: int) -> None:
@@ -257,8 +265,8 @@ def _start(target: BatchedTarget, drafter: BatchDrafter, slot: int, key: Hashabl
     start = time.perf_counter()
     runner = target.prefill[slot]
     runner.rewind(0)
-    runner.forward(prompt[:-1])  # the last prompt token opens round one
-    drafter.join(slot, prompt)
+    prefill = runner.forward(prompt[:-1], want=drafter.needs)  # the last prompt token opens round one
+    drafter.join(slot, prompt, prefill.extras)
     stats.prefill_s = time.perf_counter() - start
     return _Running(key, request, context, len(prompt), stats)
 
@@ -314,7 +322,7 @@ def _round(target: BatchedTarget, drafter: BatchDrafter, running: list[_Running]
     rows = [(seq.length - 1, np.concatenate((seq.context[seq.length - 1 : seq.length], d.tokens)))
             for seq, d in zip(running, drafts)]
     t0 = time.perf_counter()
-    out = call.run(rows, sampled)
+    out = call.run(rows, sampled, drafter.needs)  # a head's aux_hidden_states [B, T, F] too
     verify_s = time.perf_counter() - t0
     target.seconds += verify_s
     if widths is not None:
@@ -328,7 +336,8 @@ def _round(target: BatchedTarget, drafter: BatchDrafter, running: list[_Running]
         else:
             n_accepted, next_token = rejection(draft, Warped(out[LOGITS][r, :valid], seq.request.sampling),
                                                seq.request.rng)
-        drafter.accept(r, n_accepted, next_token)
+        # the row's outputs of its committed positions only (its first token, the accepted drafts)
+        drafter.accept(r, n_accepted, next_token, {name: out[name][r, : 1 + n_accepted] for name in drafter.needs})
         tag = draft.tag or drafter.name
         if widths is not None:
             widths.policy.update(tag, draft.size, n_accepted)

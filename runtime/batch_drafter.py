@@ -1,5 +1,8 @@
 """Drafters in the batched loop (runtime/batch_decode.py): which can run there, and the batched
-form of the drafters with a model of their own (the int4 copy of the target, draft models).
+form of the drafters with a model of their own (the int4 copy of the target, draft models). The
+hidden-state heads' batched forms live in runtime/batch_chain.py (EAGLE-3, MTP) and
+runtime/batch_block.py (DFlash, DSpark); ``PerSlotHead`` runs a head of a directory built
+without batched head graphs per row. ``BATCHED_FORMS`` maps a kind to its maker.
 
 ``batched_refusal`` is the one question ``Pipeline.batch_loop`` and ``specexport serve`` ask:
 why a drafter cannot run batched (None when it can). ``batch_drafter`` makes the one that runs.
@@ -26,18 +29,22 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specexport.contract import LOGITS, NEXT_TOKENS, KVUpdate, Manifest, Role
+from specexport.contract import AUX_HIDDEN_STATES, LOGITS, NEXT_TOKENS, KVUpdate, Manifest, Role
 from specexport.errors import BadInput
+from specexport.runtime import batch_block, batch_chain
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, warp_row
 from specexport.runtime.batch_decode import BatchDrafter, DraftRow, PerRow
 from specexport.runtime.batched_model import BatchedModel, BatchedTarget, target_batches
+from specexport.runtime.drafters import Drafter, TargetOut
 
 if TYPE_CHECKING:
     from specexport.runtime.api import Pipeline
 
 STATELESS_KINDS = ("ngram",)  # no engine state: PerRow
 MODEL_KINDS = ("model", "quantized-self")  # a model with its own cache: BatchedModelDrafter
-HEAD_KINDS = ("eagle3", "mtp", "dflash", "dspark")  # read the target's hidden states: not batched yet
+HEAD_KINDS = ("eagle3", "mtp", "dflash", "dspark")  # read the target's hidden states
+CHAIN_KINDS = ("eagle3", "mtp")  # on batched head graphs: BatchedChainDrafter (without them: PerSlotHead)
+BLOCK_KINDS = ("dflash", "dspark")  # on batched block graphs: BatchedBlockDrafter (without them: PerSlotHead)
 
 _NOTHING = np.zeros(0, dtype=np.int64)  # an idle row's tokens
 
@@ -50,8 +57,7 @@ def batched_refusal(manifest: Manifest, drafter: str, max_batch: int | None = No
     if drafter == "none" or entry is None or entry.kind in STATELESS_KINDS:
         return None
     if entry.kind in HEAD_KINDS:
-        return ("hidden-state heads have no batched head graphs yet; batched decoding runs none, ngram, "
-                "quantized-self and draft models")
+        return _head_refusal(manifest, entry.model or entry.name)
     if entry.kind not in MODEL_KINDS:
         return f"kind '{entry.kind}' has no batched form"
     model = entry.model or entry.name
@@ -68,6 +74,16 @@ def batched_refusal(manifest: Manifest, drafter: str, max_batch: int | None = No
     return None
 
 
+def _head_refusal(manifest: Manifest, model: str) -> str | None:
+    """A head needs its graphs (batched ones at each of the target's sizes, else its batch-1
+    graphs run per slot) and the target's taps."""
+    if model not in manifest.models or not manifest.engines_of(model, "onnxruntime"):
+        return f"its model '{model}' has no onnxruntime graphs in this directory; rebuild it"
+    if not manifest.models["target"].taps:
+        return "the target's graphs output no aux_hidden_states for it; rebuild with the head in the recipe"
+    return None
+
+
 def batch_drafter(pipe: Pipeline, name: str, target: BatchedTarget) -> BatchDrafter:
     """The batched form of the pipeline's drafter ``name`` over ``target``'s slots, made once
     per target (BadInput when it cannot run batched)."""
@@ -79,16 +95,37 @@ def batch_drafter(pipe: Pipeline, name: str, target: BatchedTarget) -> BatchDraf
             reason = batched_refusal(pipe.manifest, name, target.slots)
             if reason is not None:
                 raise BadInput(f"drafter '{name}' ({entry.kind}) cannot run batched: {reason}")
-            model = entry.model or entry.name
-            target.drafters[name] = BatchedModelDrafter(
-                name, BatchedModel(pipe.manifest, model, pipe.backend_of(model), pipe.options, pipe.sessions,
-                                   target.batches, pipe.cost_ms))
+            target.drafters[name] = BATCHED_FORMS[entry.kind](pipe, name, target)
     return target.drafters[name]
+
+
+def _batched_model(pipe: Pipeline, name: str, target: BatchedTarget) -> BatchDrafter:
+    entry = pipe.manifest.drafters[name]
+    model = entry.model or entry.name
+    return BatchedModelDrafter(name, BatchedModel(pipe.manifest, model, pipe.backend_of(model), pipe.options,
+                                                  pipe.sessions, target.batches, pipe.cost_ms))
+
+
+def _chain_head(pipe: Pipeline, name: str, target: BatchedTarget) -> BatchDrafter:
+    # batched head graphs when the directory has them at every batch size, else per slot
+    return batch_chain.make(pipe, name, target.batches) or _per_slot_head(pipe, name, target)
+
+
+def _block_head(pipe: Pipeline, name: str, target: BatchedTarget) -> BatchDrafter:
+    # batched block graphs when the directory has them at every batch size, else per slot
+    return batch_block.make(pipe, name, target.batches) or _per_slot_head(pipe, name, target)
+
+
+def _per_slot_head(pipe: Pipeline, name: str, target: BatchedTarget) -> BatchDrafter:
+    # one single-sequence head drafter per slot, each over a head cache of its own
+    return PerSlotHead(name, [pipe.with_own_caches().drafter(name) for _ in range(target.slots)])
 
 
 class BatchedModelDrafter:
     """A draft model (or the int4 copy) drafting for every running row at once: its cache's row
     r follows the target's slot r."""
+
+    needs: tuple[str, ...] = ()
 
     def __init__(self, name: str, model: BatchedModel):
         self.name = name
@@ -101,7 +138,7 @@ class BatchedModelDrafter:
     def engine_seconds(self) -> float:
         return self.model.seconds + sum(runner.seconds for runner in self.model.prefill)
 
-    def join(self, slot: int, prompt: np.ndarray) -> None:
+    def join(self, slot: int, prompt: np.ndarray, target_out: TargetOut) -> None:
         runner = self.model.prefill[slot]
         runner.rewind(0)
         if len(prompt) <= self.model.max_seq_len:  # else the row never drafts (propose caps its depth)
@@ -156,7 +193,7 @@ class BatchedModelDrafter:
             drafts[r] = Draft(tokens[r, : ks[r]].copy(), None if rows[r].sampling.greedy else probs[r], self.name)
         return drafts
 
-    def accept(self, slot: int, n_accepted: int, next_token: int) -> None:
+    def accept(self, slot: int, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
         # The row holds the context and drafts 1..k-1; keep those the target accepted.
         if self._k[slot] == 0:
             return  # nothing drafted this round: the row is still a prefix of the context
@@ -184,3 +221,47 @@ class BatchedModelDrafter:
         runner.cache.seek(self._length[slot])  # type: ignore[attr-defined]  # a SlotCache
         runner.forward(tokens)
         self._length[slot] = runner.length
+
+
+class PerSlotHead:
+    """A hidden-state head (EAGLE-3, MTP, DFlash, DSpark) in the batched loop, per row: slot r
+    runs its own single-sequence head drafter (runtime/chain_drafter.py, block_drafter.py) over
+    a head cache of its own, fed its row's target features: the prefill's rows at join, then
+    each round the batched verify pass's aux_hidden_states of the positions the row committed.
+    A row proposes only when it drafts (k > 0), as ``decode()`` does; its committed rows wait
+    as pending features until it drafts again, so a row at depth 0 catches up later. Each row
+    draws from the warped head distribution with its own rng, then rejection sampling.
+
+    The per-row adapter for a directory built before batched head graphs (batch_chain.py,
+    batch_block.py run those): the head graphs are the build's batch-1 graphs, called once per
+    drafting row; the target's verify pass is batched. Moving a row moves its drafter: the
+    states are objects, not cache rows."""
+
+    needs = (AUX_HIDDEN_STATES,)
+
+    def __init__(self, name: str, drafters: list[Drafter]):
+        self.name = name
+        self.slots = drafters  # slot -> its sequence's head drafter
+
+    @property
+    def engine_seconds(self) -> float:
+        return sum(drafter.engine_seconds for drafter in self.slots)
+
+    def join(self, slot: int, prompt: np.ndarray, target_out: TargetOut) -> None:
+        self.slots[slot].reset(prompt, target_out)
+
+    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
+        return [self.slots[r].propose(row.context, k, row.sampling, row.rng) if k > 0 else EMPTY_DRAFT
+                for r, (row, k) in enumerate(zip(rows, ks))]
+
+    def accept(self, slot: int, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
+        self.slots[slot].accept(n_accepted, next_token, target_out)
+
+    def move(self, src: int, dst: int) -> None:
+        # the freed slot's drafter is reset when a sequence joins it
+        self.slots[dst], self.slots[src] = self.slots[src], self.slots[dst]
+
+
+# manifest drafter kind -> its batched form over the target's slots (none, ngram: PerRow)
+BATCHED_FORMS = {**dict.fromkeys(MODEL_KINDS, _batched_model), **dict.fromkeys(CHAIN_KINDS, _chain_head),
+                 **dict.fromkeys(BLOCK_KINDS, _block_head)}

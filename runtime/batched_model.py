@@ -73,9 +73,11 @@ class BatchedCall:
         self.valid = self.feeds[VALID_TOKENS] = np.zeros(batch, dtype=np.int64)  # [B]
         self.bound = {present_of(name): array[:batch] for name, array in cache.items()}
 
-    def run(self, rows: list[tuple[int, np.ndarray]], want_logits: bool) -> dict[str, np.ndarray]:
+    def run(self, rows: list[tuple[int, np.ndarray]], want_logits: bool,
+            want: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
         """rows: (cache length, tokens) for the first slots (no tokens: the row idles, and
-        nothing is written into its cache); the rest of the B rows idle."""
+        nothing is written into its cache); the rest of the B rows idle. ``want``: extra
+        outputs (a head's aux_hidden_states [B, T, F]), per row valid for its tokens only."""
         self.ids.fill(PAD_ID)
         self.lengths.fill(0)
         self.valid.fill(0)
@@ -83,7 +85,7 @@ class BatchedCall:
             self.ids[r, : len(tokens)] = tokens
             self.lengths[r] = length
             self.valid[r] = len(tokens)
-        outputs = [NEXT_TOKENS, LOGITS] if want_logits else [NEXT_TOKENS]
+        outputs = [NEXT_TOKENS, LOGITS, *want] if want_logits else [NEXT_TOKENS, *want]
         return self.engine.run(self.feeds, outputs, self.bound)  # next_tokens [B, T], logits [B, T, V]
 
 

@@ -220,10 +220,27 @@ class BlockDrafter:
         # round without a proposal leaves its rows pending too
         self._pending.append(np.array(target_out[AUX_HIDDEN_STATES], dtype=np.float32))
 
-    def _flush(self, anchor: int, want_logits: bool) -> dict[str, np.ndarray]:
-        """Feed every pending row (whole prompt chunks first), the last call drafting after ``anchor``."""
+    @property
+    def pending_rows(self) -> int:
+        """Committed rows not yet in the cache."""
+        return sum(len(rows) for rows in self._pending)
+
+    def take_pending(self) -> np.ndarray:
+        """The pending rows [n, F], handed to a caller that feeds them (a batched block call)."""
         rows = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]  # [n, F]
         self._pending = []
+        return rows
+
+    def adopt(self, other: BlockDrafter) -> None:
+        """Take over ``other``'s sequence: its pending rows and its cache length (the caller
+        copies the cache rows; a batched loop's row moving to another slot)."""
+        self._pending, other._pending = other._pending, []
+        self.runner.cache.rewind(0)
+        self.runner.cache.advance(other.runner.cache.length)
+
+    def _flush(self, anchor: int, want_logits: bool) -> dict[str, np.ndarray]:
+        """Feed every pending row (whole prompt chunks first), the last call drafting after ``anchor``."""
+        rows = self.take_pending()
         largest = self.runner.sizes[-1]
         while len(rows) > largest:  # a long prompt: whole chunks, their drafts unused
             self.runner.run(largest, PAD_ID, rows[:largest])
@@ -234,11 +251,16 @@ class BlockDrafter:
     def propose(self, context: np.ndarray, k: int, sampling: Sampling, rng: np.random.Generator) -> Draft:
         serial = self.heads.serial
         out = self._flush(int(context[-1]), serial or not sampling.greedy)
+        return self.draft_from(out, int(context[-1]), k, sampling, rng)
+
+    def draft_from(self, out: dict[str, np.ndarray], anchor: int, k: int, sampling: Sampling,
+                   rng: np.random.Generator) -> Draft:
+        """Up to ``k`` drafts from a block call's outputs (row 0 of each: [1, n, ...]) after ``anchor``."""
         k = min(k, self.drafts)
         if k <= 0:
             return EMPTY_DRAFT
-        if serial:
-            return self._serial(out, int(context[-1]), k, sampling, rng)
+        if self.heads.serial:
+            return self._serial(out, anchor, k, sampling, rng)
         return self._parallel(out, k, sampling, rng)
 
     def _parallel(self, out, k, sampling, rng) -> Draft:
@@ -284,16 +306,26 @@ def make(entry, pipe) -> BlockDrafter:
     if not entries:
         raise BadInput(f"{pipe.manifest.root}: drafter '{entry.name}' has no block graphs")
     cache = open_kv_cache(backend, info, pipe.options)
-    engines = [LazyEngine(e, pipe.manifest.root, pipe.options, cache) for e in entries]
+    engines = [LazyEngine(e, pipe.manifest.root, pipe.options, cache, pipe.sessions) for e in entries]  # one session per file
     for engine in engines:
         engine.open()  # no session is created inside a timed round
     runner = BlockRunner(model, engines, cache, {e.name: e.tokens for e in entries})
+    return over(entry, runner, load_heads(entry, pipe.manifest.root))
+
+
+def load_heads(entry, root) -> BlockHeads:
+    """The entry's numpy heads (DSpark's Markov and confidence heads, a reduced vocabulary's d2t)."""
     params = entry.params
     arrays: dict[str, np.ndarray] = {}
     if params.get("heads_file"):
-        with np.load(Path(pipe.manifest.root) / params["heads_file"], allow_pickle=False) as data:
+        with np.load(Path(root) / params["heads_file"], allow_pickle=False) as data:
             arrays = {key: data[key] for key in data.files}
-    heads = BlockHeads(arrays, params.get("markov"), bool(params.get("confidence_with_markov", False)))
-    # the smallest graph takes a round's rows (C = 1+D), the largest a prompt's chunks
+    return BlockHeads(arrays, params.get("markov"), bool(params.get("confidence_with_markov", False)))
+
+
+def over(entry, runner: BlockRunner, heads: BlockHeads) -> BlockDrafter:
+    """The entry's drafter over ``runner``: the smallest graph takes a round's rows (C = 1+D),
+    the largest a prompt's chunks."""
+    params = entry.params
     return BlockDrafter(entry.name, runner, heads, int(params["drafts"]), runner.sizes[0],
                         float(params.get("confidence_threshold", 0.0)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import io
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "bench" / "prompts" / "dev.jsonl"
@@ -66,7 +68,7 @@ TINY_SHAPE = dict(max_seq_len=160, prefill_chunk=16)
 # tests/exporter/test_archs.py checks the parity of every pair through the same builds: these
 # with drafters, the others target-only.
 LOSSLESS_PAIRS = [("llama", "standard"), ("qwen3", "standard"), ("gemma2", "standard"), ("phi3", "standard"),
-                  ("llama", "ort-gqa"), ("gemma2", "ort-gqa")]
+                  ("llama", "ort-gqa"), ("gemma2", "ort-gqa"), ("glm4_moe", "ort-gqa"), ("deepseek_v3", "ort-gqa")]
 
 
 def drafter_name(spec: dict) -> str:
@@ -89,7 +91,11 @@ _RECIPE_DEFAULTS = {name: p.default for name, p in inspect.signature(tiny_recipe
 
 
 class TinyEngines:
-    """Builds tiny engine directories on demand, once per session per configuration."""
+    """Builds tiny engine directories on demand, once per run per configuration.
+
+    ``root`` is shared by every pytest-xdist worker of the run (shared_root): a configuration's
+    directory is named by its settings and built under a file lock, so the worker that asks
+    first builds it and the others wait for it and read it."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -104,17 +110,20 @@ class TinyEngines:
         settings = {k: v for k, v in {**_RECIPE_DEFAULTS, **shape}.items() if v is not None}
         key = (arch, names, tuple(sorted(settings.items())))
         if key not in self._built:
-            from specexport.exporter.builder import build
-            from specexport.exporter.progress import Reporter
-
             which = "all" if len(names) == len(ALL_DRAFTERS) else ".".join(names) or "target"
-            name = f"{arch}-{which}-{len(self._built)}"
-            recipe = tiny_recipe(self.root / f"{name}.yaml", arch, name=name,
-                                 drafters=[d for d in ALL_DRAFTERS if drafter_name(d) in names], **shape)
-            # A draft model must share the target's tokenizer: the byte tokenizer always does.
-            build(recipe, self.root / name, False, Reporter(quiet=True))
-            self._built[key] = self.root / name
-            self._recipes[self.root / name] = recipe
+            name = f"{arch}-{which}-{hashlib.sha256(repr(key).encode()).hexdigest()[:10]}"
+            out, recipe = self.root / name, self.root / f"{name}.yaml"
+            with FileLock(self.root / f"{name}.lock"):
+                if not (out / "manifest.json").exists():  # build() swaps a whole directory in
+                    from specexport.exporter.builder import build
+                    from specexport.exporter.progress import Reporter
+
+                    tiny_recipe(recipe, arch, name=name,
+                                drafters=[d for d in ALL_DRAFTERS if drafter_name(d) in names], **shape)
+                    # A draft model must share the target's tokenizer: the byte tokenizer always does.
+                    build(recipe, out, False, Reporter(quiet=True))
+            self._built[key] = out
+            self._recipes[out] = recipe
         return self._built[key]
 
     def recipe(self, engines: Path) -> Path:
@@ -129,9 +138,19 @@ class TinyEngines:
         return self.get(arch, drafters=drafters, attention=attention, **gemma, **TINY_SHAPE)
 
 
+def shared_root(tmp_path_factory, worker_id: str, name: str) -> Path:
+    """A folder of this run that every pytest-xdist worker shares (the run's base temporary
+    folder holds one per worker), or the process's own when the run is not distributed."""
+    if worker_id == "master":
+        return tmp_path_factory.mktemp(name)
+    folder = tmp_path_factory.getbasetemp().parent / name
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
 @pytest.fixture(scope="session")
-def tiny_engines(tmp_path_factory) -> TinyEngines:
-    return TinyEngines(tmp_path_factory.mktemp("tiny-engines"))
+def tiny_engines(tmp_path_factory, worker_id) -> TinyEngines:
+    return TinyEngines(shared_root(tmp_path_factory, worker_id, "tiny-engines"))
 
 
 @pytest.fixture(scope="session")

@@ -79,6 +79,12 @@ class HeadContext:
         return 1  # heads run at batch 1 (recipe shapes.batch sizes above 1 are the target's and drafter models')
 
     @property
+    def batches(self) -> list[int]:
+        """The recipe's batch sizes above 1: a head with batched graphs registers entries there
+        too (``save_batched``), over the same file as its batch-1 entries."""
+        return [b for b in self.builder.recipe.shapes.batches if b > 1]
+
+    @property
     def max_seq_len(self) -> int:
         return self.builder.recipe.shapes.max_seq_len
 
@@ -125,6 +131,25 @@ class HeadContext:
             ))
             paths[name] = path
         return paths
+
+    def save_batched(self, proto: onnx.ModelProto, path: Path, sizes: dict[int, Role], store: WeightStore,
+                     kv_update: KVUpdate = KVUpdate.APPEND) -> dict[str, tuple[int, int]]:
+        """Register entries of a graph already written at ``path`` whose batch is symbolic, at
+        each of ``batches`` for each size (token count -> role). Returns engine name -> (batch,
+        tokens); the head validates them row by row against its batch-1 graph."""
+        saved = {}
+        for batch in self.batches:
+            for tokens, role in sizes.items():
+                name = engine_name(self.name, role, batch, tokens)
+                inputs, outputs = (tensor_specs(proto, "inputs", tokens, batch),
+                                   tensor_specs(proto, "outputs", tokens, batch))
+                self.builder.specs[name] = (inputs, outputs)
+                self.builder.engines.append(EngineEntry(
+                    name=name, model=self.name, role=role, backend="onnxruntime", path=path.name, batch=batch,
+                    tokens=tokens, inputs=inputs, outputs=outputs, kv_update=kv_update, weights=store.location,
+                ))
+                saved[name] = (batch, tokens)
+        return saved
 
     def add_model(self, entry: ModelEntry) -> None:
         self.builder.models[entry.name] = entry

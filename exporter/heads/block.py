@@ -424,6 +424,65 @@ def example_inputs(graph: BlockGraph, spec: BlockSpec, batch: int, rows: int, wi
             *[torch.zeros(kv) for _ in range(2 * len(spec.layers))])
 
 
+def batch_dims(num_layers: int) -> dict:
+    """torch.export's dynamic shapes of a block graph whose batch is symbolic (every input's
+    axis 0; DYNAMIC, as the chain graphs')."""
+    rows = {0: torch.export.Dim.DYNAMIC}
+    return {"input_ids": rows, "context_features": rows, "context_valid": rows, "cache_length": rows,
+            "past": tuple(rows for _ in range(2 * num_layers))}
+
+
+def block_rows(batch: int, rows: int, room: int, width: int, vocab: int,
+               rng: np.random.Generator) -> tuple[list[dict[str, np.ndarray]], list[int]]:
+    """The batch-1 feeds of each row of a batched block graph's check (validate.row_plan over
+    ``room`` cache positions: spread cache lengths, C, C-1, ... context rows, the last row
+    idle), with random anchors and target features. Returns (rows, context rows of each)."""
+    from specexport.exporter.validate import row_plan
+
+    feeds, valid = [], []
+    for length, count in row_plan(batch, rows, room):
+        features = np.zeros((1, rows, width), dtype=np.float32)  # [1, C, F]
+        features[0, :count] = rng.standard_normal((count, width))
+        feeds.append({INPUT_IDS: rng.integers(3, vocab, size=(1, 1)), CONTEXT_FEATURES: features,
+                      CONTEXT_VALID: np.array([count], dtype=np.int64), CACHE_LENGTH: np.array([length], dtype=np.int64)})
+        valid.append(count)
+    return feeds, valid
+
+
+def validate_block_batched(ctx: HeadContext, spec: BlockSpec, names: dict[int, str],
+                           batched: dict[str, tuple[int, int]], width: int) -> None:
+    """Each batched block graph row by row against the batch-1 graph of its C
+    (validate.check_batched_rows): rows at spread cache lengths with C, C-1, ... context rows
+    and an idle row, over a random cache and random target features (the batch-1 graph itself
+    was checked against the reference). Presents agree over each row's context rows, the
+    block's outputs (logits, next tokens, block_hidden) whole."""
+    from specexport.exporter.validate import check_batched_rows
+    from specexport.runtime.engine import EngineOptions, SharedGraphs
+    from specexport.runtime.ort_engine import OrtEngine
+
+    if not batched:
+        return
+    options, shared = EngineOptions(threads=ctx.threads), SharedGraphs()
+    rng = np.random.default_rng(0)
+    n_layers = len(spec.layers)
+    kv = (1, spec.dense.kv_heads, ctx.max_seq_len, spec.dense.head_dim)
+    past = {name: rng.standard_normal(kv).astype(np.float32) for name in past_names(n_layers)}  # [1, n_kv, S_max, hd]
+    _, outputs = graph_io(spec)
+    block = tuple(name for name in outputs if not name.startswith("present."))
+    with ctx.step("validate", f"{ctx.name} batched block graphs") as s:
+        for name, (batch, rows) in batched.items():
+            engine = OrtEngine(name, ctx.tmp / f"{names[rows]}.onnx", *ctx.builder.specs[name], options, shared)
+            single = OrtEngine(names[rows], ctx.tmp / f"{names[rows]}.onnx", *ctx.builder.specs[names[rows]], options,
+                               shared)
+            feeds, valid = block_rows(batch, rows, ctx.max_seq_len - spec.block_size, width, spec.embed.shape[0], rng)
+            parity, worst = check_batched_rows(name, engine, single, past, feeds, valid, list(outputs),
+                                               lambda got, want, _: (got, want, None), whole=block)
+            ctx.record_parity(name, {**parity.to_dict(), "max_rel_output_diff": worst,
+                                     "rows": [[int(f[CACHE_LENGTH][0]), v] for f, v in zip(feeds, valid)]},
+                              reference="the batch-1 graph, row by row")
+        s.detail = f"{len(batched)} graphs, ragged rows and an idle row against batch 1"
+
+
 # -- the LoadedHead --------------------------------------------------------------------------
 
 
@@ -450,13 +509,20 @@ class BlockHead:
         inputs, outputs = graph_io(spec)
         store = ctx.weights()
         names: dict[int, str] = {}
+        batched: dict[str, tuple[int, int]] = {}  # batched engine name -> (batch, C)
         try:
             for rows in self.context_sizes(ctx):
+                # a round's graph (C = 1+D) with a symbolic batch when the recipe batches: the
+                # batched loop's block calls at every batch size share its file
+                symbolic = bool(ctx.batches) and rows == ctx.plan.tokens_per_verify
                 with ctx.step("export", f"{ctx.name} block C={rows}") as s:
-                    proto = export_module(graph, example_inputs(graph, spec, ctx.batch, rows, width), inputs, outputs,
-                                          ctx.opset)
-                    names[rows], _ = ctx.save_graph(proto, Role.BLOCK, rows, store)
+                    example = example_inputs(graph, spec, 2 if symbolic else ctx.batch, rows, width)
+                    proto = export_module(graph, example, inputs, outputs, ctx.opset,
+                                          batch_dims(len(spec.layers)) if symbolic else None)
+                    names[rows], path = ctx.save_graph(proto, Role.BLOCK, rows, store)
                     s.detail = f"{spec.kind} ({spec.layout}), block {spec.block_size}, {len(spec.layers)} layers"
+                if symbolic:
+                    batched.update(ctx.save_batched(proto, path, {rows: Role.BLOCK}, store))
         finally:
             store.close()
         if spec.head_arrays or spec.d2t is not None:
@@ -470,6 +536,7 @@ class BlockHead:
             "block_size": spec.block_size, "drafts": spec.drafts, "reads_taps": list(spec.taps),
         }))
         validate_block_head(self, ctx, names)
+        validate_block_batched(ctx, spec, names, batched, width)
 
     def drafter_entry(self, name: str) -> DrafterEntry:
         spec = self.spec

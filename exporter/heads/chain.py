@@ -41,10 +41,12 @@ from specexport.contract import (
     present_names,
 )
 from specexport.errors import BadInput
-from specexport.exporter.graph_model import _apply_rope, _rms_norm, _rotate_half_matrix
+from specexport.exporter.archs import MlaWeights, MoeWeights
+from specexport.exporter.graph_model import MlaProjection, MoeMlp, _apply_rope, _rms_norm, _rotate_half_matrix
 from specexport.exporter.heads.base import HeadContext, tap_columns
 from specexport.exporter.onnx_export import export_module
-from specexport.exporter.validate import Parity, cache_lengths
+from specexport.exporter.validate import Parity, cache_lengths, check_batched_rows, row_plan
+from specexport.runtime.runner import PAD_ID
 
 # -- reading checkpoints --------------------------------------------------------------------
 
@@ -137,19 +139,21 @@ class ChainLayer:
     layer, whose inputs are normed before the concatenation."""
 
     attn_norm: torch.Tensor | None
-    q_w: torch.Tensor
-    k_w: torch.Tensor
-    v_w: torch.Tensor
     o_w: torch.Tensor
     mlp_norm: torch.Tensor
-    gate_w: torch.Tensor
+    gate_w: torch.Tensor  # the dense MLP; an MoE layer's shared experts
     up_w: torch.Tensor
     down_w: torch.Tensor
+    q_w: torch.Tensor | None = None  # None in an MLA layer (``mla`` holds its projections)
+    k_w: torch.Tensor | None = None
+    v_w: torch.Tensor | None = None
     q_b: torch.Tensor | None = None
     k_b: torch.Tensor | None = None
     v_b: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    moe: MoeWeights | None = None  # routed experts beside the dense MLP (DeepSeek-V3 / GLM-4.5 MTP layers)
+    mla: MlaWeights | None = None  # DeepSeek-V3's multi-head latent attention
 
 
 @dataclass
@@ -227,13 +231,16 @@ class ChainGraph(nn.Module):
         for w in spec.layers:
             m = nn.Module()
             m.attn_norm, m.q_norm, m.k_norm = _p(w.attn_norm), _p(w.q_norm), _p(w.k_norm)
-            m.qkv_w = _p(torch.cat((w.q_w, w.k_w, w.v_w)).T)  # [in, (H_q+2·n_kv)·hd]
-            m.qkv_b = _p(torch.cat((w.q_b, w.k_b, w.v_b))) if w.q_b is not None else None
-            m.sizes = (w.q_w.shape[0], w.k_w.shape[0], w.v_w.shape[0])
+            m.mla = None if w.mla is None else MlaProjection(w.mla)  # the target graph's own
+            if w.mla is None:
+                m.qkv_w = _p(torch.cat((w.q_w, w.k_w, w.v_w)).T)  # [in, (H_q+2·n_kv)·hd]
+                m.qkv_b = _p(torch.cat((w.q_b, w.k_b, w.v_b))) if w.q_b is not None else None
+                m.sizes = (w.q_w.shape[0], w.k_w.shape[0], w.v_w.shape[0])
             m.o_w, m.mlp_norm = _p(w.o_w.T), _p(w.mlp_norm)  # [H_q, H], [H]
             m.gate_up_w = _p(torch.cat((w.gate_w, w.up_w)).T)  # [H, 2·I]
             m.inter = w.gate_w.shape[0]
             m.down_w = _p(w.down_w.T)  # [I, H]
+            m.moe = None if w.moe is None else MoeMlp(w.moe, spec.activation)  # the target graph's own
             self.layers.append(m)
         self.out_norm = _p(spec.out_norm)
         self.head_t = _p(spec.lm_head.T)  # [H, V_draft]
@@ -278,9 +285,12 @@ class ChainGraph(nn.Module):
             attn, k_new, v_new = self._attention(layer, x, cos, sin, past[len(presents)], past[len(presents) + 1], mask)
             presents += [k_new, v_new]
             stream = stream + attn
-            gate, up = torch.split(_rms_norm(stream, layer.mlp_norm, spec.eps) @ layer.gate_up_w, layer.inter, dim=-1)
+            mlp_in = _rms_norm(stream, layer.mlp_norm, spec.eps)  # [B, T, H]
+            gate, up = torch.split(mlp_in @ layer.gate_up_w, layer.inter, dim=-1)
             act = nn.functional.silu(gate) if spec.activation == "silu" else nn.functional.gelu(gate, approximate="tanh")
             stream = stream + (act * up) @ layer.down_w  # [B, T, H]
+            if layer.moe is not None:  # the dense MLP above is the MoE layer's shared experts
+                stream = stream + layer.moe(mlp_in)
             x = None
         normed = _rms_norm(stream, self.out_norm, spec.eps)  # [B, T, H]
         draft_logits = normed @ self.head_t  # [B, T, V_draft]
@@ -319,13 +329,16 @@ class ChainGraph(nn.Module):
     def _attention(self, layer, x, cos, sin, past_k, past_v, mask):
         batch, tokens, _ = x.shape
         hd, n_kv, g = self.hd, self.n_kv, self.group
-        qkv = x @ layer.qkv_w
-        if layer.qkv_b is not None:
-            qkv = qkv + layer.qkv_b
-        q, k, v = torch.split(qkv, layer.sizes, dim=-1)
-        q = q.view(batch, tokens, self.n_heads, hd)
-        k = k.view(batch, tokens, n_kv, hd)
-        v = v.view(batch, tokens, n_kv, hd)
+        if layer.mla is not None:  # per-head [B, T, H, qk], the rotary part first (graph_model.MlaProjection)
+            q, k, v = layer.mla(x)
+        else:
+            qkv = x @ layer.qkv_w
+            if layer.qkv_b is not None:
+                qkv = qkv + layer.qkv_b
+            q, k, v = torch.split(qkv, layer.sizes, dim=-1)
+            q = q.view(batch, tokens, self.n_heads, hd)
+            k = k.view(batch, tokens, n_kv, hd)
+            v = v.view(batch, tokens, n_kv, hd)
         if layer.q_norm is not None:
             q, k = _rms_norm(q, layer.q_norm, self.spec.eps), _rms_norm(k, layer.k_norm, self.spec.eps)
         q, k = _apply_rope(q, cos, sin, self.rotate), _apply_rope(k, cos, sin, self.rotate)
@@ -348,21 +361,25 @@ def graph_io(num_layers: int) -> tuple[list[str], list[str]]:
             [LOGITS, NEXT_TOKENS, *present_names(num_layers), HIDDEN_OUT])
 
 
-def export_chain(graph: ChainGraph, batch: int, tokens: int | None, width: int, opset: int):
+def export_chain(graph: ChainGraph, batch: int | None, tokens: int | None, width: int, opset: int):
     """One static graph of ``tokens`` rows, or with ``tokens=None`` one graph whose row count
-    is symbolic (traced at 4 rows): the catch-up sizes share it, and its weights in memory."""
+    is symbolic (traced at 4 rows): the catch-up sizes share it, and its weights in memory.
+    ``batch=None``: the batch is symbolic too (traced at 2 rows; the batched loop's head graphs
+    at every batch size share the file)."""
     spec = graph.spec
     rows = 4 if tokens is None else tokens
-    example = (torch.zeros(batch, rows, dtype=torch.int64), torch.zeros(batch, rows, width),
-               torch.zeros(batch, dtype=torch.int64),
-               *[torch.zeros(batch, spec.kv_heads, graph.s_max, spec.head_dim) for _ in range(2 * len(spec.layers))])
-    dims = None
-    if tokens is None:
-        # DYNAMIC (not a named range): the mask's guards (min(S+T, T·(S+T)) == S+T) hold for
-        # every T >= 1, but torch.export cannot prove them and would refuse a named range
-        t = torch.export.Dim.DYNAMIC
-        dims = {"input_ids": {1: t}, "features": {1: t}, "cache_length": None,
-                "past": tuple(None for _ in range(2 * len(spec.layers)))}
+    b = 2 if batch is None else batch
+    example = (torch.zeros(b, rows, dtype=torch.int64), torch.zeros(b, rows, width),
+               torch.zeros(b, dtype=torch.int64),
+               *[torch.zeros(b, spec.kv_heads, graph.s_max, spec.head_dim) for _ in range(2 * len(spec.layers))])
+    if tokens is not None and batch is not None:
+        return export_module(graph, example, *graph_io(len(spec.layers)), opset)
+    # DYNAMIC (not a named range): the mask's guards (min(S+T, T·(S+T)) == S+T) hold for
+    # every T >= 1, but torch.export cannot prove them and would refuse a named range
+    t = {1: torch.export.Dim.DYNAMIC} if tokens is None else {}
+    rows_dim = {0: torch.export.Dim.DYNAMIC} if batch is None else {}
+    dims = {"input_ids": {**rows_dim, **t} or None, "features": {**rows_dim, **t} or None,
+            "cache_length": rows_dim or None, "past": tuple(rows_dim or None for _ in range(2 * len(spec.layers)))}
     return export_module(graph, example, *graph_io(len(spec.layers)), opset, dims)
 
 
@@ -444,8 +461,12 @@ class ChainHead:
         spec = self.spec
         width = len(ctx.target_taps) * spec.target_hidden
         graphs: dict[str, tuple[int, bool]] = {}  # engine name -> (tokens, step?)
+        batched: dict[str, tuple[int, int, bool]] = {}  # batched engine name -> (batch, tokens, step?)
         paths = {}
         store = ctx.weights()
+        # with batch sizes above 1 the batch is symbolic too: the batched loop's catch-up (1+D)
+        # and step graphs at each batch size are entries over the same two files
+        batch = None if ctx.batches else ctx.batch
         try:
             # the catch-up sizes (1+D, the prefill chunk): one graph, its row count symbolic;
             # the step (one row, the head's own hidden as features): a graph of its own
@@ -453,26 +474,30 @@ class ChainHead:
                 module = ChainGraph(spec, ctx.target_taps, ctx.max_seq_len, step).eval()
                 label = f"{ctx.name} step t1" if step else f"{ctx.name} catch-up (every size)"
                 with ctx.step("export", label) as s:
-                    proto = export_chain(module, ctx.batch, 1 if step else None, spec.hidden if step else width,
+                    proto = export_chain(module, batch, 1 if step else None, spec.hidden if step else width,
                                          ctx.opset)
                     s.detail = f"{len(proto.graph.node)} nodes"
                 stem = engine_name(ctx.name, Role.STEP, ctx.batch, 1) if step else f"{ctx.name}.catchup"
                 saved = ctx.save_shared_graph(proto, stem, sizes, store)
                 for tokens, (name, path) in zip(sizes, saved.items()):
                     graphs[name], paths[name] = (tokens, step), path
+                rounds = {1: Role.STEP} if step else {ctx.plan.tokens_per_verify: Role.CATCHUP}
+                for name, (b, tokens) in ctx.save_batched(proto, next(iter(saved.values())), rounds, store).items():
+                    batched[name], paths[name] = (b, tokens, step), next(iter(saved.values()))
         finally:
             store.close()
         kv = KVLayout(len(spec.layers), spec.kv_heads, spec.head_dim, ctx.max_seq_len, "float32")
         info = {"hidden_size": spec.hidden, "feature_width": width, "taps": list(spec.taps),
                 "draft_vocab_size": int(spec.lm_head.shape[0]), **spec.info}
         ctx.add_model(ModelEntry(ctx.name, spec.kind, kv, spec.target_vocab, f"{ctx.name}.weights", "standard", info))
-        validate_chain(ctx, self.reference, spec, graphs, paths, width)
+        validate_chain(ctx, self.reference, spec, graphs, paths, width, batched)
 
 
 def validate_chain(ctx: HeadContext, reference: Reference, spec: ChainSpec, graphs: dict[str, tuple[int, bool]],
-                   paths: dict, width: int) -> None:
+                   paths: dict, width: int, batched: dict[str, tuple[int, int, bool]] | None = None) -> None:
     """Every graph against the reference on real text, at several cache lengths, through the
-    runtime's ModelRunner (the cache filled by the catch-up graphs, chunk by chunk)."""
+    runtime's ModelRunner (the cache filled by the catch-up graphs, chunk by chunk); then each
+    batched graph row by row against the batch-1 graph (``validate_chain_batched``)."""
     from specexport.runtime.engine import EngineOptions, SharedGraphs
     from specexport.runtime.kv_cache import KVCache
     from specexport.runtime.ort_engine import OrtEngine
@@ -522,6 +547,19 @@ def validate_chain(ctx: HeadContext, reference: Reference, spec: ChainSpec, grap
             worst = min(worst, figures["argmax_agreement"])
             ctx.record_parity(name, figures, reference=reference.name)
         s.detail = f"{len(graphs)} graphs, argmax agreement {worst:.1%}"
+    if batched:
+        singles = {(tokens, step): engines[n] for n, (tokens, step) in graphs.items()}
+        with ctx.step("validate", f"{ctx.name} batched graphs") as s:
+            for name, (batch, count, step) in batched.items():
+                engine = OrtEngine(name, paths[name], *ctx.builder.specs[name], options, shared)
+                rows, valid = batched_rows(batch, count, step, s_max, ids, aux, ref_hidden.numpy())
+                parity, worst_rel = check_batched_rows(name, engine, singles[(count, step)], cache.view(), rows, valid,
+                                                       [LOGITS, NEXT_TOKENS, HIDDEN_OUT, *present_names(len(spec.layers))],
+                                                       _draftable)
+                ctx.record_parity(name, {**parity.to_dict(), "max_rel_output_diff": worst_rel,
+                                         "rows": [[int(r[CACHE_LENGTH][0]), v] for r, v in zip(rows, valid)]},
+                                  reference="the batch-1 graph, row by row")
+            s.detail = f"{len(batched)} graphs, ragged rows and an idle row against batch 1"
     # every graph timed in the builder's one schedule (one size per graph: catch-up sizes are
     # 1+D and the prefill chunk, the step 1; a chunk of 1 leaves the step untimed)
     timed = {graphs[n][0]: engines[n] for n in graphs if not graphs[n][1]}
@@ -529,6 +567,26 @@ def validate_chain(ctx: HeadContext, reference: Reference, spec: ChainSpec, grap
         if graphs[n][1] and 1 not in timed:
             timed[1] = engines[n]
     ctx.time_with(ModelRunner(ctx.name, list(timed.values()), cache, {e.name: t for t, e in timed.items()}))
+
+
+def batched_rows(batch: int, tokens: int, step: bool, s_max: int, ids: np.ndarray, aux: np.ndarray,
+                 hidden: np.ndarray) -> tuple[list[dict[str, np.ndarray]], list[int]]:
+    """The batch-1 feeds of each row of a batched head graph's check (validate.row_plan: spread
+    cache lengths, T, T-1, ... valid rows right-padded, the last row idle) on the reference
+    text: row p pairs token ids[p+1] with the target's features aux[p] (catch-up) or the head's
+    own hidden of the row before (step). Returns (rows, valid counts)."""
+    rows, valid = [], []
+    for length, count in row_plan(batch, tokens, s_max - 1):
+        length = max(length, 1) if step else length  # a step reads the hidden of the row before
+        input_ids = np.full((1, tokens), PAD_ID, dtype=np.int64)  # [1, T]
+        input_ids[0, :count] = ids[length + 1 : length + 1 + count]
+        source = hidden[length - 1 : length] if step else aux[length : length + count]  # [count, F]
+        features = np.zeros((1, tokens, source.shape[-1]), dtype=np.float32)  # [1, T, F]
+        features[0, :count] = source[:count]
+        rows.append({INPUT_IDS: input_ids, DRAFT_FEATURES: features,
+                     CACHE_LENGTH: np.array([length], dtype=np.int64)})
+        valid.append(count)
+    return rows, valid
 
 
 def _draftable(got: np.ndarray, want: np.ndarray, next_tokens: np.ndarray):

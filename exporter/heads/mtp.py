@@ -24,9 +24,14 @@ kind; chained for k > 1 by reusing the layer on its own output hidden. Per famil
   [num_hidden_layers]); next step reads final_layernorm's output; the target's lm_head.
 
 The decoder layer inside is read as a layer of the target's own kind (its norms, q/k norms,
-biases, fused phi3 names). Only dense layers are reachable (our targets are dense llama/qwen2/qwen3/mistral/phi3): the MLA
-and MoE layers of the real DeepSeek-V3/GLM-4.5 and the gated/linear-attention, MoE layers of
-Qwen3-Next/Qwen3.5 are refused in one line.
+biases, fused phi3 names). Over a DeepSeek-V3 or GLM-4.5 target (``MTP_TARGETS``) the MTP
+layer is what those checkpoints publish: an MoE layer (router, score-correction bias,
+``mlp.experts.{e}.*``, shared experts as the dense MLP; archs.moe_weights) with GQA attention
+(GLM) or MLA (DeepSeek; archs.mla_weights), computed by the target graph's own MoeMlp and
+MlaProjection; the reference loads the same tensors into transformers' own decoder layer
+(experts stacked as transformers 5 holds them). An MoE or MLA layer over a dense target, and
+the gated/linear-attention, softmax-routed MoE layers of Qwen3-Next/Qwen3.5, are refused in
+one line.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from pathlib import Path
 import torch
 
 from specexport.errors import BadInput
-from specexport.exporter.archs import ARCHITECTURES, _rope_tables
+from specexport.exporter.archs import ARCHITECTURES, _rope_tables, mla_weights, moe_weights
 from specexport.exporter.heads.chain import (
     ChainHead,
     ChainLayer,
@@ -88,13 +93,27 @@ LAYER_NAMES = {
     "k_norm": "self_attn.k_norm.weight", "mlp_norm": "post_attention_layernorm.weight",
     "gate_w": "mlp.gate_proj.weight", "up_w": "mlp.up_proj.weight", "down_w": "mlp.down_proj.weight",
 }
-# tensor-name pieces of layers we cannot export, and why
+# an MoE layer (DeepSeek-V3 / GLM-4.5): our MoeWeights field -> name ({e}: the expert), and its
+# shared experts, read as the layer's dense MLP
+EXPERT_NAMES = {"router_w": "mlp.gate.weight", "score_bias": "mlp.gate.e_score_correction_bias",
+                "gate_w": "mlp.experts.{e}.gate_proj.weight", "up_w": "mlp.experts.{e}.up_proj.weight",
+                "down_w": "mlp.experts.{e}.down_proj.weight"}
+SHARED_NAMES = {"gate_w": "mlp.shared_experts.gate_proj.weight", "up_w": "mlp.shared_experts.up_proj.weight",
+                "down_w": "mlp.shared_experts.down_proj.weight"}
+# tensor-name pieces of layers beyond a dense one: (what it is, the layer kind that reads it;
+# None: none does)
 UNREACHABLE = {
-    "mlp.experts.": "a mixture-of-experts MLP", "mlp.gate.weight": "a mixture-of-experts router",
-    "self_attn.q_a_proj": "multi-head latent attention (MLA)", "self_attn.kv_a_proj": "multi-head latent attention (MLA)",
-    "linear_attn.": "linear attention", "mlp.shared_expert": "a mixture-of-experts MLP",
+    "mlp.experts.": ("a mixture-of-experts MLP", "moe"), "mlp.gate.weight": ("a mixture-of-experts router", "moe"),
+    "self_attn.q_a_proj": ("multi-head latent attention (MLA)", "mla"),
+    "self_attn.kv_a_proj": ("multi-head latent attention (MLA)", "mla"),
+    "linear_attn.": ("linear attention", None),
+    "mlp.shared_expert.": ("a Qwen3-Next mixture-of-experts MLP", None),
+    "mlp.shared_expert_gate": ("a Qwen3-Next mixture-of-experts MLP", None),
 }
-DENSE_TARGETS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# target model_type -> the layer kinds beyond dense its MTP layer may be (archs.ARCHITECTURES reads
+# the same kinds in the target)
+MTP_TARGETS = {"llama": (), "mistral": (), "qwen2": (), "qwen3": (), "phi3": (), "glm4_moe": ("moe",),
+               "deepseek_v3": ("moe", "mla")}
 
 
 def _target_folder(spec, target, base: Path, origin: str) -> Path:
@@ -130,13 +149,14 @@ def load(spec, target, base: Path, origin: str) -> ChainHead:
     files = safetensors_files(folder, origin)
     config = read_config(folder, origin) if (folder / "config.json").is_file() else {}
     t_cfg = target.model.config
-    if t_cfg.model_type not in DENSE_TARGETS:
-        raise BadInput(f"{origin}: MTP heads are exported over dense targets ({', '.join(DENSE_TARGETS)}); "
+    if t_cfg.model_type not in MTP_TARGETS:
+        raise BadInput(f"{origin}: MTP heads are exported over {', '.join(MTP_TARGETS)} targets; "
                        f"this target is '{t_cfg.model_type}'")
+    reachable = MTP_TARGETS[t_cfg.model_type]
     model_type = config.get("model_type") or (config.get("transformer_layer_config") or {}).get("model_type")
-    if model_type in ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text"):
-        raise BadInput(f"{origin}: the MTP layer of a '{model_type}' model (MLA/MoE/linear or gated attention) is out of "
-                       "reach: specexport exports dense decoder layers only")
+    if model_type in ("deepseek_v2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text"):
+        raise BadInput(f"{origin}: the MTP layer of a '{model_type}' model (softmax-routed MoE, linear or gated "
+                       "attention) is out of reach: specexport exports dense, DeepSeek-V3/GLM-4.5 MoE and MLA layers")
     tensors = Tensors(files, origin, lambda n: "mtp" in n or "eh_proj" in n or "enorm" in n or "hnorm" in n
                       or "shared_head" in n or re.match(r"model\.layers\.\d+\.", n) is not None or n.startswith("mtp_layers."))
     if spec.layout == "auto":
@@ -148,16 +168,18 @@ def load(spec, target, base: Path, origin: str) -> ChainHead:
     layer_prefix = prefix + lay.layer
     for name in tensors.names():
         if name.startswith(layer_prefix):
-            for piece, why in UNREACHABLE.items():
-                if piece in name:
-                    raise BadInput(f"{origin}: the MTP layer has {why} (tensor '{name}'); specexport exports dense "
-                                   "decoder layers only")
+            for piece, (why, kind) in UNREACHABLE.items():
+                if piece in name and kind not in reachable:
+                    raise BadInput(f"{origin}: the MTP layer has {why} (tensor '{name}'), which a "
+                                   f"'{t_cfg.model_type}' target's MTP layer cannot be")
     if spec.layer_ids is not None:
         raise BadInput(f"{origin}.layer_ids: an MTP head reads the target's last hidden state; layer_ids does not apply")
 
     hidden, heads = t_cfg.hidden_size, t_cfg.num_attention_heads
     kv_heads = getattr(t_cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(t_cfg, "head_dim", None) or hidden // heads
+    if ARCHITECTURES[t_cfg.model_type].mla:  # per-head K/V at the qk width, as the target graph (archs.mla_weights)
+        kv_heads, head_dim = heads, t_cfg.qk_nope_head_dim + t_cfg.qk_rope_head_dim
     inter = t_cfg.intermediate_size
     eps = float(t_cfg.rms_norm_eps)
     embed = target.model.get_input_embeddings().weight.detach().float()
@@ -166,7 +188,10 @@ def load(spec, target, base: Path, origin: str) -> ChainHead:
         embed = tensors.get(prefix + lay.embed, (vocab, hidden))
     head = tensors.get(prefix + lay.head, (vocab, hidden)) if lay.head and tensors.has(prefix + lay.head) \
         else target.model.get_output_embeddings().weight.detach().float()
-    layer = read_layer(tensors, layer_prefix, t_cfg, hidden, heads, kv_heads, head_dim, inter)
+    if tensors.has(layer_prefix + EXPERT_NAMES["router_w"]):
+        layer = read_moe_layer(tensors, layer_prefix, target, origin)
+    else:
+        layer = read_layer(tensors, layer_prefix, t_cfg, hidden, heads, kv_heads, head_dim, inter)
 
     def norm(name: str) -> torch.Tensor:
         return tensors.get(prefix + name, (hidden,)) + lay.norm_offset
@@ -194,7 +219,8 @@ def load(spec, target, base: Path, origin: str) -> ChainHead:
     return ChainHead(spec_out, MtpReference(layout, prefix, files, target, origin), {"layout": layout})
 
 
-def read_layer(tensors: Tensors, prefix: str, t_cfg, hidden, heads, kv_heads, head_dim, inter) -> ChainLayer:
+def read_attention(tensors: Tensors, prefix: str, t_cfg, hidden, heads, kv_heads, head_dim) -> dict:
+    """A GQA layer's attention and norms, as ChainLayer fields."""
     off = ARCHITECTURES[t_cfg.model_type].norm_offset
     q, kv = heads * head_dim, kv_heads * head_dim
 
@@ -204,22 +230,81 @@ def read_layer(tensors: Tensors, prefix: str, t_cfg, hidden, heads, kv_heads, he
     def maybe(field: str, shape):
         return get(field, shape) if tensors.has(prefix + LAYER_NAMES[field]) else None
 
-    if ARCHITECTURES[t_cfg.model_type].fused_qkv:  # phi3: qkv_proj, gate_up_proj
+    if ARCHITECTURES[t_cfg.model_type].fused_qkv:  # phi3: qkv_proj
         qkv = tensors.get(prefix + "self_attn.qkv_proj.weight", (q + 2 * kv, hidden))
-        gate_up = tensors.get(prefix + "mlp.gate_up_proj.weight", (2 * inter, hidden))
         q_w, k_w, v_w = qkv[:q], qkv[q : q + kv], qkv[q + kv :]
-        gate_w, up_w = gate_up[:inter], gate_up[inter:]
     else:
         q_w, k_w, v_w = get("q_w", (q, hidden)), get("k_w", (kv, hidden)), get("v_w", (kv, hidden))
-        gate_w, up_w = get("gate_w", (inter, hidden)), get("up_w", (inter, hidden))
-    has_qk_norm = hasattr(t_cfg, "model_type") and t_cfg.model_type == "qwen3"
-    return ChainLayer(
+    has_qk_norm = t_cfg.model_type == "qwen3" or bool(getattr(t_cfg, "use_qk_norm", False))
+    return dict(
         attn_norm=get("attn_norm", (hidden,)) + off, q_w=q_w, k_w=k_w, v_w=v_w, o_w=get("o_w", (hidden, q)),
         q_b=maybe("q_b", (q,)), k_b=maybe("k_b", (kv,)), v_b=maybe("v_b", (kv,)),
         q_norm=get("q_norm", (head_dim,)) + off if has_qk_norm else None,
         k_norm=get("k_norm", (head_dim,)) + off if has_qk_norm else None,
-        mlp_norm=get("mlp_norm", (hidden,)) + off, gate_w=gate_w, up_w=up_w, down_w=get("down_w", (hidden, inter)),
+        mlp_norm=get("mlp_norm", (hidden,)) + off,
     )
+
+
+def read_layer(tensors: Tensors, prefix: str, t_cfg, hidden, heads, kv_heads, head_dim, inter) -> ChainLayer:
+    """A dense layer of the target's kind."""
+    attention = read_attention(tensors, prefix, t_cfg, hidden, heads, kv_heads, head_dim)
+    if ARCHITECTURES[t_cfg.model_type].fused_qkv:  # phi3: gate_up_proj
+        gate_up = tensors.get(prefix + "mlp.gate_up_proj.weight", (2 * inter, hidden))
+        gate_w, up_w = gate_up[:inter], gate_up[inter:]
+    else:
+        gate_w = tensors.get(prefix + LAYER_NAMES["gate_w"], (inter, hidden))
+        up_w = tensors.get(prefix + LAYER_NAMES["up_w"], (inter, hidden))
+    return ChainLayer(**attention, gate_w=gate_w, up_w=up_w,
+                      down_w=tensors.get(prefix + LAYER_NAMES["down_w"], (hidden, inter)))
+
+
+def read_moe_layer(tensors: Tensors, prefix: str, target, origin: str) -> ChainLayer:
+    """A DeepSeek-V3 / GLM-4.5 MTP layer: routed experts by their published names (EXPERT_NAMES),
+    the shared experts as the dense MLP, and MLA or GQA attention as the target's own layers."""
+    t_cfg = target.model.config
+    hidden, experts, inter = t_cfg.hidden_size, t_cfg.n_routed_experts, t_cfg.moe_intermediate_size
+    shared = inter * t_cfg.n_shared_experts
+
+    def expert(field: str, shape) -> torch.Tensor:  # [E, *shape]
+        return torch.stack([tensors.get(prefix + EXPERT_NAMES[field].format(e=e), shape) for e in range(experts)])
+
+    moe = moe_weights(t_cfg, tensors.get(prefix + EXPERT_NAMES["router_w"], (experts, hidden)),
+                      tensors.get(prefix + EXPERT_NAMES["score_bias"], (experts,)), expert("gate_w", (inter, hidden)),
+                      expert("up_w", (inter, hidden)), expert("down_w", (hidden, inter)))
+    dense = {field: tensors.get(prefix + name, (hidden, shared) if field == "down_w" else (shared, hidden))
+             for field, name in SHARED_NAMES.items()}
+    if not ARCHITECTURES[t_cfg.model_type].mla:
+        heads = t_cfg.num_attention_heads
+        kv_heads = getattr(t_cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(t_cfg, "head_dim", None) or hidden // heads
+        return ChainLayer(**read_attention(tensors, prefix, t_cfg, hidden, heads, kv_heads, head_dim), **dense, moe=moe)
+    attn_prefix = prefix + "self_attn."
+    if tensors.has(attn_prefix + "o_proj.bias"):
+        raise BadInput(f"{origin}: the MTP layer's MLA has an o_proj bias (attention_bias), which the head graph lacks")
+    eps = float(target.model.model.layers[0].self_attn.kv_a_layernorm.variance_epsilon)
+    mla, o_w = mla_weights(t_cfg, lambda name, shape: tensors.get(attn_prefix + name, shape),
+                           lambda name: tensors.has(attn_prefix + name), eps, origin)
+    norms = {field: tensors.get(prefix + LAYER_NAMES[field], (hidden,)) for field in ("attn_norm", "mlp_norm")}
+    return ChainLayer(**norms, **dense, o_w=o_w, mla=mla, moe=moe)
+
+
+def _stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with a published MoE layer's per-expert tensors (mlp.experts.{e}.{gate,up,down}_proj)
+    stacked as transformers 5 holds them: mlp.experts.gate_up_proj [E, 2I, H] (each expert's gate
+    rows, then up), mlp.experts.down_proj [E, H, I]."""
+    pattern = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+    found: dict[str, dict[int, torch.Tensor]] = {"gate": {}, "up": {}, "down": {}}
+    out = {}
+    for name, value in state.items():
+        if m := pattern.fullmatch(name):
+            found[m.group(2)][int(m.group(1))] = value
+        else:
+            out[name] = value
+    if found["gate"]:
+        order = sorted(found["gate"])
+        out["mlp.experts.gate_up_proj"] = torch.stack([torch.cat((found["gate"][e], found["up"][e])) for e in order])
+        out["mlp.experts.down_proj"] = torch.stack([found["down"][e] for e in order])
+    return out
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -253,10 +338,12 @@ class MtpReference:
         t = {n[len(prefix):]: v for n, v in read_published(files).items() if n.startswith(prefix)}
         layer_prefix = "layers.0." if layout == "qwen3-next" else ""
         model = target.model
-        self.layer = type(model.model.layers[0])(model.config, layer_idx=0)
+        # the target's last layer index: an MoE layer where the target's deep layers are (DeepSeek-V3
+        # and GLM-4.5 build a dense MLP below first_k_dense_replace)
+        self.layer = type(model.model.layers[0])(model.config, layer_idx=len(model.model.layers) - 1)
         state = {k[len(layer_prefix):]: v for k, v in t.items()
                  if k.startswith(layer_prefix) and not any(k.startswith(m) for m in self.MODULE_NAMES)}
-        self.layer.load_state_dict(state, strict=True)
+        self.layer.load_state_dict(_stacked_experts(state), strict=True)
         self.layer.eval()
         self.t, self.eps = t, float(model.config.rms_norm_eps)
         self.rotary = model.model.rotary_emb

@@ -232,14 +232,14 @@ def measure_surface(pipe, batches: list[int], depth: int, rounds: int = 5) -> di
 def measure_draft_steps(pipe, drafters: list[str], batches: list[int], rounds: int = 5) -> dict[str, dict[int, float]]:
     """Seconds of one batched draft step (the drafter model's decode call at B) per drafter
     that has a model and runs batched; drafters without engines cost nothing per draft."""
-    from specexport.runtime.batch_drafter import batched_refusal
+    from specexport.runtime.batch_drafter import HEAD_KINDS, batched_refusal
 
     steps: dict[str, dict[int, float]] = {}
     timed: dict[str, dict[int, float]] = {}
     for name in drafters:
         entry = pipe.manifest.drafters[name]
-        if entry.model is None or batched_refusal(pipe.manifest, name, max(batches)) is not None:
-            continue
+        if entry.model is None or entry.kind in HEAD_KINDS or batched_refusal(pipe.manifest, name, max(batches)) is not None:
+            continue  # a head's model has no decode step (its batched costs are not measured here yet)
         if entry.model not in timed:
             batched = _batched_calls(pipe, entry.model, batches, [1])
             keys = [(b, 1) for b in batches]
@@ -303,7 +303,7 @@ def schedule_steps(table: list[dict]) -> list[list[int]]:
 def calibrate_schedule(pipe, profiles: dict, depth: int, reporter, rounds: int = 5) -> dict:
     """Measure t(B, T) (and the draft models' batched steps) over the batch sizes built, and
     choose K(B) up to ``depth``; {} with a ``schedule_skipped`` reason when nothing is batched."""
-    from specexport.runtime.batch_drafter import batched_refusal
+    from specexport.runtime.batch_drafter import HEAD_KINDS, batched_refusal
 
     manifest = pipe.manifest
     batches = manifest.batch_sizes("target")
@@ -312,7 +312,9 @@ def calibrate_schedule(pipe, profiles: dict, depth: int, reporter, rounds: int =
     if batches == [1]:
         return {"schedule_skipped": "built for batch 1 only (shapes.batch): no depth by batch size to choose"}
     drafters = sorted({d for d, _ in profiles})
-    runnable = {b: {d for d in drafters if batched_refusal(manifest, d, b) is None} for b in batches}
+    # heads run batched, but their batched draft costs are not measured here yet: left out of K(B)
+    runnable = {b: {d for d in drafters if batched_refusal(manifest, d, b) is None
+                    and getattr(manifest.drafters.get(d), "kind", None) not in HEAD_KINDS} for b in batches}
     with reporter.step("calibrate", f"batched verify cost t(B, T), B = {batches}, T = 1..{depth + 1}") as step:
         surface = measure_surface(pipe, batches, depth, rounds)
         step.detail = ", ".join(f"B={b}: {surface[(b, 1)] * 1e3:.1f}-{surface[(b, depth + 1)] * 1e3:.1f} ms"

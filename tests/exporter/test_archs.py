@@ -17,6 +17,8 @@ TESTED = {
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
     "phi3": "phi3",
+    "glm4_moe": "glm4_moe",  # MoE (sigmoid routing, groups, shared experts), partial rotary, q/k/v biases
+    "deepseek_v3": "deepseek_v3",  # MoE and MLA (q_lora, interleaved RoPE, V narrower than Q/K)
 }
 
 

@@ -189,9 +189,9 @@ def test_changed_recipe_or_force_rebuilds_showing_every_step(small, tmp_path):
     assert (out / "manifest.json").stat().st_ino != inode  # a new directory was swapped in
     forced = json.loads((out / "manifest.json").read_text())
     assert forced["inputs_sha256"] == first["inputs_sha256"]  # same inputs, rebuilt anyway
-    # a changed recipe (a shorter draft, an int4 drafter) is rebuilt; without --quiet or --json
-    # the build shows every step on stderr
-    tiny_recipe(recipe, "llama", **SMALL, max_draft=2, drafters=[{"kind": "quantized-self"}])
+    # a changed recipe (a shorter draft, an int4 drafter; the prefill chunk 1+D again: the
+    # fewest graphs) is rebuilt; without --quiet or --json the build shows every step on stderr
+    tiny_recipe(recipe, "llama", **{**SMALL, "prefill_chunk": 3}, max_draft=2, drafters=[{"kind": "quantized-self"}])
     code, _, err = run_cli("build", recipe, "-o", out)
     assert code == 0, err
     for step in ("load", "plan", "export", "quantize", "validate", "write"):

@@ -122,8 +122,48 @@ def mtp_tensors(target_cfg, layout: str, seed: int = 2) -> tuple[dict[str, torch
         t = {p + "token_layernorm.weight": _norm(g, h), p + "hidden_layernorm.weight": _norm(g, h),
              p + "input_proj.weight": _rand(g, h, 2 * h), p + "final_layernorm.weight": _norm(g, h)}
         layer = p
-    t.update(decoder_layer(g, layer, h, heads, kv, hd, inter, qk_norm=qk, bias=target_cfg.model_type == "qwen2"))
+    bias = target_cfg.model_type == "qwen2" or bool(getattr(target_cfg, "attention_bias", False))
+    t.update(decoder_layer(g, layer, h, heads, kv, hd, inter, qk_norm=qk, bias=bias))
+    if hasattr(target_cfg, "n_routed_experts"):  # DeepSeek-V3 / GLM-4.5: the MTP layer is an MoE layer
+        t = {k: v for k, v in t.items() if not k.startswith(layer + "mlp.")}
+        t.update(moe_mlp(g, layer, target_cfg))
+    if hasattr(target_cfg, "kv_lora_rank"):  # DeepSeek-V3: and its attention MLA
+        t = {k: v for k, v in t.items() if not k.startswith(layer + "self_attn.")}
+        t.update(mla_attention(g, layer, target_cfg))
     return t, layer
+
+
+def moe_mlp(g, prefix: str, cfg) -> dict[str, torch.Tensor]:
+    """A DeepSeek-V3 / GLM-4.5 MoE MLP by its published names: router, score-correction bias,
+    per-expert projections, shared experts."""
+    h, experts, inter = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    shared = inter * cfg.n_shared_experts
+    t = {f"{prefix}mlp.gate.weight": _rand(g, experts, h, std=0.15),  # router logits of a unit or so
+         f"{prefix}mlp.gate.e_score_correction_bias": _rand(g, experts, std=0.1)}
+    for e in range(experts):
+        t[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = _rand(g, inter, h)
+        t[f"{prefix}mlp.experts.{e}.up_proj.weight"] = _rand(g, inter, h)
+        t[f"{prefix}mlp.experts.{e}.down_proj.weight"] = _rand(g, h, inter)
+    t[f"{prefix}mlp.shared_experts.gate_proj.weight"] = _rand(g, shared, h)
+    t[f"{prefix}mlp.shared_experts.up_proj.weight"] = _rand(g, shared, h)
+    t[f"{prefix}mlp.shared_experts.down_proj.weight"] = _rand(g, h, shared)
+    return t
+
+
+def mla_attention(g, prefix: str, cfg) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's multi-head latent attention by its published names (q_lora when the config has it)."""
+    h, heads, kv_lora, rope = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    qk, v = cfg.qk_nope_head_dim + rope, cfg.v_head_dim
+    a = f"{prefix}self_attn."
+    t = {a + "kv_a_proj_with_mqa.weight": _rand(g, kv_lora + rope, h), a + "kv_a_layernorm.weight": _norm(g, kv_lora),
+         a + "kv_b_proj.weight": _rand(g, heads * (cfg.qk_nope_head_dim + v), kv_lora),
+         a + "o_proj.weight": _rand(g, h, heads * v)}
+    if cfg.q_lora_rank:
+        t.update({a + "q_a_proj.weight": _rand(g, cfg.q_lora_rank, h), a + "q_a_layernorm.weight": _norm(g, cfg.q_lora_rank),
+                  a + "q_b_proj.weight": _rand(g, heads * qk, cfg.q_lora_rank)})
+    else:
+        t[a + "q_proj.weight"] = _rand(g, heads * qk, h)
+    return t
 
 
 def write_mtp_target(folder: Path, arch: str, layouts: str | tuple[str, ...], *, seed: int = 0,

@@ -46,6 +46,40 @@ def test_layout_builds_with_parity_and_decodes_losslessly(built, name):
     check_greedy_lossless(load(built[name]), name)
 
 
+# DeepSeek-V3 and GLM-4.5 targets (tests/exporter/test_archs.py's tiny configs): their MTP layer
+# is an MoE layer (4 experts, top-2, a shared expert), DeepSeek's with MLA attention
+MOE_TARGETS = ("glm4_moe", "deepseek_v3")
+
+
+@pytest.mark.parametrize("arch", MOE_TARGETS)
+def test_moe_and_mla_mtp_layers_build_with_parity_and_decode_losslessly(tmp_path, arch):
+    import json
+
+    from specexport.runtime import load
+
+    write_mtp_target(tmp_path / "t", arch, "deepseek")
+    # ort-gqa: one target graph for every size (the quickest build); the head's graphs are its own
+    engines = build({**mtp_recipe("t", {"kind": "mtp", "name": "m"}), "attention": "ort-gqa"}, tmp_path,
+                    tmp_path / "out")
+    check_parity(engines, "m")
+    check_greedy_lossless(load(engines), "m")
+    kv = json.loads((engines / "manifest.json").read_text())["models"]["m"]["kv"]
+    if arch == "deepseek_v3":  # MLA: every head cached at the qk width (nope 24 + rope 8)
+        assert (kv["num_kv_heads"], kv["head_dim"]) == (4, 32), kv
+
+
+def test_a_mis_mapped_expert_fails_parity(tmp_path, monkeypatch):
+    """The experts' gate and up read from each other's names: the head no longer matches the
+    reference (transformers' own MoE layer over the published tensors), so the build fails."""
+    from specexport.exporter.heads import mtp
+
+    names = mtp.EXPERT_NAMES
+    monkeypatch.setattr(mtp, "EXPERT_NAMES", dict(names, gate_w=names["up_w"], up_w=names["gate_w"]))
+    write_mtp_target(tmp_path / "t", "glm4_moe", "deepseek")
+    with pytest.raises(SpecexportError, match="validation failed for mtp"):
+        build_head_only(mtp_recipe("t"), tmp_path, tmp_path / "out")
+
+
 def test_layouts_are_detected_from_the_files(tmp_path):
     from specexport.exporter.heads.chain import Tensors, safetensors_files
     from specexport.exporter.heads.mtp import detect_layout

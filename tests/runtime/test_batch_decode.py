@@ -79,8 +79,9 @@ def test_a_batched_sampled_run_is_reproducible_and_each_row_has_its_own_stream(b
     assert all(len(g.token_ids) == 10 for g in first)
 
 
-def test_hidden_state_heads_are_refused_in_one_line(batched_engines):
-    """Drafters with engine state run batched (tests/runtime/test_batch_drafter.py); heads not yet."""
+def test_a_head_without_its_graphs_is_refused_in_one_line(batched_engines):
+    """Drafters with engine state run batched (tests/runtime/test_batch_drafter.py, heads:
+    test_batch_heads.py); an entry whose graphs the directory lacks is refused."""
     import dataclasses
 
     from specexport.runtime.manifest import DrafterEntry
@@ -88,7 +89,7 @@ def test_hidden_state_heads_are_refused_in_one_line(batched_engines):
     pipe = load(batched_engines)
     pipe.manifest = dataclasses.replace(pipe.manifest, drafters={
         **pipe.manifest.drafters, "eagle3": DrafterEntry("eagle3", "eagle3", "eagle3")})
-    with pytest.raises(BadInput, match="cannot run batched: hidden-state heads"):
+    with pytest.raises(BadInput, match="cannot run batched: its model 'eagle3' has no onnxruntime graphs"):
         pipe.generate_batch([[5, 6, 7]], drafter="eagle3")
 
 
@@ -111,7 +112,7 @@ def test_generate_prompts_file_writes_one_json_line_per_prompt(batched_engines, 
 
 
 def test_a_standard_directory_cannot_decode_batched(tiny_engines):
-    pipe = load(tiny_engines.get("llama", drafters=False, **SHAPE))
+    pipe = load(tiny_engines.get("llama", **SHAPE))  # the session's shared standard build (tests/conftest.py)
     with pytest.raises(BadInput, match="attention: ort-gqa"):
         pipe.generate_batch([[5, 6, 7]])
 

@@ -123,14 +123,19 @@ def test_a_drafter_model_without_the_targets_batch_sizes_is_refused(batched_engi
 
 
 @pytest.mark.parametrize("kind", HEAD_KINDS)
-def test_hidden_state_heads_are_refused_in_one_line(batched_engines, kind):
+def test_a_head_without_its_graphs_or_the_targets_taps_is_refused_in_one_line(batched_engines, kind):
+    """Heads run batched (tests/runtime/test_batch_heads.py) when the directory has their graphs
+    and the target's taps; a manifest entry without them is refused before anything runs."""
     pipe = load(batched_engines)
     pipe.manifest = dataclasses.replace(pipe.manifest, drafters={
         **pipe.manifest.drafters, "head": DrafterEntry("head", kind, "head")})
-    with pytest.raises(BadInput, match=f"'head' \\({kind}\\) cannot run batched: hidden-state heads have no "
-                                       "batched head graphs"):
+    with pytest.raises(BadInput, match=f"'head' \\({kind}\\) cannot run batched: its model 'head' has no "
+                                       "onnxruntime graphs"):
         pipe.batch_loop(drafter="head")
-    assert "no batched head graphs" in batched_refusal(pipe.manifest, "head")
+    # its graphs present (the int4 copy's stand in), the target's taps still missing
+    pipe.manifest = dataclasses.replace(pipe.manifest, drafters={
+        **pipe.manifest.drafters, "head": DrafterEntry("head", kind, "quantized-self")})
+    assert "output no aux_hidden_states" in batched_refusal(pipe.manifest, "head")
 
 
 def test_a_single_sequence_model_drafter_is_refused_by_the_loop(batched_engines):

@@ -61,9 +61,16 @@ def test_the_loop_drafts_only_where_the_schedule_allows(batched_engines):
     alone = [pipe.generate(prompt_ids=p, drafter="ngram", max_new_tokens=12, adaptive=False).token_ids
              for p in prompts]
     target = BatchedTarget(pipe.manifest, pipe.backend, pipe.options, pipe.sessions)
+    # per-sequence depth reads the cost surface t(B, T): timed once (which also warms every call
+    # up), then replaced by one where a verify token is nearly free, so that drafting pays
+    # whatever else the machine runs (the width rule has its own tests): this test is about the
+    # schedule's cap
+    timed = target.measure_costs(rounds=1)
     d = pipe.manifest.draft_len
 
     def run(schedule, per_sequence=False):
+        # each run starts from that surface (a run updates it from the calls it makes)
+        target.costs = {(batch, tokens): timed[(batch, 1)] * (1 + 0.01 * tokens) for batch, tokens in target.calls}
         requests = [Request(np.asarray(p), 12, Sampling()) for p in prompts]
         return decode_batch(target, pipe.drafter("ngram"), requests, draft_len=d, eos_ids=pipe.text.eos_ids,
                             schedule=schedule, per_sequence=per_sequence)

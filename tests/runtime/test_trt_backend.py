@@ -39,19 +39,10 @@ from specexport.runtime.trt_engine import (
     require_tensorrt,
 )
 from tests.conftest import run_cli
+from tests.gpu import gpu_unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 BACKEND = REPO / "runtime" / "trt_engine.py"
-
-
-def gpu_unavailable() -> str | None:
-    """Why the GPU tests cannot run here (None when they can)."""
-    try:
-        require_tensorrt()
-        cuda_device()
-    except BadInput as err:
-        return str(err)
-    return None
 
 
 NO_GPU = gpu_unavailable()

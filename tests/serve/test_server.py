@@ -214,7 +214,7 @@ def test_queue_full_is_429_and_loading_is_503(batched_engines):
 def test_a_directory_that_cannot_batch_fails_before_serving(tiny_engines, batched_engines, tmp_path):
     from tests.conftest import run_cli
 
-    standard = tiny_engines.get("llama", drafters=("ngram",), max_seq_len=160, prefill_chunk=16)
+    standard = tiny_engines.get("llama", max_seq_len=160, prefill_chunk=16)  # the session's shared standard build
     code, _, err = run_cli("serve", str(standard), "--port", "0")
     assert code == 2 and "ort-gqa" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     code, _, err = run_cli("serve", str(tmp_path), "--port", "0")
