@@ -34,7 +34,7 @@ from specexport.contract import (
 )
 from specexport.errors import BadInput
 from specexport.exporter.archs import read_decoder
-from specexport.exporter.graph_model import StaticDecoder
+from specexport.exporter.graph_model import StaticDecoder, attention_refusal
 from specexport.exporter.heads import HeadContext, LoadedHead, load_head, merged_taps
 from specexport.exporter.onnx_export import WeightStore, drop_outputs, export_graph, tensor_specs
 from specexport.exporter.outdir import AtomicDir, existing_manifest
@@ -216,6 +216,9 @@ class Builder:
         """``taps``: hidden states every graph also outputs (aux_hidden_states) for the heads."""
         shapes = self.recipe.shapes
         parts = read_decoder(loaded.model, shapes.max_seq_len, loaded.origin)
+        refusal = attention_refusal(parts, self.recipe.attention)
+        if refusal is not None:
+            raise BadInput(f"recipe: model '{name}': {refusal}")
         decoder = StaticDecoder(parts, shapes.max_seq_len, self.recipe.attention, taps=taps).eval()
         stores = {name: WeightStore(tmp / f"{name}.weights")}
         if int4 is not None:

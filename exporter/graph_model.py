@@ -187,6 +187,17 @@ class _Layer(nn.Module):
 
 
 ATTENTION_KINDS = ("standard", "ort-gqa")
+# onnxruntime's GroupQueryAttention (CPU) refuses other head sizes at run time ("head_size shall
+# be a multiple of 16"): checked before export, so a recipe gets one line instead
+GQA_HEAD_MULTIPLE = 16
+
+
+def attention_refusal(parts: DecoderParts, attention: str) -> str | None:
+    """Why ``parts`` cannot be exported with ``attention`` (None when it can)."""
+    if attention == "ort-gqa" and parts.head_dim % GQA_HEAD_MULTIPLE:
+        return (f"attention: ort-gqa needs a head size that is a multiple of {GQA_HEAD_MULTIPLE} (onnxruntime's "
+                f"GroupQueryAttention); this {parts.model_type} model's is {parts.head_dim}: use attention: standard")
+    return None
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,14 @@ def test_tiny_heads_must_divide_hidden(tmp_path):
     _check_one_line(code, err, "target", "hidden_size must be a multiple of num_attention_heads")
 
 
+def test_ort_gqa_head_size_not_a_multiple_of_16(tmp_path):
+    # onnxruntime's GroupQueryAttention would refuse it at run time, inside the build's validation
+    recipe = tiny_recipe(tmp_path / "r.yaml", attention="ort-gqa", head_dim=24)
+    code, _, err = run_cli("build", recipe, "-o", tmp_path / "out")
+    _check_one_line(code, err, "attention: ort-gqa", "multiple of 16", "24", "attention: standard")
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["r.yaml"]
+
+
 def test_max_seq_len_not_larger_than_chunk(tmp_path):
     code, _, err = run_cli("plan", _edit(tmp_path, shapes={"max_seq_len": 64, "prefill_chunk": 64}))
     _check_one_line(code, err, "max_seq_len (64) must be larger than prefill_chunk (64)")
