@@ -267,7 +267,7 @@ def _generate_batch(engine_dir: Path, prompts_file: Path, max_batch: int | None,
 @click.option("--json", "as_json", is_flag=True, help="Print the result JSON.")
 @click.option("--batch", "batch", default=None,
               help="Batch sizes (1,2,4,8): throughput of the batched loop by batch size, the target alone against "
-                   "each drafter that runs batched (ngram; --drafters quantized-self too) at fixed depths and the "
+                   "the ngram drafters (or those of --drafters: every kind runs batched) at fixed depths and the "
                    "manifest's schedule, instead of the "
                    "single-sequence bench.")
 def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, drafters: str | None, peers: str,
