@@ -35,13 +35,12 @@ from specexport.contract import (
     EngineEntry,
     Manifest,
     Role,
-    past_names,
     present_names,
-    present_of,
 )
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft
 from specexport.runtime.batch_chain import SlotRows
 from specexport.runtime.batch_decode import DraftRow
+from specexport.runtime.batched_model import append_rows, slot_cache
 from specexport.runtime.block_drafter import BlockDrafter, BlockRunner, load_heads, over
 from specexport.runtime.drafters import TargetOut
 from specexport.runtime.engine import Engine, LazyEngine
@@ -82,9 +81,7 @@ class BlockCall:
         start = time.perf_counter()
         out = self.engine.run(self.feeds, wanted)  # next_tokens [B, n], presents [B, n_kv, C, hd], logits [B, n, V_d]
         self.seconds += time.perf_counter() - start
-        for r, (length, _, context) in rows.items():  # only each fed row's real context rows
-            for past in self.cache:
-                self.cache[past][r, :, length : length + len(context)] = out[present_of(past)][r, :, : len(context)]
+        append_rows(self.cache, out, [(r, length, len(context)) for r, (length, _, context) in rows.items()])
         return out
 
 
@@ -162,15 +159,16 @@ def make(pipe: Pipeline, name: str, batches: list[int]) -> BatchedBlockDrafter |
     if graphs is None:
         return None
     info = pipe.manifest.models[model]
-    cache = {n: np.zeros(info.kv.shape(max(batches)), dtype=info.kv_dtype) for n in past_names(info.num_layers)}
+    cache = slot_cache(info, max(batches))
 
     def engine(e) -> LazyEngine:
         return LazyEngine(e, pipe.manifest.root, pipe.options, None, pipe.sessions)
 
     calls = {b: BlockCall(engine(e), b, e.tokens, cache) for b, e in graphs.items()}
     singles = [e for e in pipe.manifest.engines_of(model, "onnxruntime") if e.role == Role.BLOCK]
+    heads = load_heads(entry, pipe.manifest.root)  # read once, shared by the slots
     slots = [over(entry, BlockRunner(f"{model}[{slot}]", [engine(e) for e in singles],
                                      SlotRows(cache, slot, info.num_layers, info.max_seq_len),
-                                     {e.name: e.tokens for e in singles}), load_heads(entry, pipe.manifest.root))
+                                     {e.name: e.tokens for e in singles}), heads.for_sequence())
              for slot in range(max(batches))]
     return BatchedBlockDrafter(name, calls, slots)

@@ -39,12 +39,12 @@ from specexport.contract import (
     NEXT_TOKENS,
     Manifest,
     Role,
-    past_names,
     present_names,
     present_of,
 )
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, warp_row
 from specexport.runtime.batch_decode import DraftRow
+from specexport.runtime.batched_model import append_rows, slot_cache
 from specexport.runtime.drafters import TargetOut
 from specexport.runtime.engine import Engine, LazyEngine
 from specexport.runtime.kv_cache import CacheLength, KVCache
@@ -100,9 +100,7 @@ class HeadCall:
         start = time.perf_counter()
         out = self.engine.run(self.feeds, wanted)  # next_tokens [B, T], hidden_out [B, T, H], presents [B, n_kv, T, hd]
         self.seconds += time.perf_counter() - start
-        for r, (length, tokens, _) in rows.items():  # only the real positions of the fed rows
-            for past in self.cache:
-                self.cache[past][r, :, length : length + len(tokens)] = out[present_of(past)][r, :, : len(tokens)]
+        append_rows(self.cache, out, [(r, length, len(tokens)) for r, (length, tokens, _) in rows.items()])
         return out
 
 
@@ -221,7 +219,7 @@ def make(pipe: Pipeline, name: str, batches: list[int]) -> BatchedChainDrafter |
         return None
     info = pipe.manifest.models[model]
     slots = max(batches)
-    cache = {n: np.zeros(info.kv.shape(slots), dtype=info.kv_dtype) for n in past_names(info.num_layers)}
+    cache = slot_cache(info, slots)
 
     def call(entry) -> HeadCall:
         return HeadCall(LazyEngine(entry, pipe.manifest.root, pipe.options, None, pipe.sessions), entry.batch,

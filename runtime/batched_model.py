@@ -25,6 +25,7 @@ from specexport.contract import (
     VALID_TOKENS,
     KVUpdate,
     Manifest,
+    ModelEntry,
     past_names,
     present_of,
 )
@@ -89,6 +90,25 @@ class BatchedCall:
         return self.engine.run(self.feeds, outputs, self.bound)  # next_tokens [B, T], logits [B, T, V]
 
 
+def slot_cache(info: ModelEntry, slots: int) -> dict[str, np.ndarray]:
+    """A model's cache with one row per slot: past name -> [B_max, n_kv, S_max, hd]. Written now
+    (np.full, not the lazily mapped np.zeros): the pages are faulted in at load, not inside the
+    first rounds that reach each row (a server's first requests, a bench's first mode at a batch
+    size)."""
+    shape = info.kv.shape(slots)  # [B_max, n_kv, S_max, hd]
+    return {name: np.full(shape, 0, dtype=info.kv_dtype) for name in past_names(info.num_layers)}
+
+
+def append_rows(cache: dict[str, np.ndarray], out: dict[str, np.ndarray], written: list[tuple[int, int, int]]) -> None:
+    """Write the new positions an append graph computed for each fed row, ``written``: (slot,
+    cache length, count), from its present.* outputs [B, n_kv, T, hd] into the slot cache;
+    padding past a row's count and idle rows are never written."""
+    for past, array in cache.items():
+        new = out[present_of(past)]  # [B, n_kv, T, hd]
+        for slot, length, count in written:
+            array[slot, :, length : length + count] = new[slot, :, :count]
+
+
 def target_batches(manifest: Manifest, max_batch: int | None = None) -> list[int]:
     """The batch sizes the batched loop runs: those built for the target, up to ``max_batch``."""
     built = manifest.batch_sizes("target")
@@ -115,11 +135,7 @@ class BatchedModel:
         self.batches = batches
         self.slots = max(batches)
         self.max_seq_len = info.max_seq_len
-        shape = info.kv.shape(self.slots)  # [B_max, n_kv, S_max, hd]
-        # written now (np.full, not the lazily mapped np.zeros): the pages are faulted in at load,
-        # not inside the first rounds that reach each row (a server's first requests, a bench's
-        # first mode at a batch size)
-        self.cache = {name: np.full(shape, 0, dtype=info.kv_dtype) for name in past_names(info.num_layers)}
+        self.cache = slot_cache(info, self.slots)
         self.calls: dict[tuple[int, int], BatchedCall] = {}  # (B, T) -> the call
         for batch in batches:
             for entry in manifest.engines_of(model, backend, batch=batch):

@@ -18,6 +18,7 @@ ids (a reduced draft vocabulary is mapped back through d2t).
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -144,6 +145,13 @@ class BlockHeads:
 
     def start(self) -> None:
         self._state = None if self.w1 is None else np.zeros(self.w1.shape[1], dtype=np.float32)
+
+    def for_sequence(self) -> BlockHeads:
+        """Heads for one more sequence over the same arrays (read only; a Markov head's are tens of
+        MB): only the rnn state is a sequence's own."""
+        heads = copy.copy(self)
+        heads._state = None
+        return heads
 
     def step(self, base: np.ndarray, hidden: np.ndarray, prev: int) -> tuple[np.ndarray, float | None]:
         """Slot k: (corrected logits [V_d], confidence or None) given the token before it."""
