@@ -42,13 +42,23 @@ class LayerWeights:
     rope_table: str = "default"  # which cos/sin table this layer uses
     moe: MoeWeights | None = None  # routed experts (DeepSeek-V3 / GLM-4.5 MoE layers)
     mla: MlaWeights | None = None  # multi-head latent attention (DeepSeek-V3)
+    # gated attention (Qwen3-Next, Qwen3.5): the attention output is multiplied by
+    # sigmoid(x_normed @ out_gate_w.T) before o_proj; q_proj's per-head gate rows, q_w keeps the query rows
+    out_gate_w: torch.Tensor | None = None  # [heads*head_dim, hidden]
+    # a linear-attention layer (Gated DeltaNet: Qwen3-Next, Qwen3.5): q_w/k_w/v_w are None, o_w is
+    # out_proj's weight [hidden, Hv*dv] and the layer keeps a recurrent state instead of a KV cache
+    linear: LinearAttnWeights | None = None
 
 
 @dataclass
 class MoeWeights:
-    """DeepSeek-V3 / GLM-4.5 routed experts: a sigmoid router whose choice (not whose weights)
-    adds ``score_bias``, top-k among the best ``topk_group`` of ``n_group`` expert groups, the
-    chosen scores normalised (``norm_topk_prob``) and scaled. Per expert, transformers' layout."""
+    """Routed experts. ``scoring="sigmoid"`` (DeepSeek-V3 / GLM-4.5): a sigmoid router whose choice
+    (not whose weights) adds ``score_bias``, top-k among the best ``topk_group`` of ``n_group``
+    expert groups, the chosen scores normalised (``norm_topk_prob``) and scaled.
+    ``scoring="softmax"`` (Qwen3-Next / Qwen3.5-MoE): a softmax over every expert, top-k, the
+    chosen probabilities renormalised (``norm_topk_prob``); no bias (zeros), no groups, scaling 1.
+    ``shared_gate_w``: the shared expert's output (the layer's dense part) is multiplied by
+    sigmoid(x @ shared_gate_w.T) (Qwen's shared_expert_gate). Per expert, transformers' layout."""
 
     router_w: torch.Tensor  # [experts, hidden]
     score_bias: torch.Tensor  # [experts] e_score_correction_bias
@@ -60,6 +70,8 @@ class MoeWeights:
     topk_group: int
     norm_topk_prob: bool
     scaling: float  # routed_scaling_factor
+    scoring: str = "sigmoid"  # "sigmoid" | "softmax"
+    shared_gate_w: torch.Tensor | None = None  # [1, hidden]
 
 
 @dataclass
@@ -90,6 +102,39 @@ class MlaWeights:
 
 
 @dataclass
+class LinearAttnWeights:
+    """A Gated DeltaNet layer (Qwen3-Next, Qwen3.5), transformers' layout [out, in]. ``qkv_w``'s
+    output rows are in the order transformers' ``mixed_qkv`` has after its cat: every q head, every
+    k head, every v head (Qwen3-Next's interleaved in_proj_qkvz / in_proj_ba are un-interleaved per
+    k-head group as its ``fix_query_key_value_ordering`` does). The layer: a causal depthwise conv
+    (``conv_w``, ``conv_kernel`` taps, then ``activation``) over those C channels, l2-normed q and k,
+    g = -exp(a_log)·softplus(x·a_w + dt_bias), beta = sigmoid(x·b_w), the gated delta rule over a
+    [v_heads, k_dim, v_dim] state (k heads repeated to the v heads), an RMSNorm of each head's output
+    (weight ``norm_w`` as is, no offset) times silu(x·z_w), then out_proj (LayerWeights.o_w)."""
+
+    qkv_w: torch.Tensor  # [2*Hk*dk + Hv*dv, hidden]
+    z_w: torch.Tensor  # [Hv*dv, hidden]
+    b_w: torch.Tensor  # [Hv, hidden]
+    a_w: torch.Tensor  # [Hv, hidden]
+    conv_w: torch.Tensor  # [C, K]
+    conv_b: torch.Tensor | None  # [C]
+    dt_bias: torch.Tensor  # [Hv]
+    a_log: torch.Tensor  # [Hv]
+    norm_w: torch.Tensor  # [dv]
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+    activation: str  # of the conv: "silu"
+    norm_eps: float
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+
+@dataclass
 class DecoderParts:
     model_type: str
     hidden_size: int
@@ -111,8 +156,33 @@ class DecoderParts:
     # rotary module so every RoPE variant (llama3, yarn, longrope, ...) matches exactly.
     rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
+    @property
+    def attention_layers(self) -> list[int]:
+        """Indices of the layers that attend (and keep a KV cache), in model order."""
+        return [i for i, layer in enumerate(self.layers) if layer.linear is None]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        """Indices of the linear-attention layers (a recurrent state, no KV cache), in model order."""
+        return [i for i, layer in enumerate(self.layers) if layer.linear is not None]
+
+    def state_dims(self) -> dict | None:
+        """The recurrent state's sizes, shared by every linear-attention layer: conv_channels (C),
+        conv_kernel (K; the conv state holds K-1 inputs), heads (Hv), key_dim, value_dim. None for
+        a model without linear-attention layers."""
+        keys = ("conv_channels", "conv_kernel", "heads", "key_dim", "value_dim")
+        sizes = {(w.conv_channels, w.conv_kernel, w.v_heads, w.k_dim, w.v_dim)
+                 for w in (layer.linear for layer in self.layers) if w is not None}
+        if not sizes:
+            return None
+        if len(sizes) > 1:
+            raise BadInput(f"{self.model_type}: the linear-attention layers' state sizes differ "
+                           f"({', '.join(str(dict(zip(keys, s))) for s in sorted(sizes))}); one state layout per "
+                           "model is supported")
+        return dict(zip(keys, sizes.pop()))
+
     def summary(self) -> dict:
-        return {
+        summary = {
             "model_type": self.model_type,
             "hidden_size": self.hidden_size,
             "num_layers": len(self.layers),
@@ -122,6 +192,10 @@ class DecoderParts:
             "vocab_size": self.vocab_size,
             "tied_embeddings": self.lm_head is None,
         }
+        if self.linear_layers:
+            summary["layer_types"] = ["full_attention" if layer.linear is None else "linear_attention"
+                                      for layer in self.layers]
+        return summary
 
 
 @dataclass(frozen=True)
@@ -129,7 +203,10 @@ class ArchTraits:
     norm_offset: float = 0.0  # Gemma norms scale by (1 + w)
     fused_qkv: bool = False  # Phi-3: one qkv_proj, one gate_up_proj
     mla: bool = False  # DeepSeek-V3: multi-head latent attention (MlaWeights)
-    # MoE layers (mlp.experts, mlp.gate, mlp.shared_experts) are read wherever a layer has them
+    # Qwen3-Next / Qwen3.5: q_proj holds per head [q | gate]; the output is gated (LayerWeights.out_gate_w)
+    gated_attention: bool = False
+    # MoE layers (mlp.experts, mlp.gate, mlp.shared_experts) are read wherever a layer has them;
+    # linear-attention layers (layer.linear_attn: Gated DeltaNet) wherever a layer has one
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
@@ -143,6 +220,11 @@ ARCHITECTURES: dict[str, ArchTraits] = {
     "phi3": ArchTraits(fused_qkv=True),
     "glm4_moe": ArchTraits(),  # GQA, partial rotary, MoE after first_k_dense_replace layers
     "deepseek_v3": ArchTraits(mla=True),
+    # hybrid: Gated DeltaNet linear-attention layers and gated full-attention layers, (1 + w) norms,
+    # partial rotary; softmax-routed MoE with a gated shared expert (qwen3_next, qwen3_5_moe_text)
+    "qwen3_next": ArchTraits(norm_offset=1.0, gated_attention=True),
+    "qwen3_5_text": ArchTraits(norm_offset=1.0, gated_attention=True),
+    "qwen3_5_moe_text": ArchTraits(norm_offset=1.0, gated_attention=True),
 }
 
 _ACTIVATIONS = {
@@ -207,11 +289,26 @@ def moe_weights(config, router_w: torch.Tensor, score_bias: torch.Tensor, gate_w
                       scaling=float(config.routed_scaling_factor))
 
 
+def softmax_moe_weights(top_k: int, norm_topk_prob: bool, router_w: torch.Tensor, gate_w: torch.Tensor,
+                        up_w: torch.Tensor, down_w: torch.Tensor,
+                        shared_gate_w: torch.Tensor | None = None) -> MoeWeights:
+    """Qwen3-Next / Qwen3.5-MoE routed experts: a softmax over every expert, top-k, renormalised
+    when ``norm_topk_prob``; no score bias (zeros), no groups, no scaling."""
+    return MoeWeights(router_w=router_w, score_bias=torch.zeros(router_w.shape[0]), gate_w=gate_w, up_w=up_w,
+                      down_w=down_w, top_k=int(top_k), n_group=1, topk_group=1, norm_topk_prob=bool(norm_topk_prob),
+                      scaling=1.0, scoring="softmax", shared_gate_w=shared_gate_w)
+
+
 def _read_moe(config, mlp) -> MoeWeights:
     """transformers 5 stacks the experts: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
     gate_w, up_w = mlp.experts.gate_up_proj.detach().float().chunk(2, dim=1)  # [E, I, H] ×2
+    down_w = _t(mlp.experts.down_proj)
+    if hasattr(mlp, "shared_expert_gate"):  # Qwen3-Next / Qwen3.5-MoE: softmax router, gated shared expert
+        # Qwen3-Next's router renormalises when norm_topk_prob; Qwen3.5-MoE's always does
+        return softmax_moe_weights(mlp.gate.top_k, getattr(mlp.gate, "norm_topk_prob", True), _t(mlp.gate.weight),
+                                   gate_w.clone(), up_w.clone(), down_w, _t(mlp.shared_expert_gate.weight))
     return moe_weights(config, _t(mlp.gate.weight), _t(mlp.gate.e_score_correction_bias), gate_w.clone(),
-                       up_w.clone(), _t(mlp.experts.down_proj))
+                       up_w.clone(), down_w)
 
 
 def _deinterleave(rope: int) -> torch.Tensor:
@@ -274,8 +371,64 @@ def _read_mla(config, attn, origin: str) -> tuple[MlaWeights, torch.Tensor]:
                        float(attn.kv_a_layernorm.variance_epsilon), origin)
 
 
+def _read_linear(config, lin, origin: str) -> dict:
+    """A Gated DeltaNet layer (``layer.linear_attn``), as LayerWeights fields: ``linear``, ``o_w``."""
+    hk, hv, dk, dv = lin.num_k_heads, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim
+    hidden = config.hidden_size
+    if hv % hk:
+        raise BadInput(f"{origin}: linear_num_value_heads ({hv}) must be a multiple of linear_num_key_heads ({hk})")
+    if _ACTIVATIONS.get(lin.activation) != "silu":
+        raise BadInput(f"{origin}: a linear-attention conv activation '{lin.activation}' is not supported (silu)")
+    if hasattr(lin, "in_proj_qkvz"):  # Qwen3-Next: per k-head group [q | k | v | z] and [b | a]
+        r = hv // hk
+        qkvz = lin.in_proj_qkvz.weight.detach().float().reshape(hk, 2 * dk + 2 * r * dv, hidden)
+        q, k, v, z = torch.split(qkvz, (dk, dk, r * dv, r * dv), dim=1)
+        ba = lin.in_proj_ba.weight.detach().float().reshape(hk, 2 * r, hidden)
+        b, a = torch.split(ba, (r, r), dim=1)
+        qkv_w = torch.cat((q.reshape(hk * dk, hidden), k.reshape(hk * dk, hidden), v.reshape(hv * dv, hidden)))
+        z_w, b_w, a_w = z.reshape(hv * dv, hidden), b.reshape(hv, hidden), a.reshape(hv, hidden)
+    else:  # Qwen3.5: in_proj_qkv already in mixed_qkv's order, z, b and a apart
+        qkv_w, z_w = _t(lin.in_proj_qkv.weight), _t(lin.in_proj_z.weight)
+        b_w, a_w = _t(lin.in_proj_b.weight), _t(lin.in_proj_a.weight)
+    if any(getattr(getattr(lin, name), "bias", None) is not None
+           for name in ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+           if hasattr(lin, name)):
+        raise BadInput(f"{origin}: biases on a linear-attention layer's projections are not supported")
+    conv = lin.conv1d
+    linear = LinearAttnWeights(
+        qkv_w=qkv_w.contiguous().clone(), z_w=z_w.contiguous().clone(), b_w=b_w.contiguous().clone(),
+        a_w=a_w.contiguous().clone(), conv_w=conv.weight.detach().float().reshape(conv.weight.shape[0], -1).clone(),
+        conv_b=_t(conv.bias), dt_bias=_t(lin.dt_bias), a_log=_t(lin.A_log), norm_w=_t(lin.norm.weight),  # plain w
+        k_heads=hk, v_heads=hv, k_dim=dk, v_dim=dv, conv_kernel=int(lin.conv_kernel_size),
+        activation="silu", norm_eps=float(lin.norm.variance_epsilon),
+    )
+    if tuple(linear.conv_w.shape) != (linear.conv_channels, linear.conv_kernel):
+        raise BadInput(f"{origin}: linear-attention conv1d weight {tuple(conv.weight.shape)} is not depthwise over "
+                       f"{linear.conv_channels} channels")
+    return dict(linear=linear, o_w=_t(lin.out_proj.weight))
+
+
+def _read_gated_attention(attn, heads: int, head_dim: int, origin: str) -> dict:
+    """Qwen3-Next / Qwen3.5 gated attention: q_proj's rows are per head [q | gate]."""
+    if attn.q_proj.bias is not None:
+        raise BadInput(f"{origin}: gated attention with attention_bias is not supported")
+    qg = attn.q_proj.weight.detach().float()
+    hidden = qg.shape[1]
+    if qg.shape[0] != heads * 2 * head_dim:
+        raise BadInput(f"{origin}: q_proj has {qg.shape[0]} rows; gated attention wants heads·2·head_dim "
+                       f"({heads * 2 * head_dim})")
+    per_head = qg.reshape(heads, 2 * head_dim, hidden)
+    return dict(q_w=per_head[:, :head_dim].reshape(heads * head_dim, hidden).clone(),
+                out_gate_w=per_head[:, head_dim:].reshape(heads * head_dim, hidden).clone(),
+                k_w=_t(attn.k_proj.weight), v_w=_t(attn.v_proj.weight),
+                k_b=_t(attn.k_proj.bias), v_b=_t(attn.v_proj.bias),
+                o_w=_t(attn.o_proj.weight), o_b=_t(attn.o_proj.bias))
+
+
 def _read_attention(traits: ArchTraits, config, attn, q_size: int, kv_size: int, origin: str) -> dict:
     """A layer's attention projections, as LayerWeights fields."""
+    if traits.gated_attention:
+        return _read_gated_attention(attn, config.num_attention_heads, q_size // config.num_attention_heads, origin)
     if traits.mla:
         mla, o_w = _read_mla(config, attn, origin)
         return dict(mla=mla, o_w=o_w, o_b=_t(attn.o_proj.bias))
@@ -292,7 +445,8 @@ def _read_mlp(traits: ArchTraits, config, mlp) -> dict:
     """A layer's MLP, as LayerWeights fields: the dense MLP, or an MoE layer's routed experts and
     its shared experts as the dense part."""
     moe = _read_moe(config, mlp) if hasattr(mlp, "experts") else None
-    dense = mlp.shared_experts if moe is not None else mlp
+    # the shared experts: DeepSeek / GLM's shared_experts, Qwen's (gated) shared_expert
+    dense = (mlp.shared_experts if hasattr(mlp, "shared_experts") else mlp.shared_expert) if moe is not None else mlp
     if traits.fused_qkv:  # Phi-3: one gate_up_proj
         gate_w, up_w = dense.gate_up_proj.weight.chunk(2, dim=0)
     else:
@@ -318,14 +472,18 @@ def read_decoder(model, max_positions: int, origin: str) -> DecoderParts:
     rope_tables = _rope_tables(model, max_positions)
     layers: list[LayerWeights] = []
     for i, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
+        attn = getattr(layer, "self_attn", None)
         sandwich = hasattr(layer, "pre_feedforward_layernorm")
+        if attn is None:  # a linear-attention layer (Gated DeltaNet)
+            mixer = _read_linear(config, layer.linear_attn, origin)
+        else:
+            mixer = _read_attention(traits, config, attn, heads * head_dim, kv_heads * head_dim, origin)
         layers.append(
             LayerWeights(
                 attn_norm=_norm(layer.input_layernorm, off),
-                **_read_attention(traits, config, attn, heads * head_dim, kv_heads * head_dim, origin),
-                q_norm=_norm(attn.q_norm, off) if hasattr(attn, "q_norm") else None,
-                k_norm=_norm(attn.k_norm, off) if hasattr(attn, "k_norm") else None,
+                **mixer,
+                q_norm=_norm(attn.q_norm, off) if attn is not None and hasattr(attn, "q_norm") else None,
+                k_norm=_norm(attn.k_norm, off) if attn is not None and hasattr(attn, "k_norm") else None,
                 attn_out_norm=_norm(layer.post_attention_layernorm, off) if sandwich else None,
                 mlp_norm=_norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm, off),
                 mlp_out_norm=_norm(layer.post_feedforward_layernorm, off) if sandwich else None,
@@ -339,6 +497,8 @@ def read_decoder(model, max_positions: int, origin: str) -> DecoderParts:
     embed_scale = float(getattr(embed_module, "scalar_embed_scale", 1.0))
     lm_head = model.lm_head.weight
     tied = lm_head.data_ptr() == embed_module.weight.data_ptr()
+    # every attention layer shares one scaling; a hybrid model's first layer may be linear
+    first_attn = next((layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn")), None)
     return DecoderParts(
         model_type=config.model_type,
         hidden_size=config.hidden_size,
@@ -349,7 +509,7 @@ def read_decoder(model, max_positions: int, origin: str) -> DecoderParts:
         rms_norm_eps=float(config.rms_norm_eps),
         activation=_ACTIVATIONS[act_name],
         embed_scale=embed_scale,
-        attn_scale=float(model.model.layers[0].self_attn.scaling),
+        attn_scale=float(first_attn.scaling) if first_attn is not None else head_dim**-0.5,
         attn_softcap=getattr(config, "attn_logit_softcapping", None),
         final_softcap=getattr(config, "final_logit_softcapping", None),
         embed=_t(embed_module.weight),

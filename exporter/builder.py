@@ -28,6 +28,7 @@ from specexport.contract import (
     Manifest,
     ModelEntry,
     Role,
+    StateLayout,
     engine_name,
     sha256_of,
     write_manifest,
@@ -216,10 +217,12 @@ class Builder:
         """``taps``: hidden states every graph also outputs (aux_hidden_states) for the heads."""
         shapes = self.recipe.shapes
         parts = read_decoder(loaded.model, shapes.max_seq_len, loaded.origin)
-        refusal = attention_refusal(parts, self.recipe.attention)
+        refusal = attention_refusal(parts, self.recipe.attention) or self._state_refusal(parts)
         if refusal is not None:
             raise BadInput(f"recipe: model '{name}': {refusal}")
         decoder = StaticDecoder(parts, shapes.max_seq_len, self.recipe.attention, taps=taps).eval()
+        dims = parts.state_dims()  # linear-attention layers: a recurrent state beside the KV cache
+        state = None if dims is None else StateLayout(len(parts.linear_layers), **dims)
         stores = {name: WeightStore(tmp / f"{name}.weights")}
         if int4 is not None:
             stores[int4[0]] = WeightStore(tmp / f"{int4[0]}.weights")
@@ -227,7 +230,8 @@ class Builder:
         # so that onnxruntime holds (and pre-packs) the weights once per model, not once per
         # size. The standard graph stays one static graph per size (TensorRT's need).
         # With batch sizes above 1 its batch is symbolic too: every batch size shares the weights.
-        shared = self.recipe.attention == "ort-gqa"
+        # A linear-attention model's graphs unroll their recurrence over T: one static graph per size.
+        shared = self.recipe.attention == "ort-gqa" and state is None
         batched = shapes.batches != [1]
         try:
             exports = [(None, f"{name} (every size)")] if shared else list(graphs.names(1).items())
@@ -253,19 +257,33 @@ class Builder:
         finally:
             for store in stores.values():
                 store.close()
-        kv = KVLayout(len(parts.layers), parts.num_key_value_heads, parts.head_dim, shapes.max_seq_len, "float32")
+        kv = KVLayout(len(parts.attention_layers), parts.num_key_value_heads, parts.head_dim, shapes.max_seq_len,
+                      "float32")
         summary = parts.summary()
         if taps:
             summary["taps"] = list(taps)
         vocab = int(summary.pop("vocab_size"))
-        self.models[name] = ModelEntry(name, kind, kv, vocab, f"{name}.weights", self.recipe.attention, summary)
+        self.models[name] = ModelEntry(name, kind, kv, vocab, f"{name}.weights", self.recipe.attention, summary, state)
         if int4 is not None:
             q_name, q_spec, _ = int4
             untapped = {k: v for k, v in summary.items() if k != "taps"}  # its graphs dropped the taps
             quant = {"bits": q_spec.bits, "block_size": q_spec.block_size, "symmetric": q_spec.symmetric,
                      "accuracy_level": q_spec.accuracy_level, "quantized_head": q_spec.quantize_head}
             self.models[q_name] = ModelEntry(q_name, "quantized-self", kv, vocab, f"{q_name}.weights",
-                                             self.recipe.attention, {**untapped, **quant})
+                                             self.recipe.attention, {**untapped, **quant}, state)
+
+    def _state_refusal(self, parts) -> str | None:
+        """Why a model with linear-attention layers (a recurrent state) cannot be built with this
+        recipe; None when it can, or has none."""
+        if not parts.linear_layers:
+            return None
+        if self.recipe.shapes.batches != [1]:
+            return (f"its {len(parts.linear_layers)} linear-attention layers keep a recurrent state, which the "
+                    "batched graphs do not carry yet: use shapes.batch: [1]")
+        if "tensorrt" in self.recipe.backends:
+            return ("its linear-attention layers keep a recurrent state, which the TensorRT path (device-resident "
+                    "caches) does not carry yet: use backends: [onnxruntime]")
+        return None
 
     def _save(self, tmp: Path, model: str, tokens: int | None, kind: str, proto: onnx.ModelProto,
               store: WeightStore, graphs: GraphSet) -> None:
@@ -313,6 +331,7 @@ class Builder:
                 self.graph_files[model], self.specs, info.num_layers, info.num_kv_heads,
                 info.head_dim, shapes.max_seq_len, ids, ref, self.threads,
                 in_place=self.recipe.attention == "ort-gqa", keep=kept, ref_aux=ref_aux, taps=taps,
+                state=self.models[model].state,
             )
             self.timing[model] = kept[0]
             worst = max(r["max_abs_logit_diff"] for r in results.values())

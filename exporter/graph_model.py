@@ -7,10 +7,20 @@ changes. Conventions (design.md, "Graphs"):
            cache_length                  int64 [B]      tokens already in the cache
            valid_tokens                  int64 [B]      ort-gqa only: real tokens of each row
            past_key_values.{i}.key|value float [B, n_kv, S_max, head_dim]
+           past_state.{j}.conv           float [B, C, K-1]          linear-attention layers only
+           past_state.{j}.recurrent      float [B, Hv, dk, dv]
   outputs  logits                        float [B, T, V]
            next_tokens                   int64 [B, T]   argmax of logits (greedy needs no logits)
            present.{i}.key|value         float [B, n_kv, T, head_dim]  K/V of the T new tokens
+           present_state.{j}.conv        float [B, T, C, K-1]       the state after each position
+           present_state.{j}.recurrent   float [B, T, Hv, dk, dv]
            aux_hidden_states             float [B, T, n_taps·hidden]  only with taps (drafter heads)
+
+i counts the attention layers, j the linear-attention (Gated DeltaNet) layers of a hybrid model
+(Qwen3-Next, Qwen3.5), each in model order; a model without linear-attention layers has no
+state inputs or outputs. A linear-attention layer reads its state before the T tokens and
+returns the state after each of them (``GatedDeltaNet``), so the runtime keeps the one at the
+last accepted token; its rows past a short chunk's last real token are never read.
 
 The mask is built in the graph from cache_length: past slot j is visible when j < cache_length
 (and inside the sliding window); new token t sees new tokens t' <= t. Slots past the cache
@@ -34,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specexport.exporter.archs import DecoderParts, LayerWeights, MlaWeights, MoeWeights
+from specexport.exporter.archs import DecoderParts, LayerWeights, LinearAttnWeights, MlaWeights, MoeWeights
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -70,7 +80,8 @@ def _activate(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 class MoeMlp(nn.Module):
-    """DeepSeek-V3 / GLM-4.5 routed experts (archs.MoeWeights), static shapes, exact: router
+    """Routed experts (archs.MoeWeights: DeepSeek-V3 / GLM-4.5's sigmoid router, Qwen3-Next /
+    Qwen3.5-MoE's softmax router), static shapes, exact: router
     scores -> group-limited top-k -> a dense [.., experts] weight, zero off each token's top-k,
     applied to every expert's output. The experts are two plain MatMuls over the stacked weights
     ([hidden, E·2I] and [E·I, hidden]): clean ONNX, int4-quantizable, and right for tiny and
@@ -86,8 +97,13 @@ class MoeMlp(nn.Module):
         self.experts, self.inter, self.activation = experts, inter, activation
         self.top_k, self.n_group, self.topk_group = w.top_k, w.n_group, w.topk_group
         self.norm_topk_prob, self.scaling = w.norm_topk_prob, w.scaling
+        if w.scoring not in ("sigmoid", "softmax"):
+            raise ValueError(f"MoE scoring must be sigmoid or softmax, not {w.scoring!r}")
+        self.scoring = w.scoring
         self.router_w = _param(w.router_w.T)  # [hidden, E]
-        self.score_bias = _param(w.score_bias)  # [E]
+        # a softmax router has no score bias (archs.softmax_moe_weights: zeros)
+        self.score_bias = _param(w.score_bias) if w.scoring == "sigmoid" else None  # [E]
+        self.shared_gate = _param(None if w.shared_gate_w is None else w.shared_gate_w.T)  # [hidden, 1]
         gate_up = torch.cat((w.gate_w, w.up_w), dim=1)  # [E, 2I, hidden]: per expert gate rows, then up
         self.gate_up_w = _param(gate_up.reshape(experts * 2 * inter, hidden).T)  # [hidden, E·2I]
         self.down_w = _param(w.down_w.transpose(1, 2).reshape(experts * inter, hidden))  # [E·I, hidden]
@@ -95,6 +111,15 @@ class MoeMlp(nn.Module):
     def routing(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden] -> each expert's weight [B, T, E], zero off the token's top-k."""
         batch, tokens, _ = x.shape
+        if self.scoring == "softmax":  # Qwen3-Next / Qwen3.5-MoE: over every expert, no bias, no groups
+            scores = torch.softmax(x @ self.router_w, dim=-1)  # [B, T, E]
+            chosen = scores.topk(self.top_k, dim=-1).indices  # [B, T, k]
+            weights = scores.gather(-1, chosen)  # [B, T, k]
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            if self.scaling != 1.0:
+                weights = weights * self.scaling
+            return torch.zeros_like(scores).scatter(-1, chosen, weights)  # [B, T, E]
         scores = torch.sigmoid(x @ self.router_w)  # [B, T, E]
         choice = scores + self.score_bias  # the bias steers the choice, not the weights
         if self.topk_group < self.n_group:  # keep the experts of the best topk_group groups
@@ -111,6 +136,14 @@ class MoeMlp(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * self.scaling
         return torch.zeros_like(scores).scatter(-1, chosen, weights)  # [B, T, E]
+
+    def gate_shared(self, x: torch.Tensor, shared_out: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output [B, T, hidden] as the layer adds it: times
+        sigmoid(x @ shared_gate) with a shared-expert gate (Qwen3-Next / Qwen3.5-MoE), else as is.
+        x: the normed MLP input [B, T, hidden]."""
+        if self.shared_gate is None:
+            return shared_out
+        return shared_out * torch.sigmoid(x @ self.shared_gate)  # gate [B, T, 1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden] (the normed MLP input) -> the routed experts' sum [B, T, hidden]."""
@@ -157,6 +190,87 @@ class MlaProjection(nn.Module):
         return q, k, v
 
 
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    # transformers' (and FLA's) l2norm of the gated delta rule's q and k
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """A linear-attention layer (archs.LinearAttnWeights: Qwen3-Next / Qwen3.5's Gated DeltaNet)
+    over T tokens, from the state before them, returning the state after each of them.
+
+    Exactly transformers' math (causal_conv1d_update + torch_recurrent_gated_delta_rule), in
+    plain ONNX ops for onnxruntime and TensorRT alike: the four input projections are one MatMul;
+    the depthwise causal conv is K shifted multiply-adds over cat(past window, new inputs) (no
+    padding), then silu; the recurrence is unrolled over the static T (no Loop/Scan), each step
+    a decay, one [1, dk]x[dk, dv] MatMul (what the state predicts for v), the delta and its
+    outer product with k; every position's read-out q_t·S_t is one batched MatMul over the
+    stacked states afterwards. The per-position states let the runtime keep the state at the
+    last accepted token (a rejected draft is undone by selecting, not recomputing)."""
+
+    def __init__(self, w: LinearAttnWeights, out_w: torch.Tensor):
+        super().__init__()
+        self.k_heads, self.v_heads, self.k_dim, self.v_dim = w.k_heads, w.v_heads, w.k_dim, w.v_dim
+        self.kernel, self.channels, self.eps = w.conv_kernel, w.conv_channels, w.norm_eps
+        key, value = w.k_heads * w.k_dim, w.v_heads * w.v_dim
+        self.in_sizes = (self.channels, value, w.v_heads, w.v_heads)  # mixed qkv, z, b, a
+        self.qkv_sizes = (key, key, value)
+        self.in_w = _param(torch.cat((w.qkv_w, w.z_w, w.b_w, w.a_w), dim=0).T)  # [hidden, C + Hv·dv + 2·Hv]
+        self.conv_w = _param(w.conv_w.T.unsqueeze(-1))  # [K, C, 1]: tap j over every channel
+        self.conv_b = _param(None if w.conv_b is None else w.conv_b.unsqueeze(-1))  # [C, 1]
+        self.dt_bias = _param(w.dt_bias)  # [Hv]
+        self.neg_a = _param(-w.a_log.float().exp())  # [Hv]: g = -exp(A_log)·softplus(a + dt_bias)
+        self.norm_w = _param(w.norm_w)  # [dv], as is (the gated norm has no (1 + w) offset)
+        self.out_w = _param(out_w.T)  # [Hv·dv, hidden]
+
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent: torch.Tensor):
+        """x: the normed layer input [B, T, hidden]; conv_state [B, C, K-1] (the last K-1 conv
+        inputs before these tokens); recurrent [B, Hv, dk, dv]. Returns the layer output
+        [B, T, hidden], the conv states [B, T, C, K-1] and the recurrent states [B, T, Hv, dk, dv]
+        after each of the T positions."""
+        batch, tokens, _ = x.shape
+        hk, hv, dk, dv, kernel = self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.kernel
+        mixed, z, b, a = torch.split(x @ self.in_w, self.in_sizes, dim=-1)  # [B, T, C], [B, T, Hv·dv], [B, T, Hv] ×2
+
+        # causal depthwise conv: output t reads window[t .. t+K-1] (window slot t+K-1 is token t)
+        window = torch.cat((conv_state, mixed.transpose(1, 2)), dim=2)  # [B, C, K-1+T]
+        conv = window[:, :, 0:tokens] * self.conv_w[0]
+        for j in range(1, kernel):
+            conv = conv + window[:, :, j : j + tokens] * self.conv_w[j]  # [B, C, T]
+        if self.conv_b is not None:
+            conv = conv + self.conv_b
+        conv = nn.functional.silu(conv).transpose(1, 2)  # [B, T, C]
+        # the conv state after position t: the last K-1 inputs up to and including it
+        slots = (torch.arange(tokens).view(tokens, 1) + torch.arange(1, kernel).view(1, kernel - 1))  # [T, K-1]
+        conv_states = window.index_select(2, slots.reshape(-1)).view(batch, self.channels, tokens, kernel - 1)
+        conv_states = conv_states.permute(0, 2, 1, 3)  # [B, T, C, K-1]: one Gather, one Transpose
+
+        q, k, v = torch.split(conv, self.qkv_sizes, dim=-1)
+        q = _l2norm(q.reshape(batch, tokens, hk, dk)) / (dk**0.5)  # [B, T, Hk, dk]
+        k = _l2norm(k.reshape(batch, tokens, hk, dk))
+        v = v.reshape(batch, tokens, hv, dv)  # [B, T, Hv, dv]
+        if hv != hk:  # each q/k head serves Hv/Hk consecutive v heads
+            q = q.unsqueeze(3).expand(batch, tokens, hk, hv // hk, dk).reshape(batch, tokens, hv, dk)
+            k = k.unsqueeze(3).expand(batch, tokens, hk, hv // hk, dk).reshape(batch, tokens, hv, dk)
+        beta = torch.sigmoid(b)  # [B, T, Hv]
+        decay = torch.exp(self.neg_a * nn.functional.softplus(a + self.dt_bias))  # [B, T, Hv]
+
+        state = recurrent  # [B, Hv, dk, dv]
+        states = []
+        for t in range(tokens):
+            k_t = k[:, t]  # [B, Hv, dk]
+            state = state * decay[:, t].view(batch, hv, 1, 1)
+            predicted = (k_t.unsqueeze(2) @ state).squeeze(2)  # [B, Hv, dv]: what the state holds for k_t
+            delta = (v[:, t] - predicted) * beta[:, t].unsqueeze(-1)  # [B, Hv, dv]
+            state = state + k_t.unsqueeze(-1) * delta.unsqueeze(2)  # [B, Hv, dk, dv]
+            states.append(state)
+        recurrent_states = torch.stack(states, dim=1)  # [B, T, Hv, dk, dv]
+        out = (q.unsqueeze(3) @ recurrent_states).squeeze(3)  # [B, T, Hv, dv]
+
+        out = _rms_norm(out, self.norm_w, self.eps) * nn.functional.silu(z.view(batch, tokens, hv, dv))
+        return out.reshape(batch, tokens, hv * dv) @ self.out_w, conv_states, recurrent_states
+
+
 class _Layer(nn.Module):
     def __init__(self, w: LayerWeights, activation: str, fused_mlp: bool = True):
         super().__init__()
@@ -165,12 +279,22 @@ class _Layer(nn.Module):
         self.attn_norm = _param(w.attn_norm)
         self.mla = None if w.mla is None else MlaProjection(w.mla)
         self.moe = None if w.moe is None else MoeMlp(w.moe, activation)  # beside the dense (shared) MLP
-        if w.mla is None:
-            # Q, K and V in one MatMul (and gate with up below): fewer, larger kernels.
-            self.qkv_w = _param(torch.cat((w.q_w, w.k_w, w.v_w), dim=0).T)  # [hidden, (H+2·n_kv)·hd]
+        # a linear-attention layer (its own projections, out_proj included) instead of attention
+        self.linear = None if w.linear is None else GatedDeltaNet(w.linear, w.o_w)
+        self.gated = w.out_gate_w is not None  # the attention output times sigmoid(x @ out_gate)
+        if w.mla is None and w.linear is None:
+            # Q, K and V in one MatMul (and gate with up below): fewer, larger kernels. A gated
+            # attention's output gate rides in the same MatMul, after V.
+            gate_rows = (w.out_gate_w,) if self.gated else ()
+            self.qkv_w = _param(torch.cat((w.q_w, w.k_w, w.v_w, *gate_rows), dim=0).T)  # [hidden, (H+2·n_kv[+H])·hd]
+            if w.q_b is not None and self.gated:
+                raise ValueError("a gated attention layer with q/k/v biases is not supported")
             self.qkv_b = _param(torch.cat((w.q_b, w.k_b, w.v_b)) if w.q_b is not None else None)
-            self.qkv_sizes = (w.q_w.shape[0], w.k_w.shape[0], w.v_w.shape[0])
-        self.o_w, self.o_b = _param(w.o_w.T), _param(w.o_b)
+            self.qkv_sizes = (w.q_w.shape[0], w.k_w.shape[0], w.v_w.shape[0], *(g.shape[0] for g in gate_rows))
+        if w.linear is None:
+            self.o_w, self.o_b = _param(w.o_w.T), _param(w.o_b)
+        else:
+            self.o_w, self.o_b = None, None
         self.q_norm, self.k_norm = _param(w.q_norm), _param(w.k_norm)
         self.attn_out_norm = _param(w.attn_out_norm)
         self.mlp_norm = _param(w.mlp_norm)
@@ -228,7 +352,16 @@ class StaticDecoder(nn.Module):
     def __init__(self, parts: DecoderParts, max_seq_len: int, attention: str = "standard",
                  fusions: OrtFusions | None = None, taps: tuple[int, ...] = ()):
         """``taps``: hidden states to output as aux_hidden_states, in transformers'
-        output_hidden_states indices (i < L: the stream entering layer i; L: after the final norm)."""
+        output_hidden_states indices (i < L: the stream entering layer i; L: after the final norm;
+        L counts every layer, linear-attention ones included).
+
+        A model with linear-attention layers (Qwen3-Next, Qwen3.5) takes, after the KV cache of
+        its attention layers, each linear layer's state (past_state.{j}.conv [B, C, K-1],
+        past_state.{j}.recurrent [B, Hv, dk, dv]) and returns, after the KV presents, the state
+        after each of the T positions (present_state.{j}.conv [B, T, C, K-1], .recurrent
+        [B, T, Hv, dk, dv]). ``kv_layers`` / ``state_layers`` count the two kinds;
+        ``num_layers`` is ``kv_layers`` (the layers with a KV cache: every layer of a model
+        without linear-attention layers, as before)."""
         super().__init__()
         if any(not 0 <= i <= len(parts.layers) for i in taps):
             raise ValueError(f"taps {list(taps)} must lie in 0..{len(parts.layers)} (the model's layer count)")
@@ -263,6 +396,10 @@ class StaticDecoder(nn.Module):
             setattr(self, HEAD_WEIGHT, _param(head.T))  # [hidden, V]
         self.layers = nn.ModuleList(_Layer(w, parts.activation, fused_mlp=not self.fusions.split_mlp)
                                     for w in parts.layers)
+        self.kv_layers = len(parts.attention_layers)  # layers with a KV cache (past_key_values.{i})
+        self.state_layers = len(parts.linear_layers)  # linear-attention layers (past_state.{j})
+        # conv_channels, conv_kernel, heads, key_dim, value_dim; None without linear-attention layers
+        self.state_dims = parts.state_dims()
         self.rope_tables = sorted(parts.rope_tables)
         rot = next(iter(parts.rope_tables.values()))[0].shape[-1]
         self.register_buffer("rope_rotate", _rotate_half_matrix(rot), persistent=False)
@@ -276,12 +413,17 @@ class StaticDecoder(nn.Module):
 
     @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        """The layers with a KV cache (``kv_layers``): every layer, unless the model has
+        linear-attention layers (``state_layers``), which keep a recurrent state instead."""
+        return self.kv_layers
 
     def forward(self, input_ids: torch.Tensor, cache_length: torch.Tensor, *inputs: torch.Tensor):
         # input_ids [B, T]; cache_length [B]; inputs: valid_tokens [B] (ort-gqa), then the past:
-        # 2·L tensors [B, n_kv, S_max, head_dim]
+        # 2·kv_layers tensors [B, n_kv, S_max, head_dim], then 2·state_layers: conv [B, C, K-1]
+        # and recurrent [B, Hv, dk, dv] per linear-attention layer
         valid_tokens, past = (inputs[0], inputs[1:]) if self.takes_valid_tokens else (None, inputs)
+        if self.state_layers:
+            past, past_state = past[: 2 * self.kv_layers], past[2 * self.kv_layers :]
         batch, tokens = input_ids.shape
         s_max = self.max_seq_len
         offsets = torch.arange(tokens, dtype=torch.int64)  # [T]
@@ -314,7 +456,7 @@ class StaticDecoder(nn.Module):
 
         # One additive mask per distinct window, shared by the layers: 0 visible, -inf hidden.
         masks: dict[int | None, torch.Tensor] = {}
-        for window in {layer.sliding_window for layer in self.layers}:
+        for window in {layer.sliding_window for layer in self.layers if layer.linear is None}:
             mask_past, mask_new = past_visible, new_visible
             if window is not None:
                 mask_past = mask_past & (positions.unsqueeze(2) - past_slots.view(1, 1, s_max) < window)
@@ -331,19 +473,26 @@ class StaticDecoder(nn.Module):
                            valid_tokens.to(torch.int32))
 
         presents: list[torch.Tensor] = []
+        state_presents: list[torch.Tensor] = []  # per linear-attention layer: conv, recurrent
         tapped: dict[int, torch.Tensor] = {}  # hidden_states index -> [B, T, hidden]
         x = _rms_norm(hidden, self.layers[0].attn_norm, self.eps)  # the first layer's attention input
         for i, layer in enumerate(self.layers):
             if i in self.taps:
                 tapped[i] = hidden  # the residual stream entering layer i
-            cos, sin = rope[layer.rope_table]  # [B, T, 1, rot]
-            past_k, past_v = past[2 * i], past[2 * i + 1]  # [B, n_kv, S_max, hd]
-            if self.attention == "ort-gqa":
-                attn_out, k_new, v_new = self._attention_gqa(layer, x, cos, sin, past_k, past_v, gqa_lengths)
+            if layer.linear is not None:  # Gated DeltaNet: the state in, the state after each position out
+                j = len(state_presents)
+                attn_out, conv_states, recurrent_states = layer.linear(x, past_state[j], past_state[j + 1])
+                state_presents += [conv_states, recurrent_states]
             else:
-                attn_out, k_new, v_new = self._attention(layer, x, cos, sin, past_k, past_v,
-                                                         masks[layer.sliding_window])
-            presents += [k_new, v_new]
+                cos, sin = rope[layer.rope_table]  # [B, T, 1, rot]
+                a = len(presents)
+                past_k, past_v = past[a], past[a + 1]  # [B, n_kv, S_max, hd]
+                if self.attention == "ort-gqa":
+                    attn_out, k_new, v_new = self._attention_gqa(layer, x, cos, sin, past_k, past_v, gqa_lengths)
+                else:
+                    attn_out, k_new, v_new = self._attention(layer, x, cos, sin, past_k, past_v,
+                                                             masks[layer.sliding_window])
+                presents += [k_new, v_new]
             if layer.attn_out_norm is not None:
                 attn_out = _rms_norm(attn_out, layer.attn_out_norm, self.eps)
             x, hidden = self._add_norm(hidden, attn_out, layer.mlp_norm)
@@ -367,8 +516,8 @@ class StaticDecoder(nn.Module):
         next_tokens = logits.argmax(dim=-1)  # [B, T]
         if self.taps:
             aux = torch.cat([tapped[i] for i in self.taps], dim=-1)  # [B, T, n_taps·hidden]
-            return (logits, next_tokens, *presents, aux)
-        return (logits, next_tokens, *presents)
+            return (logits, next_tokens, *presents, *state_presents, aux)
+        return (logits, next_tokens, *presents, *state_presents)
 
     def _add_norm(self, hidden, delta, weight):
         """(RMSNorm(hidden + delta) · weight, hidden + delta): the residual stream and the next
@@ -390,7 +539,7 @@ class StaticDecoder(nn.Module):
         """x: the normed layer input [B, T, hidden]."""
         batch, tokens, _ = x.shape
         hd, n_kv, g = self.head_dim, self.n_kv, self.group
-        q, k, v = self._project(layer, x)  # [B, T, H, hd], [B, T, n_kv, hd] ×2
+        q, k, v, gate = self._project(layer, x)  # [B, T, H, hd], [B, T, n_kv, hd] ×2, [B, T, H·hd] | None
         if layer.q_norm is not None:
             q = _rms_norm(q, layer.q_norm, self.eps)
             k = _rms_norm(k, layer.k_norm, self.eps)
@@ -412,23 +561,26 @@ class StaticDecoder(nn.Module):
         s_max = past_k.shape[2]
         out = probs[..., :s_max] @ past_v + probs[..., s_max:] @ v_new  # [B, n_kv, G·T, hd]
         out = out.view(batch, n_kv, g, tokens, hd).permute(0, 3, 1, 2, 4).reshape(batch, tokens, -1)
+        if gate is not None:  # gated attention (Qwen3-Next, Qwen3.5)
+            out = out * torch.sigmoid(gate)  # [B, T, H·hd]
         out = out @ layer.o_w  # [B, T, hidden]
         if layer.o_b is not None:
             out = out + layer.o_b
         return out, k_new, v_new
 
     def _project(self, layer: _Layer, x):
-        """The normed input [B, T, hidden] -> q [B, T, H, hd], k and v [B, T, n_kv, hd], before RoPE."""
+        """The normed input [B, T, hidden] -> q [B, T, H, hd], k and v [B, T, n_kv, hd], before
+        RoPE, and a gated attention's output gate [B, T, H·hd] (None without)."""
         if layer.mla is not None:
-            return layer.mla(x)
+            return (*layer.mla(x), None)
         batch, tokens, _ = x.shape
-        qkv = x @ layer.qkv_w  # [B, T, (H+2·n_kv)·hd]
+        qkv = x @ layer.qkv_w  # [B, T, (H+2·n_kv)·hd] (+ H·hd gate columns)
         if layer.qkv_b is not None:
             qkv = qkv + layer.qkv_b
-        q, k, v = torch.split(qkv, layer.qkv_sizes, dim=-1)  # [B, T, H·hd], [B, T, n_kv·hd] ×2
+        q, k, v, *gate = torch.split(qkv, layer.qkv_sizes, dim=-1)  # [B, T, H·hd], [B, T, n_kv·hd] ×2
         hd = self.head_dim
         return (q.view(batch, tokens, self.n_heads, hd), k.view(batch, tokens, self.n_kv, hd),
-                v.view(batch, tokens, self.n_kv, hd))
+                v.view(batch, tokens, self.n_kv, hd), gate[0] if gate else None)
 
     def _attention_gqa(self, layer: _Layer, x, cos, sin, past_k, past_v, lengths):
         """One com.microsoft GroupQueryAttention node; present K/V are the updated caches.
@@ -436,14 +588,17 @@ class StaticDecoder(nn.Module):
         batch, tokens, _ = x.shape
         hd = self.head_dim
         full_rotary = cos.shape[-1] == hd
+        gate = None  # a gated attention's output gate [B, T, H·hd]
         if layer.mla is not None:  # per-head [B, T, H, qk] of its own (MLA rotates part of each head)
             q, k, v = (t.reshape(batch, tokens, -1) for t in layer.mla(x))
         else:
-            qkv = x @ layer.qkv_w  # [B, T, (H+2·n_kv)·hd]
+            qkv = x @ layer.qkv_w  # [B, T, (H+2·n_kv)·hd] (+ H·hd gate columns)
             if layer.qkv_b is not None:
                 qkv = qkv + layer.qkv_b
-            if self.fusions.packed_qkv and layer.q_norm is None and full_rotary:
+            if self.fusions.packed_qkv and layer.q_norm is None and full_rotary and not layer.gated:
                 q, k, v = qkv, None, None  # the op splits a packed QKV itself
+            elif layer.gated:
+                q, k, v, gate = torch.split(qkv, layer.qkv_sizes, dim=-1)
             else:
                 q, k, v = torch.split(qkv, layer.qkv_sizes, dim=-1)
         if layer.q_norm is not None or not full_rotary:
@@ -477,6 +632,8 @@ class StaticDecoder(nn.Module):
             shapes=((batch, tokens, self.n_heads * hd), past_k.shape, past_v.shape),
             version=1,
         )
+        if gate is not None:  # gated attention (Qwen3-Next, Qwen3.5)
+            out = out * torch.sigmoid(gate)  # [B, T, H·hd]
         out = out @ layer.o_w  # [B, T, hidden]
         if layer.o_b is not None:
             out = out + layer.o_b
@@ -489,5 +646,5 @@ class StaticDecoder(nn.Module):
             gate, up = x @ layer.gate_w, x @ layer.up_w
         out = (_activate(gate, self.activation) * up) @ layer.down_w  # [B, T, hidden]
         if layer.moe is not None:  # the dense part above is the MoE layer's shared experts
-            out = out + layer.moe(x)
+            out = layer.moe.gate_shared(x, out) + layer.moe(x)  # gated by Qwen's shared_expert_gate
         return out

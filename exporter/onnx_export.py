@@ -29,9 +29,13 @@ _EXTERNAL_MIN_BYTES = 1024
 _ALIGN = 4096
 
 
-def graph_io(num_layers: int, taps: tuple[int, ...] = (), valid_tokens: bool = False) -> tuple[list[str], list[str]]:
-    """Input and output names, in the order StaticDecoder.forward takes and returns them."""
-    return graph_inputs(num_layers, valid_tokens), graph_outputs(num_layers) + ([AUX_HIDDEN_STATES] if taps else [])
+def graph_io(num_layers: int, taps: tuple[int, ...] = (), valid_tokens: bool = False,
+             state_layers: int = 0) -> tuple[list[str], list[str]]:
+    """Input and output names, in the order StaticDecoder.forward takes and returns them.
+    ``num_layers``: the layers with a KV cache; ``state_layers``: the linear-attention layers
+    (a recurrent state: past_state.{j}.conv|recurrent in, present_state.{j}.* out)."""
+    return (graph_inputs(num_layers, valid_tokens, state_layers),
+            graph_outputs(num_layers, state_layers) + ([AUX_HIDDEN_STATES] if taps else []))
 
 
 def example_inputs(decoder: StaticDecoder, batch: int, tokens: int) -> tuple[torch.Tensor, ...]:
@@ -40,7 +44,12 @@ def example_inputs(decoder: StaticDecoder, batch: int, tokens: int) -> tuple[tor
     valid = (torch.full((batch,), tokens, dtype=torch.int64),) if decoder.takes_valid_tokens else ()  # [B]
     kv_shape = (batch, decoder.n_kv, decoder.max_seq_len, decoder.head_dim)
     past = [torch.zeros(kv_shape) for _ in range(2 * decoder.num_layers)]  # [B, n_kv, S_max, hd]
-    return (ids, cache_length, *valid, *past)
+    state: list[torch.Tensor] = []
+    dims = decoder.state_dims or {}  # linear-attention layers' state sizes (none without them)
+    for _ in range(decoder.state_layers):
+        state += [torch.zeros(batch, dims["conv_channels"], dims["conv_kernel"] - 1),  # [B, C, K-1]
+                  torch.zeros(batch, dims["heads"], dims["key_dim"], dims["value_dim"])]  # [B, Hv, dk, dv]
+    return (ids, cache_length, *valid, *past, *state)
 
 
 # The symbolic dimensions of a shared graph (one graph per model for every size).
@@ -52,8 +61,14 @@ MAX_BATCH = 256
 def export_graph(decoder: StaticDecoder, batch: int | None, tokens: int | None, opset: int) -> onnx.ModelProto:
     """torch.export-based ONNX export of a decoder graph; every dimension static, or with
     ``tokens=None`` the token count symbolic (``TOKENS_DIM``) and with ``batch=None`` the batch
-    too (``BATCH_DIM``): one graph serving every size."""
-    inputs, outputs = graph_io(decoder.num_layers, decoder.taps, decoder.takes_valid_tokens)
+    too (``BATCH_DIM``): one graph serving every size. A model with linear-attention layers
+    unrolls its recurrence over the tokens: its graphs are static (one per size)."""
+    state_layers = decoder.state_layers
+    inputs, outputs = graph_io(decoder.num_layers, decoder.taps, decoder.takes_valid_tokens, state_layers)
+    if state_layers and (tokens is None or batch is None):
+        raise ValueError(f"a model with linear-attention layers ({state_layers}) unrolls its recurrence over the "
+                         "tokens: export it with a static batch and token count (one graph per size), not "
+                         f"a symbolic {'token count' if tokens is None else 'batch'}")
     if tokens is not None and batch is not None:
         return export_module(decoder, example_inputs(decoder, batch, tokens), inputs, outputs, opset)
     # Traced at 2 rows of 4 tokens (torch.export specializes sizes 0 and 1).

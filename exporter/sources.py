@@ -64,12 +64,18 @@ def _hf_dir(src: HfSource, base: Path, origin: str) -> Path:
     return path
 
 
+# Multimodal checkpoints whose text model transformers' AutoModelForCausalLM loads by itself (its
+# "VLM compatibility": the text config and the language model's weights): the published Qwen3.5
+# folders. Their vision tower is not exported.
+TEXT_MODEL_OF = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
 def _check_config_arch(config_path: Path, origin: str) -> None:
     try:
         model_type = json.loads(config_path.read_text()).get("model_type", "?")
     except (OSError, ValueError) as err:
         raise BadInput(f"{origin}: cannot read {config_path}: {err}") from None
-    check_supported(model_type, origin)
+    check_supported(TEXT_MODEL_OF.get(model_type, model_type), origin)
 
 
 def fingerprint(src, base: Path, origin: str) -> dict:
@@ -107,6 +113,8 @@ def load_config(src, base: Path, origin: str):
         path = _hf_dir(src, base, origin)
         _check_config_arch(path / "config.json", origin)
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        if config.model_type in TEXT_MODEL_OF:  # a multimodal wrapper: the text model's config
+            config = config.get_text_config()
     check_supported(config.model_type, origin)
     return config
 

@@ -23,7 +23,8 @@ CHAT_TEMPLATE = (
 )
 
 # The recipe names families; transformers names text-only Gemma 3 "gemma3_text".
-_CONFIG_NAMES = {"gemma3": "gemma3_text"}
+_CONFIG_NAMES = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_RECIPE_NAMES = {config: recipe for recipe, config in _CONFIG_NAMES.items()}
 # Embedding rows of norm ~4: logits spread by a few units, so argmax has clear margins.
 EMBED_STD_SCALE = 4.0
 # MoE settings of the tiny DeepSeek-V3 / GLM-4.5 models: 4 experts in 2 groups, top-2 within the
@@ -50,8 +51,30 @@ def _tiny_deepseek_v3_config(src: TinySource, head_dim: int) -> dict:
             "head_dim": head_dim // 2, "rope_interleave": True}  # DeepseekV3Config's head_dim: the rotary width
 
 
+def _tiny_linear_attention_config(src: TinySource, head_dim: int) -> dict:
+    # Qwen3-Next / Qwen3.5: linear-attention (Gated DeltaNet) layers with a full-attention layer
+    # every second one; more value heads than key heads (the k heads are repeated), a kernel-4
+    # convolution; a quarter of each attention head rotated (their default)
+    layer_types = ["full_attention" if i % 2 else "linear_attention" for i in range(src.num_layers)]
+    return dict(layer_types=layer_types, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=16, linear_conv_kernel_dim=4)
+
+
+def _tiny_qwen_moe_config(src: TinySource, head_dim: int) -> dict:
+    # Qwen3-Next / Qwen3.5-MoE: softmax-routed experts (top-2 of 4) beside a gated shared expert
+    return {**_tiny_linear_attention_config(src, head_dim), "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": src.intermediate_size // 4,
+            "shared_expert_intermediate_size": src.intermediate_size // 4, "norm_topk_prob": True,
+            "decoder_sparse_step": 1}
+
+
 # model_type -> its extra config fields
-_TINY_EXTRAS = {"glm4_moe": _tiny_glm4_moe_config, "deepseek_v3": _tiny_deepseek_v3_config}
+_TINY_EXTRAS = {"glm4_moe": _tiny_glm4_moe_config, "deepseek_v3": _tiny_deepseek_v3_config,
+                "qwen3_next": _tiny_qwen_moe_config, "qwen3_5_text": _tiny_linear_attention_config,
+                "qwen3_5_moe_text": _tiny_qwen_moe_config}
+# 1-D weights applied as they are (near 1) even in a model whose other norms scale by 1 + w:
+# the linear-attention layers' gated norm (Qwen3NextRMSNormGated)
+_PLAIN_NORMS = ("linear_attn.norm.weight",)
 # a router's logits should spread by a unit or so (sigmoid scores without exact ties), and its
 # score-correction bias (a buffer, zero at init) should matter
 ROUTER_STD = 0.15
@@ -88,7 +111,7 @@ def tiny_config(src: TinySource, vocab_size: int, overrides: dict | None = None)
     if model_type not in ARCHITECTURES:
         raise BadInput(
             f"target.arch: '{src.arch}' is not supported for tiny models; supported: "
-            + ", ".join(sorted({k if k != "gemma3_text" else "gemma3" for k in ARCHITECTURES}))
+            + ", ".join(sorted({_RECIPE_NAMES.get(k, k) for k in ARCHITECTURES}))
         )
     if src.num_attention_heads % src.num_key_value_heads:
         raise BadInput("num_attention_heads must be a multiple of num_key_value_heads")
@@ -146,7 +169,8 @@ def tiny_model(src: TinySource, overrides: dict | None = None):
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
             else:
                 # norms and biases: near their identity, with a little spread
-                base = 0.0 if ("bias" in name or model_type_uses_offset(config)) else 1.0
+                offset = model_type_uses_offset(config) and not name.endswith(_PLAIN_NORMS)
+                base = 0.0 if ("bias" in name or offset) else 1.0
                 param.copy_(base + 0.1 * torch.randn(param.shape, generator=generator))
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

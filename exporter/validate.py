@@ -23,11 +23,12 @@ from specexport.contract import (
     LOGITS,
     NEXT_TOKENS,
     VALID_TOKENS,
+    StateLayout,
     present_of,
 )
 from specexport.errors import SpecexportError
 from specexport.runtime.engine import EngineOptions, SharedGraphs
-from specexport.runtime.kv_cache import KVCache
+from specexport.runtime.kv_cache import KVCache, open_host_cache
 from specexport.runtime.ort_engine import OrtEngine
 from specexport.runtime.runner import PAD_ID, ModelRunner
 
@@ -257,13 +258,18 @@ def validate_model(graphs: list[GraphUnderTest], specs, num_layers: int, num_kv_
                    max_seq_len: int, ref_ids: np.ndarray, ref_logits: np.ndarray,
                    threads: int | None, in_place: bool = False,
                    keep: list[ModelRunner] | None = None,
-                   ref_aux: np.ndarray | None = None, taps: tuple[int, ...] = ()) -> dict[str, dict]:
+                   ref_aux: np.ndarray | None = None, taps: tuple[int, ...] = (),
+                   state: StateLayout | None = None) -> dict[str, dict]:
     """Return graph name -> parity figures and the cost of one run (ms). ``specs`` gives
     (inputs, outputs) per graph name; ``in_place``: the graphs update the cache in place.
     ``keep``: no timing here; the runner is appended to it for the caller, which times every
     model's graphs in one interleaved schedule (the builder). ``ref_aux`` [S, n_taps·hidden]:
     the reference's hidden states at ``taps`` (reference_forward), compared with every graph's
-    aux_hidden_states; a graph with that output needs them, and with them every graph needs it."""
+    aux_hidden_states; a graph with that output needs them, and with them every graph needs it.
+    ``state``: the model's linear-attention layers keep a recurrent state (RecurrentCache),
+    which cannot be rewound to an arbitrary length: before each test the cache is refilled up
+    to its length through the runner (so the per-position states the runner selects are
+    checked on the way)."""
     for g in graphs:
         if (AUX_HIDDEN_STATES in specs[g.name][1]) != (ref_aux is not None):
             has = "outputs" if ref_aux is None else "lacks"
@@ -272,7 +278,7 @@ def validate_model(graphs: list[GraphUnderTest], specs, num_layers: int, num_kv_
     options = EngineOptions(threads=threads)
     shared = SharedGraphs()  # sizes of one shared graph file run on one session, as at run time
     engines = [OrtEngine(g.name, g.path, *specs[g.name], options, shared) for g in graphs]
-    cache = KVCache(num_layers, 1, num_kv_heads, max_seq_len, head_dim)
+    cache = open_host_cache(num_layers, 1, num_kv_heads, max_seq_len, head_dim, state=state)
     runner = ModelRunner("validate", engines, cache, {g.name: g.tokens for g in graphs},
                          in_place=frozenset(g.name for g in graphs) if in_place else frozenset())
     # Fill the cache once, chunk by chunk, through the runtime's runner. Each test rewinds to
@@ -287,7 +293,11 @@ def validate_model(graphs: list[GraphUnderTest], specs, num_layers: int, num_kv_
         tested: list[int] = []
         for length in cache_lengths(max_seq_len, graph.tokens):
             # Tests only read the cache, so every slot still holds the filled data; the
-            # length alone decides what the graph may see.
+            # length alone decides what the graph may see. A recurrent state is refilled to
+            # the length instead (the KV slots past it still hold stale data).
+            if state is not None:
+                runner.rewind(0)
+                runner.forward(ref_ids[:length].tolist())
             cache.length = length
             feeds = dict(cache.view())
             feeds[INPUT_IDS] = ref_ids[length : length + graph.tokens][None, :]  # [1, T]

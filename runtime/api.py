@@ -298,6 +298,9 @@ class Pipeline:
         batch size built), made on first use and kept while max_batch stays the same."""
         from specexport.runtime.batched_model import BatchedTarget
 
+        if self.manifest.models["target"].state is not None:
+            raise BadInput("the batched loop (serve, --prompts-file, bench --batch) does not run targets with "
+                           "linear-attention layers (a recurrent state per sequence) yet; generate one prompt at a time")
         if self._batched is None or (max_batch is not None and max_batch != self._batched[0]):
             target = BatchedTarget(self.manifest, self.backend, self.options, self.sessions, max_batch, self.cost_ms)
             self._batched = (max_batch, target)

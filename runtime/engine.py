@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from specexport.errors import BadInput
-from specexport.runtime.kv_cache import KVCache
+from specexport.runtime.kv_cache import KVCache, open_host_cache
 from specexport.runtime.manifest import EngineEntry, ModelEntry, TensorSpec
 
 
@@ -93,9 +93,13 @@ def open_kv_cache(backend: str, model: ModelEntry, options: EngineOptions) -> KV
     """One model's cache for engines of ``backend``: on the device where the backend keeps one
     (and device_kv is on), else the host KVCache. Both have the KVCache interface."""
     target = DEVICE_KV_CACHES.get(backend)
+    if target is not None and options.device_kv and model.state is not None:
+        raise BadInput(f"model {model.name}: a device-resident cache has no recurrent state (linear-attention "
+                       "layers) yet; load with device_kv=False (--host-kv)")
     if target is not None and options.device_kv:
         return _factory(target)(model, options)
-    return KVCache(model.num_layers, 1, model.num_kv_heads, model.max_seq_len, model.head_dim, model.kv_dtype)
+    return open_host_cache(model.num_layers, 1, model.num_kv_heads, model.max_seq_len, model.head_dim,
+                           model.kv_dtype, model.state)
 
 
 def device_resident(cache: object) -> bool:

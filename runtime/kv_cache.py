@@ -7,12 +7,14 @@ Dropping rejected tokens is ``rewind``: the length moves back, nothing is copied
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 
-from specexport.contract import KVLayout, past_names, present_of
+from specexport.contract import KVLayout, StateLayout, past_names, present_of, state_present_of
 
 
-class CacheLength:
+class CacheLength(ABC):
     """The bookkeeping every cache shares, wherever its tensors live: how many positions are
     filled. Rewinding moves the length back; nothing is copied or cleared."""
 
@@ -30,6 +32,23 @@ class CacheLength:
         if count > self.free:
             raise ValueError(f"KV cache overflow: {count} tokens with {self.free} slots free")
         self.length += count
+
+    @property
+    def state_outputs(self) -> list[str]:
+        """Outputs every graph run must return besides the K/V (a recurrent state's): none."""
+        return []
+
+    @abstractmethod
+    def write(self, presents: dict[str, np.ndarray], count: int) -> None:
+        """Append the first ``count`` positions of each present.* output at ``length``."""
+
+    def store(self, outputs: dict[str, np.ndarray], count: int, in_place: bool) -> None:
+        """Commit ``count`` new positions of one graph run: ``in_place``, the graph wrote its
+        K/V into the cache; else its present.* outputs are copied in (``write``)."""
+        if in_place:
+            self.advance(count)
+        else:
+            self.write(outputs, count)
 
     def rewind(self, length: int) -> None:
         """Forget every position at or after ``length``."""
@@ -66,3 +85,69 @@ class KVCache(CacheLength):
         """present.* -> the past buffer it updates, for graphs that write the cache in place."""
         return {present: self._tensors[past] for past, present in self._present_names.items()}
 
+
+
+class RecurrentCache(KVCache):
+    """The cache of a model with linear-attention layers (Qwen3-Next, Qwen3.5): the KV cache of
+    its attention layers, plus each linear layer's recurrent state (contract.StateLayout), which
+    has no positions to rewind. Every graph returns the state after each of its T positions
+    (present_state.* [B, T, ...]); ``store`` keeps those of the positions it commits and the
+    state at ``length`` is the past_state.* fed to the next graph. Rewinding selects a kept
+    state, so it reaches back ``keep`` positions (a verify pass's rejected drafts, a drafter's
+    own steps); further back only to 0 (the empty state)."""
+
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
+                 state: StateLayout, dtype: str = "float32", keep: int = 64):
+        super().__init__(num_layers, batch, num_kv_heads, max_seq_len, head_dim, dtype)
+        self.state_layout = state
+        self.keep = keep
+        self._states = {name: np.zeros(shape, dtype=state.dtype) for name, shape in state.shapes(batch).items()}
+        self._state_presents = {name: state_present_of(name) for name in self._states}
+        # position p -> {past_state name: [B, ...] the state after the first p tokens}; views
+        # into the graphs' outputs, never copied
+        self._kept: dict[int, dict[str, np.ndarray]] = {}
+
+    @property
+    def state_outputs(self) -> list[str]:
+        """The present_state.* outputs every graph run must return."""
+        return list(self._state_presents.values())
+
+    def view(self) -> dict[str, np.ndarray]:
+        return {**self._tensors, **self._states}
+
+    def store(self, outputs: dict[str, np.ndarray], count: int, in_place: bool) -> None:
+        """Commit ``count`` new positions: the K/V (copied in, or written in place by the graph)
+        and the states after each of them."""
+        start = self.length
+        super().store(outputs, count, in_place)
+        for t in range(count):
+            self._kept[start + t + 1] = {past: outputs[present][:, t] for past, present in self._state_presents.items()}
+        self._select(self.length)
+        for position in [p for p in self._kept if p < self.length - self.keep]:
+            del self._kept[position]
+
+    def rewind(self, length: int) -> None:
+        if length != self.length and length != 0 and length not in self._kept:
+            raise ValueError(f"cannot rewind a recurrent state of length {self.length} to {length}: only the "
+                             f"last {self.keep} positions are kept")
+        super().rewind(length)
+        self._kept = {p: s for p, s in self._kept.items() if p <= length}
+        self._select(length)
+
+    def _select(self, length: int) -> None:
+        """Make the past_state.* feeds the state after ``length`` tokens (in place: the runners'
+        feed dicts hold these arrays)."""
+        kept = self._kept.get(length)
+        for name, buffer in self._states.items():
+            if kept is None:  # length 0: the empty state
+                buffer.fill(0.0)
+            else:
+                buffer[...] = kept[name]
+
+
+def open_host_cache(num_layers: int, batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
+                    dtype: str = "float32", state: StateLayout | None = None) -> KVCache:
+    """The host cache of a model: a KVCache, or with linear-attention layers a RecurrentCache."""
+    if state is None:
+        return KVCache(num_layers, batch, num_kv_heads, max_seq_len, head_dim, dtype)
+    return RecurrentCache(num_layers, batch, num_kv_heads, max_seq_len, head_dim, state, dtype)

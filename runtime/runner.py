@@ -70,15 +70,16 @@ class ModelRunner:
                 feeds[VALID_TOKENS] = np.full(1, tokens, dtype=np.int64)  # [B]
             self._feeds[tokens] = feeds
         presents = present_names(cache.num_layers)
+        states = cache.state_outputs  # a linear-attention model's state after each position
         # engines that update the cache in place (attention: ort-gqa) get it bound as their
         # present outputs and return only tokens (and logits); the others return the new K/V
         self._in_place = in_place
         self._cache_outputs = cache.in_place_outputs()
         self._outputs = {  # (in place?, want logits?) -> outputs to ask for
-            (False, False): [NEXT_TOKENS, *presents],
-            (False, True): [NEXT_TOKENS, LOGITS, *presents],
-            (True, False): [NEXT_TOKENS],
-            (True, True): [NEXT_TOKENS, LOGITS],
+            (False, False): [NEXT_TOKENS, *presents, *states],
+            (False, True): [NEXT_TOKENS, LOGITS, *presents, *states],
+            (True, False): [NEXT_TOKENS, *states],
+            (True, True): [NEXT_TOKENS, LOGITS, *states],
         }
         self._complete: set[int] = set()  # sizes whose every input has a feed buffer
         self.seconds = 0.0  # time inside engines, for the stats
@@ -220,10 +221,8 @@ class ModelRunner:
             start = time.perf_counter()
             result = self._run(size, want_logits, want)
             self.seconds += time.perf_counter() - start
-            if engine.name in self._in_place:
-                self.cache.advance(count)  # the engine wrote its positions into the cache
-            else:
-                self.cache.write(result, count)
+            # in place: the engine wrote its positions into the cache; else they are copied in
+            self.cache.store(result, count, in_place=engine.name in self._in_place)
             self.calls += 1
             next_parts.append(result[NEXT_TOKENS][0, :count])  # [count]
             if want_logits:

@@ -57,6 +57,29 @@ CONTEXT_VALID = "context_valid"  # [B] int64: real rows of context_features
 BLOCK_HIDDEN = "block_hidden"  # [B, n_drafts, H] float32
 
 
+# Linear-attention layers (the Gated DeltaNet layers of Qwen3-Next and Qwen3.5) keep a recurrent
+# state instead of a KV cache, indexed j = 0.. over those layers in model order (KV indices i run
+# over the attention layers alone). A graph reads the state before its T tokens and returns the
+# state after each of its T positions, so the runtime keeps the one at the last accepted token
+# (a rejected draft is undone by selecting, not recomputing; vLLM's Mamba speculation does the same).
+STATE_PAST = "past_state"  # past_state.{j}.conv [B, C, K-1], past_state.{j}.recurrent [B, Hv, dk, dv]
+STATE_PRESENT = "present_state"  # present_state.{j}.conv [B, T, C, K-1], .recurrent [B, T, Hv, dk, dv]
+STATE_KINDS = ("conv", "recurrent")
+
+
+def state_past_names(num_layers: int) -> list[str]:
+    return [f"{STATE_PAST}.{j}.{kind}" for j in range(num_layers) for kind in STATE_KINDS]
+
+
+def state_present_names(num_layers: int) -> list[str]:
+    return [f"{STATE_PRESENT}.{j}.{kind}" for j in range(num_layers) for kind in STATE_KINDS]
+
+
+def state_present_of(past: str) -> str:
+    """present_state.{j}.{kind} for past_state.{j}.{kind}."""
+    return STATE_PRESENT + past[len(STATE_PAST):]
+
+
 def past_name(layer: int, kind: str) -> str:
     return f"{PAST}.{layer}.{kind}"
 
@@ -78,13 +101,15 @@ def present_of(past: str) -> str:
     return PRESENT + past[len(PAST):]
 
 
-def graph_inputs(num_layers: int, valid_tokens: bool = False) -> list[str]:
-    """``valid_tokens``: the graph takes VALID_TOKENS (ort-gqa graphs)."""
-    return [INPUT_IDS, CACHE_LENGTH, *([VALID_TOKENS] if valid_tokens else []), *past_names(num_layers)]
+def graph_inputs(num_layers: int, valid_tokens: bool = False, state_layers: int = 0) -> list[str]:
+    """``valid_tokens``: the graph takes VALID_TOKENS (ort-gqa graphs); ``num_layers``: the
+    attention layers (KV cache); ``state_layers``: the linear-attention layers (recurrent state)."""
+    return [INPUT_IDS, CACHE_LENGTH, *([VALID_TOKENS] if valid_tokens else []), *past_names(num_layers),
+            *state_past_names(state_layers)]
 
 
-def graph_outputs(num_layers: int) -> list[str]:
-    return [LOGITS, NEXT_TOKENS, *present_names(num_layers)]
+def graph_outputs(num_layers: int, state_layers: int = 0) -> list[str]:
+    return [LOGITS, NEXT_TOKENS, *present_names(num_layers), *state_present_names(state_layers)]
 
 
 # -- graph roles and engine names -----------------------------------------------------------
@@ -180,6 +205,40 @@ class KVLayout:
         return (batch, self.num_kv_heads, self.max_seq_len, self.head_dim)  # [B, n_kv, S_max, hd]
 
 
+@dataclass(frozen=True)
+class StateLayout:
+    """One model's recurrent state (linear-attention layers): per layer a causal-convolution
+    window and a [heads, key_dim, value_dim] state, both fixed-size whatever the length."""
+
+    num_layers: int  # linear-attention layers
+    conv_channels: int  # C: the convolved q, k and v channels
+    conv_kernel: int  # K: the window holds the last K-1 inputs
+    heads: int  # value heads of the recurrent state
+    key_dim: int
+    value_dim: int
+    dtype: str = "float32"
+
+    def conv_shape(self, batch: int) -> tuple[int, int, int]:
+        return (batch, self.conv_channels, self.conv_kernel - 1)  # [B, C, K-1]
+
+    def recurrent_shape(self, batch: int) -> tuple[int, int, int, int]:
+        return (batch, self.heads, self.key_dim, self.value_dim)  # [B, Hv, dk, dv]
+
+    def shapes(self, batch: int) -> dict[str, tuple[int, ...]]:
+        """past_state.* -> its shape."""
+        return {name: self.conv_shape(batch) if name.endswith(".conv") else self.recurrent_shape(batch)
+                for name in state_past_names(self.num_layers)}
+
+    def to_json(self) -> dict:
+        return {"num_layers": self.num_layers, "conv_channels": self.conv_channels, "conv_kernel": self.conv_kernel,
+                "heads": self.heads, "key_dim": self.key_dim, "value_dim": self.value_dim, "dtype": self.dtype}
+
+    @classmethod
+    def parse(cls, raw: dict) -> StateLayout:
+        return cls(int(raw["num_layers"]), int(raw["conv_channels"]), int(raw["conv_kernel"]), int(raw["heads"]),
+                   int(raw["key_dim"]), int(raw["value_dim"]), str(raw.get("dtype", "float32")))
+
+
 # -- the manifest's entries -----------------------------------------------------------------
 
 
@@ -230,6 +289,9 @@ class ModelEntry:
     weights: str | None = None
     attention: str | None = None  # recipe attention: standard | ort-gqa
     info: dict = field(default_factory=dict)  # architecture summary and kind-specific facts (int4 bits...)
+    # linear-attention layers' recurrent state (Qwen3-Next, Qwen3.5); None: every layer attends.
+    # With it, ``kv`` covers the attention layers only.
+    state: StateLayout | None = None
 
     # the cache facts by their old names
     @property
@@ -356,7 +418,8 @@ def model_to_json(m: ModelEntry) -> dict:
     kv = {"num_layers": m.kv.num_layers, "num_kv_heads": m.kv.num_kv_heads, "head_dim": m.kv.head_dim,
           "max_seq_len": m.kv.max_seq_len, "dtype": m.kv.dtype}
     return {"kind": m.kind, **m.info, "vocab_size": m.vocab_size, "kv": kv,
-            **_optional(weights=m.weights, attention=m.attention)}
+            **_optional(state=None if m.state is None else m.state.to_json(), weights=m.weights,
+                        attention=m.attention)}
 
 
 def drafter_to_json(d: DrafterEntry) -> dict:
@@ -426,8 +489,10 @@ def model_from_json(name: str, m: dict) -> ModelEntry:
     kv = m["kv"]
     layout = KVLayout(int(kv["num_layers"]), int(kv["num_kv_heads"]), int(kv["head_dim"]), int(kv["max_seq_len"]),
                       str(kv["dtype"]))
-    info = {k: v for k, v in m.items() if k not in ("kind", "vocab_size", "kv", "weights", "attention")}
-    return ModelEntry(name, m["kind"], layout, int(m["vocab_size"]), m.get("weights"), m.get("attention"), info)
+    info = {k: v for k, v in m.items() if k not in ("kind", "vocab_size", "kv", "state", "weights", "attention")}
+    state = StateLayout.parse(m["state"]) if m.get("state") else None
+    return ModelEntry(name, m["kind"], layout, int(m["vocab_size"]), m.get("weights"), m.get("attention"), info,
+                      state)
 
 
 def drafter_from_json(d: dict) -> DrafterEntry:

@@ -68,7 +68,8 @@ TINY_SHAPE = dict(max_seq_len=160, prefill_chunk=16)
 # tests/exporter/test_archs.py checks the parity of every pair through the same builds: these
 # with drafters, the others target-only.
 LOSSLESS_PAIRS = [("llama", "standard"), ("qwen3", "standard"), ("gemma2", "standard"), ("phi3", "standard"),
-                  ("llama", "ort-gqa"), ("gemma2", "ort-gqa"), ("glm4_moe", "ort-gqa"), ("deepseek_v3", "ort-gqa")]
+                  ("llama", "ort-gqa"), ("gemma2", "ort-gqa"), ("glm4_moe", "ort-gqa"), ("deepseek_v3", "ort-gqa"),
+                  ("qwen3_next", "ort-gqa"), ("qwen3_5", "standard")]  # recurrent states
 
 
 def drafter_name(spec: dict) -> str:

@@ -12,15 +12,20 @@ import pytest
 from specexport.contract import (
     KV_UPDATE_OF_ATTENTION,
     MANIFEST,
+    KVLayout,
     KVUpdate,
     Manifest,
+    ModelEntry,
     Role,
+    StateLayout,
     dumps,
     engine_name,
     graph_inputs,
     graph_outputs,
     manifest_from_json,
     manifest_to_json,
+    model_from_json,
+    model_to_json,
     past_names,
     read_manifest,
     write_manifest,
@@ -140,3 +145,16 @@ def test_an_unknown_role_is_one_line_naming_the_manifest(tiny_engines, tmp_path)
         read_manifest(dst)
     message = str(err.value)
     assert str(dst / MANIFEST) in message and "'draft'" in message and "\n" not in message
+
+
+def test_a_recurrent_state_layout_reads_back_and_names_its_tensors():
+    state = StateLayout(num_layers=3, conv_channels=96, conv_kernel=4, heads=4, key_dim=16, value_dim=16)
+    entry = ModelEntry("target", "target", KVLayout(1, 2, 16, 64), 259, "target.weights", "standard",
+                       {"layer_types": ["linear_attention"] * 3 + ["full_attention"]}, state)
+    back = model_from_json("target", json.loads(json.dumps(model_to_json(entry))))
+    assert back == entry and back.state.conv_shape(2) == (2, 96, 3) and back.state.recurrent_shape(1) == (1, 4, 16, 16)
+    assert model_from_json("t", model_to_json(ModelEntry("t", "target", KVLayout(2, 2, 16, 64), 259))).state is None
+    inputs, outputs = graph_inputs(1, state_layers=3), graph_outputs(1, state_layers=3)
+    assert inputs[-6:] == [f"past_state.{j}.{k}" for j in range(3) for k in ("conv", "recurrent")]
+    assert outputs[-6:] == [f"present_state.{j}.{k}" for j in range(3) for k in ("conv", "recurrent")]
+    assert graph_inputs(2) == graph_inputs(2, state_layers=0)  # attention-only graphs unchanged

@@ -152,8 +152,11 @@ class ChainLayer:
     v_b: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
-    moe: MoeWeights | None = None  # routed experts beside the dense MLP (DeepSeek-V3 / GLM-4.5 MTP layers)
+    moe: MoeWeights | None = None  # routed experts beside the dense MLP (DeepSeek-V3 / GLM-4.5 / Qwen3-Next MTP layers)
     mla: MlaWeights | None = None  # DeepSeek-V3's multi-head latent attention
+    # [heads·hd, in] Qwen3-Next / Qwen3.5 gated attention: the attention output (before o_proj)
+    # times sigmoid(x @ out_gate_w.T); the gate rows of q_proj's per-head [q | gate]
+    out_gate_w: torch.Tensor | None = None
 
 
 @dataclass
@@ -233,9 +236,15 @@ class ChainGraph(nn.Module):
             m.attn_norm, m.q_norm, m.k_norm = _p(w.attn_norm), _p(w.q_norm), _p(w.k_norm)
             m.mla = None if w.mla is None else MlaProjection(w.mla)  # the target graph's own
             if w.mla is None:
-                m.qkv_w = _p(torch.cat((w.q_w, w.k_w, w.v_w)).T)  # [in, (H_q+2·n_kv)·hd]
-                m.qkv_b = _p(torch.cat((w.q_b, w.k_b, w.v_b))) if w.q_b is not None else None
-                m.sizes = (w.q_w.shape[0], w.k_w.shape[0], w.v_w.shape[0])
+                # one MatMul for Q, K, V and (gated attention) the output gate: [in, (2·H_q+2·n_kv)·hd]
+                gate_rows = () if w.out_gate_w is None else (w.out_gate_w,)
+                m.qkv_w = _p(torch.cat((w.q_w, w.k_w, w.v_w, *gate_rows)).T)  # [in, (H_q+2·n_kv)·hd (+H_q·hd)]
+                gate_b = () if w.out_gate_w is None else (torch.zeros(w.out_gate_w.shape[0]),)
+                m.qkv_b = _p(torch.cat((w.q_b, w.k_b, w.v_b, *gate_b))) if w.q_b is not None else None
+                m.sizes = (w.q_w.shape[0], w.k_w.shape[0], w.v_w.shape[0], *(g.shape[0] for g in gate_rows))
+            elif w.out_gate_w is not None:
+                raise BadInput("an MLA layer with an attention output gate is not a published layout")
+            m.gated = w.out_gate_w is not None
             m.o_w, m.mlp_norm = _p(w.o_w.T), _p(w.mlp_norm)  # [H_q, H], [H]
             m.gate_up_w = _p(torch.cat((w.gate_w, w.up_w)).T)  # [H, 2·I]
             m.inter = w.gate_w.shape[0]
@@ -288,9 +297,10 @@ class ChainGraph(nn.Module):
             mlp_in = _rms_norm(stream, layer.mlp_norm, spec.eps)  # [B, T, H]
             gate, up = torch.split(mlp_in @ layer.gate_up_w, layer.inter, dim=-1)
             act = nn.functional.silu(gate) if spec.activation == "silu" else nn.functional.gelu(gate, approximate="tanh")
-            stream = stream + (act * up) @ layer.down_w  # [B, T, H]
-            if layer.moe is not None:  # the dense MLP above is the MoE layer's shared experts
-                stream = stream + layer.moe(mlp_in)
+            dense = (act * up) @ layer.down_w  # [B, T, H]
+            if layer.moe is not None:  # the dense MLP above is the MoE layer's shared experts (Qwen3-Next: gated)
+                dense = layer.moe.gate_shared(mlp_in, dense) + layer.moe(mlp_in)
+            stream = stream + dense
             x = None
         normed = _rms_norm(stream, self.out_norm, spec.eps)  # [B, T, H]
         draft_logits = normed @ self.head_t  # [B, T, V_draft]
@@ -335,7 +345,7 @@ class ChainGraph(nn.Module):
             qkv = x @ layer.qkv_w
             if layer.qkv_b is not None:
                 qkv = qkv + layer.qkv_b
-            q, k, v = torch.split(qkv, layer.sizes, dim=-1)
+            q, k, v, *out_gate = torch.split(qkv, layer.sizes, dim=-1)
             q = q.view(batch, tokens, self.n_heads, hd)
             k = k.view(batch, tokens, n_kv, hd)
             v = v.view(batch, tokens, n_kv, hd)
@@ -353,6 +363,8 @@ class ChainGraph(nn.Module):
         p_past, p_new = torch.split(probs, (self.s_max, tokens), dim=-1)  # [B, n_kv, G·T, S_max], [.., T]
         out = p_past @ past_v + p_new @ v_new  # [B, n_kv, G·T, hd]
         out = out.view(batch, n_kv, g, tokens, hd).permute(0, 3, 1, 2, 4).reshape(batch, tokens, -1)
+        if layer.gated:  # Qwen3-Next / Qwen3.5: [B, T, H_q·hd] times sigmoid of the gate, per head and dim
+            out = out * torch.sigmoid(out_gate[0])
         return out @ layer.o_w, k_new, v_new
 
 

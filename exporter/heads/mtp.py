@@ -29,13 +29,23 @@ layer is what those checkpoints publish: an MoE layer (router, score-correction 
 ``mlp.experts.{e}.*``, shared experts as the dense MLP; archs.moe_weights) with GQA attention
 (GLM) or MLA (DeepSeek; archs.mla_weights), computed by the target graph's own MoeMlp and
 MlaProjection; the reference loads the same tensors into transformers' own decoder layer
-(experts stacked as transformers 5 holds them). An MoE or MLA layer over a dense target, and
-the gated/linear-attention, softmax-routed MoE layers of Qwen3-Next/Qwen3.5, are refused in
-one line.
+(experts stacked as transformers 5 holds them).
+
+Over a Qwen3-Next, Qwen3.5 or Qwen3.5-MoE target (``GATED_TARGETS``; vLLM's
+``qwen3_next_mtp.py`` / ``qwen3_5_mtp.py``: ``mtp.*`` names, the layer a full-attention
+decoder layer of the target's kind) the layer has gated attention: q_proj's rows are per head
+[q | gate], the attention output times sigmoid(gate) before o_proj (ChainLayer.out_gate_w);
+q/k norms; partial rotary; every norm 1 + w. Its MLP is, for Qwen3-Next and Qwen3.5-MoE, a
+softmax-routed MoE (``mlp.gate``, ``mlp.experts.{e}.*`` or the fused
+``mlp.experts.{gate_up,down}_proj``, the shared expert as the dense MLP, times
+sigmoid(``mlp.shared_expert_gate``)), computed by the target graph's MoeMlp; a dense MLP for
+Qwen3.5. An MoE or MLA layer over a dense target, a linear-attention MTP layer, and an MTP
+layer of a Qwen3-Next/Qwen3.5 checkpoint over another target are refused in one line.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +53,13 @@ from pathlib import Path
 import torch
 
 from specexport.errors import BadInput
-from specexport.exporter.archs import ARCHITECTURES, _rope_tables, mla_weights, moe_weights
+from specexport.exporter.archs import (
+    ARCHITECTURES,
+    _rope_tables,
+    mla_weights,
+    moe_weights,
+    softmax_moe_weights,
+)
 from specexport.exporter.heads.chain import (
     ChainHead,
     ChainLayer,
@@ -100,6 +116,14 @@ EXPERT_NAMES = {"router_w": "mlp.gate.weight", "score_bias": "mlp.gate.e_score_c
                 "down_w": "mlp.experts.{e}.down_proj.weight"}
 SHARED_NAMES = {"gate_w": "mlp.shared_experts.gate_proj.weight", "up_w": "mlp.shared_experts.up_proj.weight",
                 "down_w": "mlp.shared_experts.down_proj.weight"}
+# a Qwen3-Next / Qwen3.5-MoE layer's softmax-routed MoE: the router and routed experts by
+# EXPERT_NAMES' names (no score-correction bias), or fused as transformers 5 and some Qwen3.5
+# checkpoints store them (FUSED_EXPERT_NAMES: [E, 2I, H] gate rows then up, [E, H, I]); one
+# shared expert (the dense MLP) and its gate [1, H]
+FUSED_EXPERT_NAMES = {"gate_up_w": "mlp.experts.gate_up_proj", "down_w": "mlp.experts.down_proj"}
+QWEN_SHARED_NAMES = {"gate_w": "mlp.shared_expert.gate_proj.weight", "up_w": "mlp.shared_expert.up_proj.weight",
+                     "down_w": "mlp.shared_expert.down_proj.weight"}
+SHARED_GATE_NAME = "mlp.shared_expert_gate.weight"
 # tensor-name pieces of layers beyond a dense one: (what it is, the layer kind that reads it;
 # None: none does)
 UNREACHABLE = {
@@ -107,13 +131,18 @@ UNREACHABLE = {
     "self_attn.q_a_proj": ("multi-head latent attention (MLA)", "mla"),
     "self_attn.kv_a_proj": ("multi-head latent attention (MLA)", "mla"),
     "linear_attn.": ("linear attention", None),
-    "mlp.shared_expert.": ("a Qwen3-Next mixture-of-experts MLP", None),
-    "mlp.shared_expert_gate": ("a Qwen3-Next mixture-of-experts MLP", None),
+    "mlp.shared_expert.": ("a Qwen3-Next mixture-of-experts MLP", "qwen-moe"),
+    "mlp.shared_expert_gate": ("a Qwen3-Next mixture-of-experts MLP", "qwen-moe"),
 }
 # target model_type -> the layer kinds beyond dense its MTP layer may be (archs.ARCHITECTURES reads
-# the same kinds in the target)
+# the same kinds in the target; its gated_attention trait: the Qwen3-Next / Qwen3.5 gated layer)
 MTP_TARGETS = {"llama": (), "mistral": (), "qwen2": (), "qwen3": (), "phi3": (), "glm4_moe": ("moe",),
-               "deepseek_v3": ("moe", "mla")}
+               "deepseek_v3": ("moe", "mla"), "qwen3_next": ("moe", "qwen-moe"), "qwen3_5_text": (),
+               "qwen3_5_moe_text": ("moe", "qwen-moe")}
+GATED_TARGETS = tuple(t for t in MTP_TARGETS if ARCHITECTURES[t].gated_attention)
+# config.json model types of checkpoints whose MTP layer is a gated Qwen3-Next / Qwen3.5 layer
+# (the multimodal Qwen3.5 wrappers name the text model's kind in text_config)
+GATED_CHECKPOINTS = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def _target_folder(spec, target, base: Path, origin: str) -> Path:
@@ -153,10 +182,14 @@ def load(spec, target, base: Path, origin: str) -> ChainHead:
         raise BadInput(f"{origin}: MTP heads are exported over {', '.join(MTP_TARGETS)} targets; "
                        f"this target is '{t_cfg.model_type}'")
     reachable = MTP_TARGETS[t_cfg.model_type]
+    gated = ARCHITECTURES[t_cfg.model_type].gated_attention
     model_type = config.get("model_type") or (config.get("transformer_layer_config") or {}).get("model_type")
-    if model_type in ("deepseek_v2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text"):
-        raise BadInput(f"{origin}: the MTP layer of a '{model_type}' model (softmax-routed MoE, linear or gated "
-                       "attention) is out of reach: specexport exports dense, DeepSeek-V3/GLM-4.5 MoE and MLA layers")
+    if model_type == "deepseek_v2":
+        raise BadInput(f"{origin}: the MTP layer of a 'deepseek_v2' model (softmax-routed, group-limited MoE) is out "
+                       "of reach: specexport exports dense, DeepSeek-V3/GLM-4.5 and Qwen3-Next/Qwen3.5 MTP layers")
+    if model_type in GATED_CHECKPOINTS and not gated:
+        raise BadInput(f"{origin}: the MTP layer of a '{model_type}' model (gated attention, 1 + w norms) is a layer "
+                       f"of a {'/'.join(GATED_TARGETS)} target; this target is '{t_cfg.model_type}'")
     tensors = Tensors(files, origin, lambda n: "mtp" in n or "eh_proj" in n or "enorm" in n or "hnorm" in n
                       or "shared_head" in n or re.match(r"model\.layers\.\d+\.", n) is not None or n.startswith("mtp_layers."))
     if spec.layout == "auto":
@@ -180,7 +213,7 @@ def load(spec, target, base: Path, origin: str) -> ChainHead:
     head_dim = getattr(t_cfg, "head_dim", None) or hidden // heads
     if ARCHITECTURES[t_cfg.model_type].mla:  # per-head K/V at the qk width, as the target graph (archs.mla_weights)
         kv_heads, head_dim = heads, t_cfg.qk_nope_head_dim + t_cfg.qk_rope_head_dim
-    inter = t_cfg.intermediate_size
+    inter = getattr(t_cfg, "intermediate_size", None)  # Qwen3.5-MoE has no dense MLP
     eps = float(t_cfg.rms_norm_eps)
     embed = target.model.get_input_embeddings().weight.detach().float()
     vocab = embed.shape[0]
@@ -188,7 +221,9 @@ def load(spec, target, base: Path, origin: str) -> ChainHead:
         embed = tensors.get(prefix + lay.embed, (vocab, hidden))
     head = tensors.get(prefix + lay.head, (vocab, hidden)) if lay.head and tensors.has(prefix + lay.head) \
         else target.model.get_output_embeddings().weight.detach().float()
-    if tensors.has(layer_prefix + EXPERT_NAMES["router_w"]):
+    if gated:
+        layer = read_gated_layer(tensors, layer_prefix, t_cfg, hidden, heads, kv_heads, head_dim, origin)
+    elif tensors.has(layer_prefix + EXPERT_NAMES["router_w"]):
         layer = read_moe_layer(tensors, layer_prefix, target, origin)
     else:
         layer = read_layer(tensors, layer_prefix, t_cfg, hidden, heads, kv_heads, head_dim, inter)
@@ -211,12 +246,21 @@ def load(spec, target, base: Path, origin: str) -> ChainHead:
     spec_out = ChainSpec(
         kind="mtp", hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=eps,
         activation="silu" if act in ("silu", "swish") else "gelu_tanh",
-        attn_scale=float(target.model.model.layers[0].self_attn.scaling), embed=embed, stem=stem, layers=[layer],
+        attn_scale=_attn_scale(target.model, head_dim), embed=embed, stem=stem, layers=[layer],
         out_norm=norm(lay.out_norm), lm_head=head, hidden_out_normed=lay.normed_hidden_out,
         rope=_rope_tables(target.model, t_cfg.max_position_embeddings)["default"], target_vocab=vocab,
         taps=(t_cfg.num_hidden_layers,), target_hidden=hidden, info={"layout": layout},
     )
     return ChainHead(spec_out, MtpReference(layout, prefix, files, target, origin), {"layout": layout})
+
+
+def _attn_scale(model, head_dim: int) -> float:
+    """The target's attention scale, from its first attention layer (a Qwen3-Next / Qwen3.5
+    target's first layers are linear attention; one with none: head_dim^-0.5, theirs)."""
+    for layer in model.model.layers:
+        if hasattr(layer, "self_attn"):
+            return float(layer.self_attn.scaling)
+    return float(head_dim) ** -0.5
 
 
 def read_attention(tensors: Tensors, prefix: str, t_cfg, hidden, heads, kv_heads, head_dim) -> dict:
@@ -288,6 +332,54 @@ def read_moe_layer(tensors: Tensors, prefix: str, target, origin: str) -> ChainL
     return ChainLayer(**norms, **dense, o_w=o_w, mla=mla, moe=moe)
 
 
+def read_gated_layer(tensors: Tensors, prefix: str, t_cfg, hidden, heads, kv_heads, head_dim, origin: str) -> ChainLayer:
+    """A Qwen3-Next / Qwen3.5 full-attention MTP layer: q_proj's rows per head [q | gate] split
+    into Q and the output gate, q/k norms, every norm 1 + w (the target's norm_offset); the
+    softmax MoE with its gated shared expert where the layer has a router, else the dense MLP."""
+    off = ARCHITECTURES[t_cfg.model_type].norm_offset
+    q, kv = heads * head_dim, kv_heads * head_dim
+
+    def get(field: str, shape):
+        return tensors.get(prefix + LAYER_NAMES[field], shape)
+
+    for field in ("q_b", "k_b", "v_b"):
+        if tensors.has(prefix + LAYER_NAMES[field]):
+            raise BadInput(f"{origin}: the MTP layer's gated attention has a bias ('{prefix + LAYER_NAMES[field]}', "
+                           "attention_bias), which the head graph lacks")
+    per_head = get("q_w", (2 * q, hidden)).view(heads, 2, head_dim, hidden)  # [heads, (q | gate), hd, H]
+    attention = dict(
+        attn_norm=get("attn_norm", (hidden,)) + off, q_w=per_head[:, 0].reshape(q, hidden),
+        out_gate_w=per_head[:, 1].reshape(q, hidden), k_w=get("k_w", (kv, hidden)), v_w=get("v_w", (kv, hidden)),
+        o_w=get("o_w", (hidden, q)), q_norm=get("q_norm", (head_dim,)) + off, k_norm=get("k_norm", (head_dim,)) + off,
+        mlp_norm=get("mlp_norm", (hidden,)) + off,
+    )
+    if not tensors.has(prefix + EXPERT_NAMES["router_w"]):
+        inter = t_cfg.intermediate_size
+        dense = {field: get(field, (hidden, inter) if field == "down_w" else (inter, hidden))
+                 for field in ("gate_w", "up_w", "down_w")}
+        return ChainLayer(**attention, **dense)
+    experts, inter = t_cfg.num_experts, t_cfg.moe_intermediate_size
+    shared = t_cfg.shared_expert_intermediate_size
+    if tensors.has(prefix + FUSED_EXPERT_NAMES["gate_up_w"]):  # [E, 2I, H]: each expert's gate rows, then up
+        gate_w, up_w = tensors.get(prefix + FUSED_EXPERT_NAMES["gate_up_w"], (experts, 2 * inter, hidden)).split(inter, 1)
+        down_w = tensors.get(prefix + FUSED_EXPERT_NAMES["down_w"], (experts, hidden, inter))
+    else:
+        def expert(field: str, shape) -> torch.Tensor:  # [E, *shape]
+            return torch.stack([tensors.get(prefix + EXPERT_NAMES[field].format(e=e), shape) for e in range(experts)])
+
+        gate_w, up_w = expert("gate_w", (inter, hidden)), expert("up_w", (inter, hidden))
+        down_w = expert("down_w", (hidden, inter))
+    # transformers' Qwen3.5-MoE router always renormalises the top-k (its config has no norm_topk_prob)
+    renorm = True if t_cfg.model_type == "qwen3_5_moe_text" else bool(t_cfg.norm_topk_prob)
+    moe = softmax_moe_weights(t_cfg.num_experts_per_tok, renorm,
+                              tensors.get(prefix + EXPERT_NAMES["router_w"], (experts, hidden)),
+                              gate_w.contiguous(), up_w.contiguous(), down_w,
+                              tensors.get(prefix + SHARED_GATE_NAME, (1, hidden)))
+    dense = {field: tensors.get(prefix + name, (hidden, shared) if field == "down_w" else (shared, hidden))
+             for field, name in QWEN_SHARED_NAMES.items()}
+    return ChainLayer(**attention, **dense, moe=moe)
+
+
 def _stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with a published MoE layer's per-expert tensors (mlp.experts.{e}.{gate,up,down}_proj)
     stacked as transformers 5 holds them: mlp.experts.gate_up_proj [E, 2I, H] (each expert's gate
@@ -338,12 +430,25 @@ class MtpReference:
         t = {n[len(prefix):]: v for n, v in read_published(files).items() if n.startswith(prefix)}
         layer_prefix = "layers.0." if layout == "qwen3-next" else ""
         model = target.model
-        # the target's last layer index: an MoE layer where the target's deep layers are (DeepSeek-V3
-        # and GLM-4.5 build a dense MLP below first_k_dense_replace)
-        self.layer = type(model.model.layers[0])(model.config, layer_idx=len(model.model.layers) - 1)
+        if model.config.model_type in GATED_TARGETS:
+            # vLLM builds the MTP layer as the target's decoder layer of type full_attention at
+            # index 0 (its prefix mtp.layers.0): an MoE layer where layer 0 would be one
+            # (mlp_only_layers, decoder_sparse_step)
+            config = copy.deepcopy(model.config)
+            config.layer_types = ["full_attention"] * len(config.layer_types)
+            self.layer = type(model.model.layers[0])(config, layer_idx=0)
+        else:
+            # the target's last layer index: an MoE layer where the target's deep layers are (DeepSeek-V3
+            # and GLM-4.5 build a dense MLP below first_k_dense_replace)
+            self.layer = type(model.model.layers[0])(model.config, layer_idx=len(model.model.layers) - 1)
         state = {k[len(layer_prefix):]: v for k, v in t.items()
                  if k.startswith(layer_prefix) and not any(k.startswith(m) for m in self.MODULE_NAMES)}
-        self.layer.load_state_dict(_stacked_experts(state), strict=True)
+        try:
+            self.layer.load_state_dict(_stacked_experts(state), strict=True)
+        except RuntimeError as err:  # the checkpoint's layer is not the kind the target's config builds
+            found = " ".join(str(err).split())
+            raise BadInput(f"{origin}: the MTP layer's tensors do not fit a {type(self.layer).__name__} of the "
+                           f"target's config: {found[:300]}") from None
         self.layer.eval()
         self.t, self.eps = t, float(model.config.rms_norm_eps)
         self.rotary = model.model.rotary_emb

@@ -19,6 +19,10 @@ TESTED = {
     "phi3": "phi3",
     "glm4_moe": "glm4_moe",  # MoE (sigmoid routing, groups, shared experts), partial rotary, q/k/v biases
     "deepseek_v3": "deepseek_v3",  # MoE and MLA (q_lora, interleaved RoPE, V narrower than Q/K)
+    # linear-attention (Gated DeltaNet) layers with a recurrent state beside gated full attention
+    "qwen3_next": "qwen3_next",  # + softmax-routed MoE with a gated shared expert
+    "qwen3_5": "qwen3_5_text",  # dense MLP, separate q/k/v, z, b, a projections
+    "qwen3_5_moe": "qwen3_5_moe_text",
 }
 
 

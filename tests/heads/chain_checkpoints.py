@@ -100,12 +100,12 @@ def _write(folder: Path, t: dict, config: dict, drop, reshape, config_edit, name
 MTP_LAYOUTS = ("deepseek", "qwen3-next", "mimo", "speculators")
 
 
-def mtp_tensors(target_cfg, layout: str, seed: int = 2) -> tuple[dict[str, torch.Tensor], str]:
+def mtp_tensors(target_cfg, layout: str, seed: int = 2, fused_experts: bool = False) -> tuple[dict[str, torch.Tensor], str]:
     """(tensors, the decoder layer's prefix) of an MTP module in ``layout`` for ``target_cfg``."""
     g = torch.Generator().manual_seed(seed)
     h, heads, kv = target_cfg.hidden_size, target_cfg.num_attention_heads, target_cfg.num_key_value_heads
     hd = getattr(target_cfg, "head_dim", None) or h // heads
-    inter, vocab, n = target_cfg.intermediate_size, target_cfg.vocab_size, target_cfg.num_hidden_layers
+    inter, vocab, n = getattr(target_cfg, "intermediate_size", None), target_cfg.vocab_size, target_cfg.num_hidden_layers
     qk = target_cfg.model_type == "qwen3"
     if layout == "deepseek":
         p = f"model.layers.{n}."
@@ -122,6 +122,9 @@ def mtp_tensors(target_cfg, layout: str, seed: int = 2) -> tuple[dict[str, torch
         t = {p + "token_layernorm.weight": _norm(g, h), p + "hidden_layernorm.weight": _norm(g, h),
              p + "input_proj.weight": _rand(g, h, 2 * h), p + "final_layernorm.weight": _norm(g, h)}
         layer = p
+    if target_cfg.model_type in GATED:  # Qwen3-Next / Qwen3.5: a gated full-attention layer
+        t.update(gated_layer(g, layer, target_cfg, fused_experts))
+        return t, layer
     bias = target_cfg.model_type == "qwen2" or bool(getattr(target_cfg, "attention_bias", False))
     t.update(decoder_layer(g, layer, h, heads, kv, hd, inter, qk_norm=qk, bias=bias))
     if hasattr(target_cfg, "n_routed_experts"):  # DeepSeek-V3 / GLM-4.5: the MTP layer is an MoE layer
@@ -131,6 +134,46 @@ def mtp_tensors(target_cfg, layout: str, seed: int = 2) -> tuple[dict[str, torch
         t = {k: v for k, v in t.items() if not k.startswith(layer + "self_attn.")}
         t.update(mla_attention(g, layer, target_cfg))
     return t, layer
+
+
+# targets whose MTP layer has gated attention (q_proj per head [q | gate]) and 1 + w norms
+GATED = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
+def gated_layer(g, prefix: str, cfg, fused_experts: bool = False) -> dict[str, torch.Tensor]:
+    """A Qwen3-Next / Qwen3.5 full-attention layer by its published names: q_proj's rows per head
+    [q | gate], q/k norms, norms near 0 (applied as 1 + w); a softmax-routed MoE with a gated
+    shared expert where the config has experts (per-expert names, or ``fused_experts``: the
+    stacked [E, 2I, H] / [E, H, I] tensors), else a dense MLP."""
+    h, heads, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = cfg.head_dim
+    a = f"{prefix}self_attn."
+    t = {f"{prefix}input_layernorm.weight": _norm(g, h) - 1, f"{prefix}post_attention_layernorm.weight": _norm(g, h) - 1,
+         a + "q_proj.weight": _rand(g, heads * 2 * hd, h), a + "k_proj.weight": _rand(g, kv * hd, h),
+         a + "v_proj.weight": _rand(g, kv * hd, h), a + "o_proj.weight": _rand(g, h, heads * hd),
+         a + "q_norm.weight": _norm(g, hd) - 1, a + "k_norm.weight": _norm(g, hd) - 1}
+    experts = getattr(cfg, "num_experts", 0) or 0
+    if not experts:
+        inter = cfg.intermediate_size
+        t.update({f"{prefix}mlp.gate_proj.weight": _rand(g, inter, h), f"{prefix}mlp.up_proj.weight": _rand(g, inter, h),
+                  f"{prefix}mlp.down_proj.weight": _rand(g, h, inter)})
+        return t
+    inter, shared = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    m = f"{prefix}mlp."
+    t[m + "gate.weight"] = _rand(g, experts, h, std=0.15)  # router logits of a unit or so
+    gate, up, down = _rand(g, experts, inter, h), _rand(g, experts, inter, h), _rand(g, experts, h, inter)
+    if fused_experts:
+        t[m + "experts.gate_up_proj"] = torch.cat((gate, up), dim=1)
+        t[m + "experts.down_proj"] = down
+    else:
+        for e in range(experts):
+            t[m + f"experts.{e}.gate_proj.weight"] = gate[e]
+            t[m + f"experts.{e}.up_proj.weight"] = up[e]
+            t[m + f"experts.{e}.down_proj.weight"] = down[e]
+    t.update({m + "shared_expert.gate_proj.weight": _rand(g, shared, h), m + "shared_expert.up_proj.weight": _rand(g, shared, h),
+              m + "shared_expert.down_proj.weight": _rand(g, h, shared),
+              m + "shared_expert_gate.weight": _rand(g, 1, h, std=0.15)})  # sigmoid of a unit or so
+    return t
 
 
 def moe_mlp(g, prefix: str, cfg) -> dict[str, torch.Tensor]:
@@ -167,9 +210,11 @@ def mla_attention(g, prefix: str, cfg) -> dict[str, torch.Tensor]:
 
 
 def write_mtp_target(folder: Path, arch: str, layouts: str | tuple[str, ...], *, seed: int = 0,
-                     drop: str | None = None, reshape: str | None = None, num_layers: int = 2, **fields) -> Path:
+                     drop: str | None = None, reshape: str | None = None, num_layers: int = 2,
+                     fused_experts: bool = False, **fields) -> Path:
     """A tiny transformers target directory whose own safetensors also hold MTP modules (one per
-    layout: their names do not collide)."""
+    layout: their names do not collide). ``fused_experts``: a Qwen MoE MTP layer's experts as
+    the stacked tensors."""
     from safetensors.torch import load_file
 
     from tests.exporter.hf_dirs import save_tiny_hf
@@ -180,7 +225,7 @@ def write_mtp_target(folder: Path, arch: str, layouts: str | tuple[str, ...], *,
     cfg = AutoConfig.from_pretrained(folder)
     weights = load_file(str(folder / "model.safetensors"))
     for i, layout in enumerate((layouts,) if isinstance(layouts, str) else layouts):
-        weights.update(mtp_tensors(cfg, layout, seed=2 + i)[0])
+        weights.update(mtp_tensors(cfg, layout, seed=2 + i, fused_experts=fused_experts)[0])
     if drop:
         del weights[drop]
     if reshape:

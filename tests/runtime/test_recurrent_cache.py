@@ -1,0 +1,164 @@
+"""The recurrent-state cache of linear-attention targets (Qwen3-Next, Qwen3.5), engine-free.
+
+A fake graph stands in for a hybrid model: one attention layer (its K/V: the token ids) and one
+linear layer whose state after each position it returns, as the exported graphs do
+(present_state.* [B, T, ...]). Its next token depends on the whole history through the state,
+so keeping the state of any position but the last accepted one changes the output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specexport.contract import (
+    CACHE_LENGTH,
+    INPUT_IDS,
+    LOGITS,
+    NEXT_TOKENS,
+    StateLayout,
+    TensorSpec,
+    past_names,
+    present_names,
+    state_past_names,
+    state_present_names,
+)
+from specexport.runtime.acceptance import Draft, Sampling
+from specexport.runtime.decode import DecodeStats, decode
+from specexport.runtime.kv_cache import KVCache, RecurrentCache, open_host_cache
+from specexport.runtime.runner import ModelRunner
+
+VOCAB = 50
+LAYOUT = StateLayout(num_layers=1, conv_channels=1, conv_kernel=3, heads=1, key_dim=1, value_dim=1)
+S_MAX = 64
+
+
+def _step(state: float, window: tuple[float, float], token: int) -> tuple[float, tuple[float, float], int]:
+    """The fake model's recurrence: (state, last two inputs) -> after ``token``, and its next token."""
+    state = 0.75 * state + token
+    window = (window[1], float(token))
+    return state, window, int(round(state * 7 + window[0] * 3)) % VOCAB
+
+
+def reference_greedy(prompt: list[int], new: int) -> list[int]:
+    state, window, out = 0.0, (0.0, 0.0), []
+    nxt = 0
+    for token in prompt:
+        state, window, nxt = _step(state, window, token)
+    for _ in range(new):
+        out.append(nxt)
+        state, window, nxt = _step(state, window, nxt)
+    return out
+
+
+class FakeHybridEngine:
+    """T tokens per call; reads past_state.0.*, returns the state after each position."""
+
+    def __init__(self, tokens: int):
+        self.name = f"fake.t{tokens}"
+        self.tokens = tokens
+        kv = (1, 1, S_MAX, 1)
+        self.inputs = {INPUT_IDS: TensorSpec("int64", (1, tokens)), CACHE_LENGTH: TensorSpec("int64", (1,)),
+                       **{n: TensorSpec("float32", kv) for n in past_names(1)},
+                       **{n: TensorSpec("float32", s) for n, s in LAYOUT.shapes(1).items()}}
+        conv, rec = state_present_names(1)
+        self.outputs = {LOGITS: TensorSpec("float32", (1, tokens, VOCAB)), NEXT_TOKENS: TensorSpec("int64", (1, tokens)),
+                        **{n: TensorSpec("float32", (1, 1, tokens, 1)) for n in present_names(1)},
+                        conv: TensorSpec("float32", (1, tokens, 1, 2)), rec: TensorSpec("float32", (1, tokens, 1, 1, 1))}
+
+    def run(self, feeds, outputs=None, bound=None):
+        conv_past, rec_past = (feeds[n] for n in state_past_names(1))
+        state, window = float(rec_past[0, 0, 0, 0]), (float(conv_past[0, 0, 0]), float(conv_past[0, 0, 1]))
+        t = self.tokens
+        conv = np.zeros((1, t, 1, 2), np.float32)  # [B, T, C, K-1]
+        rec = np.zeros((1, t, 1, 1, 1), np.float32)  # [B, T, Hv, dk, dv]
+        nxt = np.zeros((1, t), np.int64)
+        for i, token in enumerate(feeds[INPUT_IDS][0]):
+            state, window, nxt[0, i] = _step(state, window, int(token))
+            conv[0, i, 0], rec[0, i, 0, 0, 0] = window, state
+        logits = np.zeros((1, t, VOCAB), np.float32)
+        logits[0, np.arange(t), nxt[0]] = 1.0
+        k = feeds[INPUT_IDS].astype(np.float32).reshape(1, 1, t, 1)
+        everything = {LOGITS: logits, NEXT_TOKENS: nxt, **dict(zip(present_names(1), (k, k))),
+                      **dict(zip(state_present_names(1), (conv, rec)))}
+        return {n: everything[n] for n in (outputs or everything)}
+
+
+def hybrid_runner(sizes=(1, 4, 8)) -> ModelRunner:
+    engines = [FakeHybridEngine(t) for t in sizes]
+    cache = open_host_cache(1, 1, 1, S_MAX, 1, state=LAYOUT)
+    return ModelRunner("fake", engines, cache, {e.name: e.tokens for e in engines})
+
+
+def test_the_host_cache_of_a_model_with_a_state_is_recurrent():
+    assert isinstance(open_host_cache(1, 1, 1, S_MAX, 1, state=LAYOUT), RecurrentCache)
+    assert type(open_host_cache(1, 1, 1, S_MAX, 1)) is KVCache
+
+
+def test_chunked_prefill_carries_the_state_of_each_chunks_last_real_token():
+    prompt = list(range(3, 22))  # 19 tokens: two chunks of 8 and a padded one
+    runner = hybrid_runner()
+    out = runner.forward(prompt)
+    assert out.next_tokens[-1] == reference_greedy(prompt, 1)[0]
+    assert runner.calls >= 3  # it did run in pieces
+
+
+@pytest.mark.parametrize("keep", [0, 1, 3, 4])
+def test_rewind_selects_the_state_after_the_kept_tokens(keep):
+    prompt = [5, 9, 2, 7, 11]
+    drafts = [13, 4, 8, 1]
+    runner = hybrid_runner()
+    runner.forward(prompt[:-1])
+    runner.forward([prompt[-1], *drafts])  # a verify pass of 1+4
+    runner.rewind(len(prompt) + keep)  # keep the last prompt token and `keep` drafts
+    history = prompt + drafts[:keep]
+    out = runner.forward([3])  # the next round's first token
+    assert out.next_tokens[0] == reference_greedy([*history, 3], 1)[0]
+
+
+def test_rewind_reaches_back_only_over_the_kept_positions():
+    runner = hybrid_runner(sizes=(1,))
+    cache = runner.cache
+    cache.keep = 4
+    runner.forward(list(range(1, 11)))
+    runner.rewind(7)  # within the last 4
+    with pytest.raises(ValueError, match="only the last 4 positions"):
+        runner.rewind(2)
+    runner.rewind(0)  # the empty state is always reachable
+    assert runner.forward([5]).next_tokens[0] == reference_greedy([5], 1)[0]
+
+
+class CorruptOracle:
+    """Drafts the target's true continuation, wrong from a random position on: every round
+    keeps a different number of drafts, so the target's state is selected at every depth."""
+
+    name = "corrupt-oracle"
+    engine_seconds = 0.0
+    needs: tuple[str, ...] = ()
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def reset(self, prompt, target_out=None) -> None:
+        pass
+
+    def propose(self, context, k, sampling, rng):
+        tokens = np.array(reference_greedy(context.tolist(), k), dtype=np.int64)
+        cut = int(self.rng.integers(0, k + 1))
+        tokens[cut:] = (tokens[cut:] + 1) % VOCAB
+        return Draft(tokens)
+
+    def accept(self, n, token, target_out=None) -> None:
+        pass
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_speculative_greedy_over_a_recurrent_state_equals_the_target_alone(seed):
+    prompt = np.array([4, 17, 23, 8, 30, 2, 19, 41, 6], dtype=np.int64)
+    runner = hybrid_runner()
+    stats = DecodeStats(draft_len=4)
+    out = list(decode(runner, CorruptOracle(seed), prompt, draft_len=4, max_new_tokens=40, sampling=Sampling(),
+                      eos_ids=frozenset(), rng=np.random.default_rng(seed), stats=stats))
+    assert out == reference_greedy(prompt.tolist(), 40)
+    accepted = [i for i, a in enumerate(stats.accepted_at) if a]
+    assert stats.rounds < 40 and len(accepted) >= 3  # drafts were kept at several depths
