@@ -141,7 +141,8 @@ class Pipeline:
             entries = [e for e in self.manifest.engines_of(model, backend) if roles is None or e.role in roles]
             # the cache first: engines of a device-resident cache bind it when they open
             if model not in self._caches:
-                self._caches[model] = open_kv_cache(backend, info, self.options)
+                largest = max((e.tokens for e in self.manifest.engines_of(model, backend)), default=1)
+                self._caches[model] = open_kv_cache(backend, info, self.options, largest)
             cache = self._caches[model]
             engines = [LazyEngine(e, self.manifest.root, self.options, cache, self.sessions) for e in entries]
             # The manifest's role says which graphs decoding runs (decode, catchup, verify,

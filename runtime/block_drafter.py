@@ -313,7 +313,7 @@ def make(entry, pipe) -> BlockDrafter:
     entries = [e for e in pipe.manifest.engines_of(model, backend) if e.role == Role.BLOCK]
     if not entries:
         raise BadInput(f"{pipe.manifest.root}: drafter '{entry.name}' has no block graphs")
-    cache = open_kv_cache(backend, info, pipe.options)
+    cache = open_kv_cache(backend, info, pipe.options, max(e.tokens for e in entries))
     engines = [LazyEngine(e, pipe.manifest.root, pipe.options, cache, pipe.sessions) for e in entries]  # one session per file
     for engine in engines:
         engine.open()  # no session is created inside a timed round

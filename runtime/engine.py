@@ -89,9 +89,11 @@ def open_engine(entry: EngineEntry, root: Path, options: EngineOptions, shared: 
     return _factory(target)(entry, root, options, shared)
 
 
-def open_kv_cache(backend: str, model: ModelEntry, options: EngineOptions) -> KVCache:
+def open_kv_cache(backend: str, model: ModelEntry, options: EngineOptions, largest_graph: int = 64) -> KVCache:
     """One model's cache for engines of ``backend``: on the device where the backend keeps one
-    (and device_kv is on), else the host KVCache. Both have the KVCache interface."""
+    (and device_kv is on), else the host KVCache. Both have the KVCache interface.
+    ``largest_graph``: the most tokens one of the model's graphs takes (a recurrent state keeps
+    that many positions, so any one run can be rewound)."""
     target = DEVICE_KV_CACHES.get(backend)
     if target is not None and options.device_kv and model.state is not None:
         raise BadInput(f"model {model.name}: a device-resident cache has no recurrent state (linear-attention "
@@ -99,7 +101,7 @@ def open_kv_cache(backend: str, model: ModelEntry, options: EngineOptions) -> KV
     if target is not None and options.device_kv:
         return _factory(target)(model, options)
     return open_host_cache(model.num_layers, 1, model.num_kv_heads, model.max_seq_len, model.head_dim,
-                           model.kv_dtype, model.state)
+                           model.kv_dtype, model.state, keep=max(64, largest_graph))
 
 
 def device_resident(cache: object) -> bool:

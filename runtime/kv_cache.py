@@ -146,8 +146,10 @@ class RecurrentCache(KVCache):
 
 
 def open_host_cache(num_layers: int, batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
-                    dtype: str = "float32", state: StateLayout | None = None) -> KVCache:
-    """The host cache of a model: a KVCache, or with linear-attention layers a RecurrentCache."""
+                    dtype: str = "float32", state: StateLayout | None = None, keep: int = 64) -> KVCache:
+    """The host cache of a model: a KVCache, or with linear-attention layers a RecurrentCache
+    whose rewinds reach ``keep`` positions back (at least the tokens of the model's largest graph,
+    so that any one graph run can be undone)."""
     if state is None:
         return KVCache(num_layers, batch, num_kv_heads, max_seq_len, head_dim, dtype)
-    return RecurrentCache(num_layers, batch, num_kv_heads, max_seq_len, head_dim, state, dtype)
+    return RecurrentCache(num_layers, batch, num_kv_heads, max_seq_len, head_dim, state, dtype, keep)

@@ -162,3 +162,20 @@ def test_speculative_greedy_over_a_recurrent_state_equals_the_target_alone(seed)
     assert out == reference_greedy(prompt.tolist(), 40)
     accepted = [i for i, a in enumerate(stats.accepted_at) if a]
     assert stats.rounds < 40 and len(accepted) >= 3  # drafts were kept at several depths
+
+
+@pytest.mark.parametrize("largest", [16, 100])
+def test_a_loaded_models_cache_can_undo_one_run_of_its_largest_graph(largest):
+    """open_kv_cache (what Pipeline opens) sizes the reach from the model's largest graph: a
+    verify graph wider than the default reach (1+D = 128 at G = 1) must still be rewindable."""
+    from specexport.contract import KVLayout, ModelEntry
+    from specexport.runtime.engine import EngineOptions, open_kv_cache
+
+    entry = ModelEntry("target", "target", KVLayout(1, 1, 1, 256), VOCAB, state=LAYOUT)
+    cache = open_kv_cache("onnxruntime", entry, EngineOptions(), largest_graph=largest)
+    presents = {present: np.arange(largest, dtype=np.float32).reshape(1, largest, *([1] * (len(shape) - 1)))
+                * np.ones((1, 1, *shape[1:]), dtype=np.float32)
+                for present, shape in zip(state_present_names(1), LAYOUT.shapes(1).values())}
+    cache.store(presents, largest, in_place=True)  # the K/V written by the graph itself
+    cache.rewind(3)  # all but the run's first 3 positions rejected
+    assert float(cache.view()["past_state.0.recurrent"].ravel()[0]) == 2.0  # the state after 3 tokens
