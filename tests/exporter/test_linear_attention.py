@@ -323,12 +323,7 @@ def test_taps_follow_output_hidden_states(hybrid):
     taps = (0, 1, 3, 4)
     decoder = StaticDecoder(hybrid.parts, S_MAX, "standard", taps=taps).eval()
     ids = torch.from_numpy(hybrid.ids[:12])[None]
-    dims = decoder.state_dims
-    past = [torch.zeros(1, decoder.n_kv, S_MAX, decoder.head_dim) for _ in range(2 * decoder.kv_layers)]
-    state = []
-    for _ in range(decoder.state_layers):
-        state += [torch.zeros(1, dims["conv_channels"], dims["conv_kernel"] - 1),
-                  torch.zeros(1, dims["heads"], dims["key_dim"], dims["value_dim"])]
+    past, state = _empty_cache(decoder)
     with torch.no_grad():
         aux = decoder(ids, torch.tensor([0]), *past, *state)[-1][0]
         hidden = hybrid.model(ids, use_cache=False, output_hidden_states=True).hidden_states
@@ -355,17 +350,23 @@ def test_routing_matches_the_softmax_router():
         torch.testing.assert_close(got, want)
 
 
+def _empty_cache(decoder) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """An empty KV cache (2 per attention layer) and zero states (conv, recurrent per linear layer)."""
+    dims = decoder.state_dims
+    past = [torch.zeros(1, decoder.n_kv, S_MAX, decoder.head_dim) for _ in range(2 * decoder.kv_layers)]
+    state = []
+    for _ in range(decoder.state_layers):
+        state += [torch.zeros(1, dims["conv_channels"], dims["conv_kernel"] - 1),  # [1, C, K-1]
+                  torch.zeros(1, dims["heads"], dims["key_dim"], dims["value_dim"])]  # [1, Hv, dk, dv]
+    return past, state
+
+
 def _torch_logits(parts, ids: torch.Tensor) -> torch.Tensor:
     """The whole sequence in one pass of the (untraced) graph module."""
     from specexport.exporter.graph_model import StaticDecoder
 
     decoder = StaticDecoder(parts, S_MAX, "standard").eval()
-    dims = decoder.state_dims
-    past = [torch.zeros(1, decoder.n_kv, S_MAX, decoder.head_dim) for _ in range(2 * decoder.kv_layers)]
-    state = []
-    for _ in range(decoder.state_layers):
-        state += [torch.zeros(1, dims["conv_channels"], dims["conv_kernel"] - 1),
-                  torch.zeros(1, dims["heads"], dims["key_dim"], dims["value_dim"])]
+    past, state = _empty_cache(decoder)
     with torch.no_grad():
         return decoder(ids, torch.tensor([0]), *past, *state)[0][0]
 

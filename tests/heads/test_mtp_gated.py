@@ -149,50 +149,41 @@ def test_fused_experts_read_as_the_per_expert_names(tmp_path):
     assert worst <= 1e-4 and agreement == 1.0, (worst, agreement)
 
 
-def _swap_q_and_gate(monkeypatch):
+def _misread(edit):
+    """A monkeypatch-taking break: read_gated_layer (ours) returns the layer after ``edit``."""
+
+    def apply(monkeypatch):
+        from specexport.exporter.heads import mtp
+
+        real = mtp.read_gated_layer
+
+        def wrong(*args, **kwargs):
+            layer = real(*args, **kwargs)
+            edit(layer)
+            return layer
+
+        monkeypatch.setattr(mtp, "read_gated_layer", wrong)
+
+    return apply
+
+
+def _swap_q_and_gate(layer):
     """q_proj's per-head halves read the wrong way round: [gate | q]."""
-    from specexport.exporter.heads import mtp
-
-    real = mtp.read_gated_layer
-
-    def wrong(*args, **kwargs):
-        layer = real(*args, **kwargs)
-        layer.q_w, layer.out_gate_w = layer.out_gate_w, layer.q_w
-        return layer
-
-    monkeypatch.setattr(mtp, "read_gated_layer", wrong)
+    layer.q_w, layer.out_gate_w = layer.out_gate_w, layer.q_w
 
 
-def _drop_shared_gate(monkeypatch):
+def _drop_shared_gate(layer):
     """The shared expert's sigmoid gate left out (the DeepSeek-V3 reading of a shared expert)."""
-    from specexport.exporter.heads import mtp
-
-    real = mtp.read_gated_layer
-
-    def wrong(*args, **kwargs):
-        layer = real(*args, **kwargs)
-        layer.moe.shared_gate_w = None
-        return layer
-
-    monkeypatch.setattr(mtp, "read_gated_layer", wrong)
+    layer.moe.shared_gate_w = None
 
 
-def _sigmoid_router(monkeypatch):
+def _sigmoid_router(layer):
     """The router read as DeepSeek-V3's sigmoid scoring instead of the softmax."""
-    from specexport.exporter.heads import mtp
-
-    real = mtp.read_gated_layer
-
-    def wrong(*args, **kwargs):
-        layer = real(*args, **kwargs)
-        layer.moe.scoring = "sigmoid"
-        return layer
-
-    monkeypatch.setattr(mtp, "read_gated_layer", wrong)
+    layer.moe.scoring = "sigmoid"
 
 
-BROKEN = {"q and gate swapped": _swap_q_and_gate, "shared gate dropped": _drop_shared_gate,
-          "sigmoid router": _sigmoid_router}
+BROKEN = {"q and gate swapped": _misread(_swap_q_and_gate), "shared gate dropped": _misread(_drop_shared_gate),
+          "sigmoid router": _misread(_sigmoid_router)}
 
 
 @pytest.mark.parametrize("what", sorted(BROKEN))
