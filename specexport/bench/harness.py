@@ -159,6 +159,7 @@ def _peer_runs(peers: list, prompt: dict, prompt_ids: list[int], repeat: int, ma
         records.append({"peer": peer.name, "threads": peer.threads, "prompt_id": prompt["id"],
                         "category": prompt["category"], "repeat": repeat, "token_ids": run.token_ids,
                         "total_s": run.total_s, "first_token_s": run.first_token_s, "decode_s": run.decode_s,
+                        "decode_tokens": run.decode_tokens,
                         "settings": getattr(peer, "settings", {}), "stats": run.stats})
     return records
 

@@ -63,11 +63,33 @@ BATCHED_PEERS = ("transformers-greedy", "ort-genai")
 class PeerRun:
     token_ids: list[int]  # generated ids only (not the prompt), EOS included if produced
     total_s: float  # wall time of the whole generation call
-    first_token_s: float  # wall time of a 1-token generation of the same prompt, run right before
+    first_token_s: float  # wall time to the first token: in this run where its loop shows it, else a 1-token run's
     stats: dict = field(default_factory=dict)  # what the peer says about itself (ort-genai-ngram: acceptance)
     # from the first token to the last, timed in this run, where the peer's loop lets it be
-    # (onnxruntime-genai); else decode time is total_s - first_token_s, two runs apart
+    # (onnxruntime-genai; transformers through a streamer); else decode time is
+    # total_s - first_token_s, two runs apart
     decode_s: float | None = None
+    # the tokens decode_s produced: all but the first step's (a prompt-lookup step emits several);
+    # None: all but the first token
+    decode_tokens: int | None = None
+
+
+class _TokenTimes:
+    """A transformers streamer (``put``/``end``, as transformers.generation.BaseStreamer) that
+    times each step's new tokens: (seconds, count). generate puts the prompt first."""
+
+    def __init__(self) -> None:
+        self.prompt_seen = False
+        self.steps: list[tuple[float, int]] = []
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.steps.append((time.perf_counter(), int(value.numel())))
+
+    def end(self) -> None:
+        pass
 
 
 @dataclass
@@ -116,7 +138,7 @@ class TransformersPeer:
             **generate_kwargs,
         }
 
-    def _generate(self, input_ids, mask, max_new_tokens: int):
+    def _generate(self, input_ids, mask, max_new_tokens: int, streamer=None):
         import torch
 
         with torch.inference_mode():
@@ -128,6 +150,7 @@ class TransformersPeer:
                 num_beams=1,
                 eos_token_id=self.eos_ids,
                 pad_token_id=self.pad_id,
+                streamer=streamer,
                 **self.generate_kwargs,
             )
 
@@ -139,14 +162,18 @@ class TransformersPeer:
         _check_request(prompt_ids, max_new_tokens)
         input_ids = torch.tensor([prompt_ids], dtype=torch.long)
         mask = torch.ones_like(input_ids)
+        times = _TokenTimes()  # decode timed within the run: a separate 1-token run's time,
+        # subtracted, can exceed a short run's whole time on busy cores
         with quiet_transformers():
             start = time.perf_counter()
-            self._generate(input_ids, mask, 1)
-            first_token_s = time.perf_counter() - start
-            start = time.perf_counter()
-            out = self._generate(input_ids, mask, max_new_tokens)
+            out = self._generate(input_ids, mask, max_new_tokens, times)
             total_s = time.perf_counter() - start
-        return PeerRun(out[0, len(prompt_ids):].tolist(), total_s, first_token_s)
+        steps = times.steps
+        first_token_s = steps[0][0] - start if steps else total_s
+        decode_s = steps[-1][0] - steps[0][0] if len(steps) > 1 else None
+        decode_tokens = sum(count for _, count in steps[1:]) if len(steps) > 1 else None
+        return PeerRun(out[0, len(prompt_ids):].tolist(), total_s, first_token_s, decode_s=decode_s,
+                       decode_tokens=decode_tokens)
 
     def run_batch(self, prompts: list[list[int]], max_new_tokens: int) -> BatchPeerRun:
         """The prompts left-padded into one batch, one greedy ``generate`` call."""

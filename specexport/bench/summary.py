@@ -134,7 +134,8 @@ def _peer_decode_rate(record: dict) -> float | None:
     if steps < 1:
         return None
     if record.get("decode_s"):
-        return steps / record["decode_s"]
+        # the peer's own count where one step emits several tokens (prompt lookup)
+        return (record.get("decode_tokens") or steps) / record["decode_s"]
     decode_s = record["total_s"] - record["first_token_s"]
     return steps / decode_s if decode_s > 0 else None
 

@@ -98,6 +98,12 @@ def test_transformers_peers_equal_our_runtime(tiny_peers, pipe, name):
         run = peer.run(ids, NEW_TOKENS)
         check_run(run, NEW_TOKENS)
         assert run.token_ids == ours, f"{name} on the {label} prompt"
+        # decode timed within the run, from the first step's tokens to the last's: every
+        # token after the first step's is counted once (greedy: one per step)
+        assert run.decode_s is not None and 0 < run.decode_s < run.total_s
+        assert 1 <= run.decode_tokens <= len(run.token_ids) - 1
+        if name == "transformers-greedy":
+            assert run.decode_tokens == len(run.token_ids) - 1
 
 
 @needs_ort_genai
@@ -254,6 +260,8 @@ def test_peer_decode_rate_prefers_the_time_taken_in_the_run():
     assert _peer_decode_rate({**record, "decode_s": 2.5}) == pytest.approx(10 / 2.5)  # in the run
     assert _peer_decode_rate({**record, "token_ids": [1]}) is None
     assert _peer_decode_rate({**record, "first_token_s": 3.5}) is None
+    # a peer whose first step emitted several tokens (prompt lookup) says how many came after it
+    assert _peer_decode_rate({**record, "decode_s": 2.5, "decode_tokens": 7}) == pytest.approx(7 / 2.5)
 
 
 def _peer_processes() -> list[int]:
