@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specexport.contract import StateLayout
 from specexport.errors import BadInput
 
 
@@ -166,20 +167,15 @@ class DecoderParts:
         """Indices of the linear-attention layers (a recurrent state, no KV cache), in model order."""
         return [i for i, layer in enumerate(self.layers) if layer.linear is not None]
 
-    def state_dims(self) -> dict | None:
-        """The recurrent state's sizes, shared by every linear-attention layer: conv_channels (C),
-        conv_kernel (K; the conv state holds K-1 inputs), heads (Hv), key_dim, value_dim. None for
-        a model without linear-attention layers."""
-        keys = ("conv_channels", "conv_kernel", "heads", "key_dim", "value_dim")
-        sizes = {(w.conv_channels, w.conv_kernel, w.v_heads, w.k_dim, w.v_dim)
-                 for w in (layer.linear for layer in self.layers) if w is not None}
-        if not sizes:
-            return None
-        if len(sizes) > 1:
+    def state_layout(self) -> StateLayout | None:
+        """The recurrent state of the linear-attention layers (one layout shared by all of them:
+        conv window [C, K-1], state [Hv, dk, dv]); None for a model without such layers."""
+        layouts = {StateLayout(len(self.linear_layers), w.conv_channels, w.conv_kernel, w.v_heads, w.k_dim, w.v_dim)
+                   for w in (layer.linear for layer in self.layers) if w is not None}
+        if len(layouts) > 1:
             raise BadInput(f"{self.model_type}: the linear-attention layers' state sizes differ "
-                           f"({', '.join(str(dict(zip(keys, s))) for s in sorted(sizes))}); one state layout per "
-                           "model is supported")
-        return dict(zip(keys, sizes.pop()))
+                           f"({', '.join(str(s.to_json()) for s in layouts)}); one state layout per model is supported")
+        return layouts.pop() if layouts else None
 
     def summary(self) -> dict:
         summary = {
@@ -408,18 +404,30 @@ def _read_linear(config, lin, origin: str) -> dict:
     return dict(linear=linear, o_w=_t(lin.out_proj.weight))
 
 
+def split_query_gate(q_proj: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next / Qwen3.5 gated attention's q_proj [heads·2·hd, in], per head [q | gate] ->
+    the query rows and the output gate's rows, each [heads·hd, in]."""
+    per_head = q_proj.reshape(heads, 2, head_dim, q_proj.shape[1])  # [heads, (q | gate), hd, in]
+    return (per_head[:, 0].reshape(heads * head_dim, -1).clone(), per_head[:, 1].reshape(heads * head_dim, -1).clone())
+
+
+def attention_scale(model, head_dim: int) -> float:
+    """The attention layers' shared scaling, from the first layer that attends (a hybrid model's
+    first layers may be linear attention; with none, head_dim^-0.5)."""
+    first = next((layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn")), None)
+    return float(first.scaling) if first is not None else float(head_dim) ** -0.5
+
+
 def _read_gated_attention(attn, heads: int, head_dim: int, origin: str) -> dict:
     """Qwen3-Next / Qwen3.5 gated attention: q_proj's rows are per head [q | gate]."""
     if attn.q_proj.bias is not None:
         raise BadInput(f"{origin}: gated attention with attention_bias is not supported")
     qg = attn.q_proj.weight.detach().float()
-    hidden = qg.shape[1]
     if qg.shape[0] != heads * 2 * head_dim:
         raise BadInput(f"{origin}: q_proj has {qg.shape[0]} rows; gated attention wants heads·2·head_dim "
                        f"({heads * 2 * head_dim})")
-    per_head = qg.reshape(heads, 2 * head_dim, hidden)
-    return dict(q_w=per_head[:, :head_dim].reshape(heads * head_dim, hidden).clone(),
-                out_gate_w=per_head[:, head_dim:].reshape(heads * head_dim, hidden).clone(),
+    q_w, out_gate_w = split_query_gate(qg, heads, head_dim)
+    return dict(q_w=q_w, out_gate_w=out_gate_w,
                 k_w=_t(attn.k_proj.weight), v_w=_t(attn.v_proj.weight),
                 k_b=_t(attn.k_proj.bias), v_b=_t(attn.v_proj.bias),
                 o_w=_t(attn.o_proj.weight), o_b=_t(attn.o_proj.bias))
@@ -497,8 +505,6 @@ def read_decoder(model, max_positions: int, origin: str) -> DecoderParts:
     embed_scale = float(getattr(embed_module, "scalar_embed_scale", 1.0))
     lm_head = model.lm_head.weight
     tied = lm_head.data_ptr() == embed_module.weight.data_ptr()
-    # every attention layer shares one scaling; a hybrid model's first layer may be linear
-    first_attn = next((layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn")), None)
     return DecoderParts(
         model_type=config.model_type,
         hidden_size=config.hidden_size,
@@ -509,7 +515,7 @@ def read_decoder(model, max_positions: int, origin: str) -> DecoderParts:
         rms_norm_eps=float(config.rms_norm_eps),
         activation=_ACTIVATIONS[act_name],
         embed_scale=embed_scale,
-        attn_scale=float(first_attn.scaling) if first_attn is not None else head_dim**-0.5,
+        attn_scale=attention_scale(model, head_dim),
         attn_softcap=getattr(config, "attn_logit_softcapping", None),
         final_softcap=getattr(config, "final_logit_softcapping", None),
         embed=_t(embed_module.weight),

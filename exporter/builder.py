@@ -28,7 +28,6 @@ from specexport.contract import (
     Manifest,
     ModelEntry,
     Role,
-    StateLayout,
     engine_name,
     sha256_of,
     write_manifest,
@@ -221,8 +220,7 @@ class Builder:
         if refusal is not None:
             raise BadInput(f"recipe: model '{name}': {refusal}")
         decoder = StaticDecoder(parts, shapes.max_seq_len, self.recipe.attention, taps=taps).eval()
-        dims = parts.state_dims()  # linear-attention layers: a recurrent state beside the KV cache
-        state = None if dims is None else StateLayout(len(parts.linear_layers), **dims)
+        state = decoder.state_layout  # linear-attention layers: a recurrent state beside the KV cache
         stores = {name: WeightStore(tmp / f"{name}.weights")}
         if int4 is not None:
             stores[int4[0]] = WeightStore(tmp / f"{int4[0]}.weights")

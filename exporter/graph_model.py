@@ -398,8 +398,7 @@ class StaticDecoder(nn.Module):
                                     for w in parts.layers)
         self.kv_layers = len(parts.attention_layers)  # layers with a KV cache (past_key_values.{i})
         self.state_layers = len(parts.linear_layers)  # linear-attention layers (past_state.{j})
-        # conv_channels, conv_kernel, heads, key_dim, value_dim; None without linear-attention layers
-        self.state_dims = parts.state_dims()
+        self.state_layout = parts.state_layout()  # None without linear-attention layers
         self.rope_tables = sorted(parts.rope_tables)
         rot = next(iter(parts.rope_tables.values()))[0].shape[-1]
         self.register_buffer("rope_rotate", _rotate_half_matrix(rot), persistent=False)

@@ -44,11 +44,8 @@ def example_inputs(decoder: StaticDecoder, batch: int, tokens: int) -> tuple[tor
     valid = (torch.full((batch,), tokens, dtype=torch.int64),) if decoder.takes_valid_tokens else ()  # [B]
     kv_shape = (batch, decoder.n_kv, decoder.max_seq_len, decoder.head_dim)
     past = [torch.zeros(kv_shape) for _ in range(2 * decoder.num_layers)]  # [B, n_kv, S_max, hd]
-    state: list[torch.Tensor] = []
-    dims = decoder.state_dims or {}  # linear-attention layers' state sizes (none without them)
-    for _ in range(decoder.state_layers):
-        state += [torch.zeros(batch, dims["conv_channels"], dims["conv_kernel"] - 1),  # [B, C, K-1]
-                  torch.zeros(batch, dims["heads"], dims["key_dim"], dims["value_dim"])]  # [B, Hv, dk, dv]
+    layout = decoder.state_layout  # linear-attention layers: [B, C, K-1] and [B, Hv, dk, dv] each
+    state = [torch.zeros(shape) for shape in layout.shapes(batch).values()] if layout is not None else []
     return (ids, cache_length, *valid, *past, *state)
 
 

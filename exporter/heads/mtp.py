@@ -56,9 +56,11 @@ from specexport.errors import BadInput
 from specexport.exporter.archs import (
     ARCHITECTURES,
     _rope_tables,
+    attention_scale,
     mla_weights,
     moe_weights,
     softmax_moe_weights,
+    split_query_gate,
 )
 from specexport.exporter.heads.chain import (
     ChainHead,
@@ -246,21 +248,12 @@ def load(spec, target, base: Path, origin: str) -> ChainHead:
     spec_out = ChainSpec(
         kind="mtp", hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=eps,
         activation="silu" if act in ("silu", "swish") else "gelu_tanh",
-        attn_scale=_attn_scale(target.model, head_dim), embed=embed, stem=stem, layers=[layer],
+        attn_scale=attention_scale(target.model, head_dim), embed=embed, stem=stem, layers=[layer],
         out_norm=norm(lay.out_norm), lm_head=head, hidden_out_normed=lay.normed_hidden_out,
         rope=_rope_tables(target.model, t_cfg.max_position_embeddings)["default"], target_vocab=vocab,
         taps=(t_cfg.num_hidden_layers,), target_hidden=hidden, info={"layout": layout},
     )
     return ChainHead(spec_out, MtpReference(layout, prefix, files, target, origin), {"layout": layout})
-
-
-def _attn_scale(model, head_dim: int) -> float:
-    """The target's attention scale, from its first attention layer (a Qwen3-Next / Qwen3.5
-    target's first layers are linear attention; one with none: head_dim^-0.5, theirs)."""
-    for layer in model.model.layers:
-        if hasattr(layer, "self_attn"):
-            return float(layer.self_attn.scaling)
-    return float(head_dim) ** -0.5
 
 
 def read_attention(tensors: Tensors, prefix: str, t_cfg, hidden, heads, kv_heads, head_dim) -> dict:
@@ -346,10 +339,10 @@ def read_gated_layer(tensors: Tensors, prefix: str, t_cfg, hidden, heads, kv_hea
         if tensors.has(prefix + LAYER_NAMES[field]):
             raise BadInput(f"{origin}: the MTP layer's gated attention has a bias ('{prefix + LAYER_NAMES[field]}', "
                            "attention_bias), which the head graph lacks")
-    per_head = get("q_w", (2 * q, hidden)).view(heads, 2, head_dim, hidden)  # [heads, (q | gate), hd, H]
+    q_w, out_gate_w = split_query_gate(get("q_w", (2 * q, hidden)), heads, head_dim)
     attention = dict(
-        attn_norm=get("attn_norm", (hidden,)) + off, q_w=per_head[:, 0].reshape(q, hidden),
-        out_gate_w=per_head[:, 1].reshape(q, hidden), k_w=get("k_w", (kv, hidden)), v_w=get("v_w", (kv, hidden)),
+        attn_norm=get("attn_norm", (hidden,)) + off, q_w=q_w,
+        out_gate_w=out_gate_w, k_w=get("k_w", (kv, hidden)), v_w=get("v_w", (kv, hidden)),
         o_w=get("o_w", (hidden, q)), q_norm=get("q_norm", (head_dim,)) + off, k_norm=get("k_norm", (head_dim,)) + off,
         mlp_norm=get("mlp_norm", (hidden,)) + off,
     )

@@ -23,9 +23,9 @@ from specexport.contract import (
     LOGITS,
     NEXT_TOKENS,
     VALID_TOKENS,
+    StateLayout,
     past_names,
     present_of,
-    state_past_names,
     state_present_of,
 )
 
@@ -122,11 +122,9 @@ class Graphs:
         self.reset()
 
     def reset(self):
-        d, dims = self.decoder, self.decoder.state_dims
+        d = self.decoder
         self.kv = {name: np.zeros((1, d.n_kv, S_MAX, d.head_dim), np.float32) for name in past_names(d.kv_layers)}
-        self.state = {name: np.zeros((1, dims["conv_channels"], dims["conv_kernel"] - 1) if name.endswith(".conv")
-                                     else (1, dims["heads"], dims["key_dim"], dims["value_dim"]), np.float32)
-                      for name in state_past_names(d.state_layers)}
+        self.state = {name: np.zeros(shape, np.float32) for name, shape in d.state_layout.shapes(1).items()}
         self.length = 0
 
     def snapshot(self):
@@ -251,7 +249,7 @@ def test_states_match_transformers_cache(hybrid):
     graphs.step(hybrid.ids[8:n], VERIFY)
     with torch.no_grad():
         cache = hybrid.model(torch.from_numpy(hybrid.ids[:n])[None], use_cache=True).cache
-    kernel = graphs.decoder.state_dims["conv_kernel"]
+    kernel = graphs.decoder.state_layout.conv_kernel
     for j, layer in enumerate(hybrid.parts.linear_layers):
         conv = cache.layers[layer].conv_states[0].numpy()[..., -(kernel - 1):]
         recurrent = cache.layers[layer].recurrent_states[0].numpy()
@@ -285,10 +283,11 @@ def test_graph_inputs_outputs_and_plain_ops(hybrid):
     from specexport.contract import graph_inputs, graph_outputs
 
     graphs = graphs_for(hybrid, "standard")
-    d, dims = graphs.decoder, graphs.decoder.state_dims
+    d = graphs.decoder
     assert (d.kv_layers, d.state_layers, d.num_layers) == (1, 3, 1)
     assert hybrid.parts.attention_layers == [2] and hybrid.parts.linear_layers == [0, 1, 3]
-    assert dims == dict(conv_channels=2 * 2 * 16 + 4 * 16, conv_kernel=4, heads=4, key_dim=16, value_dim=16)
+    assert d.state_layout == StateLayout(num_layers=3, conv_channels=2 * 2 * 16 + 4 * 16, conv_kernel=4, heads=4,
+                                         key_dim=16, value_dim=16)
     assert hybrid.parts.summary()["layer_types"] == LAYER_TYPES
     proto = graphs.protos[VERIFY]
     shapes = {v.name: [x.dim_value for x in v.type.tensor_type.shape.dim]
@@ -352,13 +351,8 @@ def test_routing_matches_the_softmax_router():
 
 def _empty_cache(decoder) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """An empty KV cache (2 per attention layer) and zero states (conv, recurrent per linear layer)."""
-    dims = decoder.state_dims
     past = [torch.zeros(1, decoder.n_kv, S_MAX, decoder.head_dim) for _ in range(2 * decoder.kv_layers)]
-    state = []
-    for _ in range(decoder.state_layers):
-        state += [torch.zeros(1, dims["conv_channels"], dims["conv_kernel"] - 1),  # [1, C, K-1]
-                  torch.zeros(1, dims["heads"], dims["key_dim"], dims["value_dim"])]  # [1, Hv, dk, dv]
-    return past, state
+    return past, [torch.zeros(shape) for shape in decoder.state_layout.shapes(1).values()]
 
 
 def _torch_logits(parts, ids: torch.Tensor) -> torch.Tensor:
@@ -425,7 +419,7 @@ def test_non_hybrid_models_keep_their_graph_interface():
 
     model, _ = tiny_model(TinySource(source="tiny", arch="qwen3", num_layers=2))
     parts = read_decoder(model, S_MAX, "t")
-    assert parts.state_dims() is None and parts.linear_layers == [] and parts.attention_layers == [0, 1]
+    assert parts.state_layout() is None and parts.linear_layers == [] and parts.attention_layers == [0, 1]
     assert "layer_types" not in parts.summary()
     decoder = StaticDecoder(parts, S_MAX, "ort-gqa")
     assert (decoder.num_layers, decoder.kv_layers, decoder.state_layers) == (2, 2, 0)
