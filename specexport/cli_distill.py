@@ -38,6 +38,9 @@ def _layers(value: str | None) -> list[int] | None:
 @click.option("--data", "data", type=click.Path(path_type=Path), multiple=True,
               help="JSONL text to train on as is: {text} or {messages} ending with an assistant turn; repeatable.")
 @click.option("--resume", is_flag=True, help="Continue the run whose checkpoint is in --out (its data and settings).")
+@click.option("--init", "init", type=click.Path(path_type=Path), default=None,
+              help="eagle3: fine-tune this trained head (SafeAILab layout; its draft vocabulary and taps) "
+                   "instead of starting from scratch.")
 @click.option("--force", is_flag=True, help="Start over, replacing an earlier run's --out.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--max-steps", type=click.IntRange(1), default=None, help="Stop after this many optimizer steps in all.")
@@ -80,7 +83,7 @@ def _layers(value: str | None) -> list[int] | None:
               help="Size cap of that cache; past it rows are recomputed.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
 def distill(recipe: Path, drafter: str, out: Path, minutes: float, device: str, prompts: tuple[Path, ...],
-            data: tuple[Path, ...], resume: bool, force: bool, seed: int, max_steps: int | None,
+            data: tuple[Path, ...], resume: bool, init: Path | None, force: bool, seed: int, max_steps: int | None,
             eval_minutes: float, samples: int, temperature: float, max_new: int, gen_batch: int, holdout: float,
             draft_vocab: int, topk: int, ttt_steps: int, batch_tokens: int, lr: float, warmup: int,
             layers: str | None, block_size: int | None, draft_layers: int, anchors: int, gamma: float | None,
@@ -94,7 +97,7 @@ def distill(recipe: Path, drafter: str, out: Path, minutes: float, device: str, 
 
     opts = DistillOptions(
         recipe=recipe, drafter=drafter, out=out, minutes=minutes, device=device, prompts=list(prompts),
-        data=list(data), resume=resume, force=force, seed=seed, max_steps=max_steps, eval_minutes=eval_minutes,
+        data=list(data), resume=resume, init=init, force=force, seed=seed, max_steps=max_steps, eval_minutes=eval_minutes,
         samples=samples, temperature=temperature, max_new=max_new, gen_batch=gen_batch, holdout=holdout,
         draft_vocab=draft_vocab, topk=topk, ttt_steps=ttt_steps, batch_tokens=batch_tokens, lr=lr, warmup=warmup,
         layers=_layers(layers), block_size=block_size, draft_layers=draft_layers, anchors=anchors, gamma=gamma,

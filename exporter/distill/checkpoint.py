@@ -85,6 +85,44 @@ def write(dest: Path, config: dict, weights: dict[str, torch.Tensor], draft_ids:
         (folder / "state.json").write_text(json.dumps({**state.info, "optimizer": opt_rest}, indent=1) + "\n")
 
 
+@dataclass
+class InitHead:
+    """A trained head a new run starts from (``--init``): its weights, draft vocabulary and taps."""
+
+    config: dict
+    weights: dict[str, torch.Tensor]  # checkpoint name -> fp32 tensor (d2t/t2d left out)
+    draft_ids: np.ndarray  # [V_draft] target ids, ascending
+    taps: list[int] | None  # the config's eagle_aux_hidden_state_layer_ids, if it names them
+
+
+def read_head(folder: Path) -> InitHead:
+    """An EAGLE-3 checkpoint in the SafeAILab layout (ours or a published one) to fine-tune."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config_path, weights_path = folder / "config.json", folder / "model.safetensors"
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise BadInput(f"--init: {path} not found; give a folder holding an EAGLE-3 checkpoint "
+                           "(config.json, model.safetensors)")
+    try:
+        config = json.loads(config_path.read_text())
+        tensors = load_file(str(weights_path))
+    except (OSError, ValueError, SafetensorError) as err:
+        raise BadInput(f"--init: {folder}: unreadable checkpoint ({type(err).__name__}: {err})") from None
+    if "d2t" not in tensors:
+        raise BadInput(f"--init: {weights_path} has no d2t (draft-to-target ids); it is not an EAGLE-3 head "
+                       "with a reduced draft vocabulary")
+    d2t = tensors.pop("d2t").long()
+    tensors.pop("t2d", None)
+    draft_ids = (torch.arange(len(d2t)) + d2t).numpy().astype(np.int64)
+    if np.any(np.diff(draft_ids) <= 0) or draft_ids[0] < 0:
+        raise BadInput(f"--init: {weights_path}: d2t does not map to ascending target ids")
+    taps = config.get("eagle_aux_hidden_state_layer_ids")
+    return InitHead(config, {k: v.float() for k, v in tensors.items()}, draft_ids,
+                    [int(t) for t in taps] if taps else None)
+
+
 def has_state(dest: Path) -> bool:
     return (dest / STATE / "state.json").is_file()
 

@@ -35,6 +35,7 @@ from specexport.exporter.distill.data import (
     prompt_ids,
     read_jsonl,
     split_holdout,
+    vocab_coverage,
 )
 from specexport.progress import Reporter
 
@@ -60,6 +61,7 @@ class DistillOptions:
     prompts: list[Path] = field(default_factory=list)
     data: list[Path] = field(default_factory=list)
     resume: bool = False
+    init: Path | None = None  # eagle3: start from this trained head (its weights, draft vocabulary, taps)
     force: bool = False
     seed: int = 0
     max_steps: int | None = None  # optimizer steps in all (resumed runs included)
@@ -111,6 +113,14 @@ def check_options(opts: DistillOptions) -> None:
         raise BadInput(f"--markov-rank: {opts.markov_rank} is not a positive rank")
     if opts.drafter == "dspark" and opts.block_size is not None and opts.block_size < 2:
         raise BadInput(f"--block-size: {opts.block_size} is below 2 (the dspark layout's least block)")
+    if opts.init is not None:
+        if opts.drafter != "eagle3":
+            raise BadInput(f"--init: fine-tuning from a trained head is supported for --drafter eagle3, "
+                           f"not {opts.drafter}")
+        if opts.resume:
+            raise BadInput("--init and --resume contradict each other (--resume continues its own checkpoint)")
+        if opts.init.resolve() == opts.out.resolve():
+            raise BadInput(f"--init {opts.init}: is the output folder too; write the fine-tuned head elsewhere (-o)")
     out = opts.out
     if out.exists() and not out.is_dir():
         raise BadInput(f"-o {out}: is a file; choose a folder")
@@ -218,10 +228,11 @@ def distill(opts: DistillOptions, rep: Reporter | None = None,
 
     recipe, base = load_recipe(opts.recipe)
     inputs = read_inputs(opts) if not opts.resume else {"--prompts": [], "--data": []}
+    init = checkpoint.read_head(opts.init) if opts.init is not None else None
     device = _device(opts.device)
     cache = Path(tempfile.mkdtemp(prefix="specexport-distill-", dir=opts.cache_dir))
     try:
-        return _run(opts, inputs, recipe, base, device, cache, rep, on_event or (lambda kind, step: None))
+        return _run(opts, inputs, init, recipe, base, device, cache, rep, on_event or (lambda kind, step: None))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
 
@@ -308,7 +319,8 @@ def _block_head(kind: str, s: dict, cfg, taps, draft_ids, d: int, longest: int, 
     return _Head(head, config, "speculators", head.trainable(), step, score, facts)
 
 
-def _run(opts, inputs, recipe, base, device, cache: Path, rep: Reporter, on_event) -> dict:
+def _run(opts, inputs, init: checkpoint.InitHead | None, recipe, base, device, cache: Path, rep: Reporter,
+         on_event) -> dict:
     import torch
 
     from specexport import __version__
@@ -329,6 +341,8 @@ def _run(opts, inputs, recipe, base, device, cache: Path, rep: Reporter, on_even
         settings.update({k: state.info["settings"][k] for k in KEPT_ON_RESUME if k in state.info["settings"]})
         if opts.prompts or opts.data:
             rep.warn("--resume continues with the first run's data: --prompts/--data are ignored")
+    if init is not None:  # the head fixes the draft vocabulary
+        settings["draft_vocab"] = len(init.draft_ids)
     s = settings
     torch.manual_seed(s["seed"] + (state.info["step"] if state else 0))
 
@@ -346,6 +360,13 @@ def _run(opts, inputs, recipe, base, device, cache: Path, rep: Reporter, on_even
     n_layers = cfg.num_hidden_layers
     if state is not None:
         taps = tuple(state.info["taps"])
+    elif init is not None:
+        taps = tuple(init.taps or default_taps(n_layers))
+        if opts.layers is not None and tuple(opts.layers) != taps:
+            raise BadInput(f"--layers {opts.layers}: the --init head reads layers {list(taps)}; leave --layers out")
+        if int(init.draft_ids[-1]) >= cfg.vocab_size:
+            raise BadInput(f"--init {opts.init}: its draft vocabulary names token {int(init.draft_ids[-1])}, "
+                           f"past the target's {cfg.vocab_size}; it was trained for another target")
     else:
         defaults = default_taps if opts.drafter == "eagle3" else dflash_model.default_taps  # dspark: DFlash's
         taps = tuple(opts.layers) if opts.layers is not None else tuple(defaults(n_layers))
@@ -357,6 +378,9 @@ def _run(opts, inputs, recipe, base, device, cache: Path, rep: Reporter, on_even
         _note_bench_prompts(opts.prompts, rep)
         seqs, data_record = build_data(opts, inputs, target, device, rep, rng)
         draft_ids, coverage = choose_vocab(seqs, cfg.vocab_size, s["draft_vocab"])
+        if init is not None:
+            draft_ids, coverage = init.draft_ids, vocab_coverage(seqs, cfg.vocab_size, init.draft_ids)
+            data_record["init"] = {"path": str(opts.init), "sha256": file_sha256(opts.init / "model.safetensors")}
         data_record["vocabulary"] = coverage
     else:
         seqs, draft_ids, data_record = state.sequences, state.draft_ids, state.info["data"]
@@ -376,13 +400,11 @@ def _run(opts, inputs, recipe, base, device, cache: Path, rep: Reporter, on_even
         trained = _block_head(opts.drafter, *parts, state.info.get("head") if state is not None else None)
     head = trained.module
     if state is not None:
-        names = head.checkpoint_names()
-        if set(names) != set(state.weights):
-            raise BadInput(f"--resume: {opts.out}/state/head.safetensors does not match the {opts.drafter} head; "
-                           "start over with --force")
-        with torch.no_grad():
-            for name, param in names.items():
-                param.copy_(state.weights[name])
+        _load_weights(head, state.weights, f"--resume: {opts.out}/state/head.safetensors",
+                      "start over with --force")
+    elif init is not None:
+        _load_weights(head, init.weights, f"--init: {opts.init}/model.safetensors",
+                      "it must be an EAGLE-3 head of this target's hidden size")
     opt = torch.optim.AdamW(trained.params, lr=s["lr"], betas=(0.9, 0.95), weight_decay=0.0)
     if state is not None:
         opt.load_state_dict(state.optimizer)
@@ -481,6 +503,21 @@ def _run(opts, inputs, recipe, base, device, cache: Path, rep: Reporter, on_even
                  if written["step"] is not None else "no checkpoint was written")
         raise Interrupted(f"interrupted at step {info['step']}; {where}") from None
     return provenance
+
+
+def _load_weights(head, weights: dict, where: str, fix: str) -> None:
+    import torch
+
+    names = head.checkpoint_names()
+    if set(names) != set(weights):
+        missing, extra = sorted(set(names) - set(weights)), sorted(set(weights) - set(names))
+        raise BadInput(f"{where} does not match the head (missing {missing[:3]}, unexpected {extra[:3]}); {fix}")
+    for name, param in names.items():
+        if tuple(param.shape) != tuple(weights[name].shape):
+            raise BadInput(f"{where}: {name} is {list(weights[name].shape)}, the head needs {list(param.shape)}; {fix}")
+    with torch.no_grad():
+        for name, param in names.items():
+            param.copy_(weights[name])
 
 
 def _progress(rep: Reporter):

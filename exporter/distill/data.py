@@ -219,13 +219,25 @@ def generate(model, prompts: list[np.ndarray], *, max_new: int, batch: int, temp
     return out
 
 
+def _response_counts(seqs: Sequences, vocab: int) -> np.ndarray:
+    counts = np.zeros(vocab, dtype=np.int64)  # [V] response tokens of the training sequences
+    for i in seqs.members(holdout=False):
+        np.add.at(counts, seqs.ids[i][seqs.start[i] :], 1)
+    return counts
+
+
+def vocab_coverage(seqs: Sequences, vocab: int, draft_ids: np.ndarray) -> dict:
+    """The share of training response tokens a given draft vocabulary holds (``--init``'s)."""
+    counts = _response_counts(seqs, vocab)
+    coverage = round(float(counts[draft_ids].sum()) / max(int(counts.sum()), 1), 5)
+    return {"draft_vocab": int(len(draft_ids)), "response_coverage": coverage}
+
+
 def choose_vocab(seqs: Sequences, vocab: int, size: int) -> tuple[np.ndarray, dict]:
     """The ``size`` most frequent response tokens of the training sequences (ties: lower id),
     sorted ascending: draft id i is target id ``draft_ids[i]`` (d2t[i] = draft_ids[i] - i).
     Also the response-token coverage of the chosen size."""
-    counts = np.zeros(vocab, dtype=np.int64)
-    for i in seqs.members(holdout=False):
-        np.add.at(counts, seqs.ids[i][seqs.start[i] :], 1)
+    counts = _response_counts(seqs, vocab)
     size = min(size, vocab)
     order = np.lexsort((np.arange(vocab), -counts))  # by count desc, then id
     total = max(int(counts.sum()), 1)
