@@ -460,49 +460,99 @@ def _run(opts, inputs, init: checkpoint.InitHead | None, recipe, base, device, c
     budget = opts.minutes * 60.0
     total_budget = train_before + budget
     max_steps = opts.max_steps
-    try:
-        if not info["curve"]:
-            with rep.step("score", "untrained head (held-out)"):
-                record(score(eval_some))
-        t_train = time.time()
-        next_eval = t_train + opts.eval_minutes * 60
-        with _progress(rep) as bar:
-            task = bar.add_task("train", total=1000, loss=float("nan"), step=info["step"])
-            done = max_steps is not None and info["step"] >= max_steps
-            while not done:
-                info["epoch"] += 1
-                epoch_rng = random.Random(s["seed"] * 1_000_003 + info["epoch"])
-                for members in make_batches(train_members, lengths, s["batch_tokens"], epoch_rng):
-                    spent = time.time() - t_train
-                    frac = max((train_before + spent) / total_budget,
-                               info["step"] / max_steps if max_steps else 0.0)
-                    if spent >= budget or (max_steps is not None and info["step"] >= max_steps):
-                        done = True
+    with StopRequests() as stops:
+        try:
+            if not info["curve"]:
+                with rep.step("score", "untrained head (held-out)"):
+                    record(score(eval_some))
+            t_train = time.time()
+            next_eval = t_train + opts.eval_minutes * 60
+            with _progress(rep) as bar:
+                task = bar.add_task("train", total=1000, loss=float("nan"), step=info["step"])
+                done = max_steps is not None and info["step"] >= max_steps
+                while not done:
+                    info["epoch"] += 1
+                    epoch_rng = random.Random(s["seed"] * 1_000_003 + info["epoch"])
+                    for members in make_batches(train_members, lengths, s["batch_tokens"], epoch_rng):
+                        spent = time.time() - t_train
+                        frac = max((train_before + spent) / total_budget,
+                                   info["step"] / max_steps if max_steps else 0.0)
+                        if spent >= budget or (max_steps is not None and info["step"] >= max_steps):
+                            done = True
+                            break
+                        lr = learning_rate(s["lr"], info["step"], s["warmup"], frac)
+                        loss = trained.step(members, lr)
+                        info["step"] += 1
+                        info["train_seconds"] = train_before + time.time() - t_train
+                        bar.update(task, completed=int(1000 * min(frac, 1.0)), loss=loss, step=info["step"])
+                        on_event("step", info["step"])
+                        stops.check()
+                        if time.time() >= next_eval:
+                            record(score(eval_some))
+                            save(None)
+                            next_eval = time.time() + opts.eval_minutes * 60
+                            stops.check()
+                    if not train_members:
                         break
-                    lr = learning_rate(s["lr"], info["step"], s["warmup"], frac)
-                    loss = trained.step(members, lr)
-                    info["step"] += 1
-                    info["train_seconds"] = train_before + time.time() - t_train
-                    bar.update(task, completed=int(1000 * min(frac, 1.0)), loss=loss, step=info["step"])
-                    on_event("step", info["step"])
-                    if time.time() >= next_eval:
-                        record(score(eval_some))
-                        save(None)
-                        next_eval = time.time() + opts.eval_minutes * 60
-                if not train_members:
-                    break
-            bar.update(task, completed=1000)
-        info["train_seconds"] = train_before + time.time() - t_train
-        with rep.step("score", f"final, {len(eval_all)} held-out sequences"):
-            final = score(eval_all)
-        record(final)
-        with rep.step("write", str(opts.out)):
-            provenance = save(final)
-    except KeyboardInterrupt:
-        where = (f"{opts.out} holds the checkpoint of step {written['step']}; continue with --resume"
-                 if written["step"] is not None else "no checkpoint was written")
-        raise Interrupted(f"interrupted at step {info['step']}; {where}") from None
+                bar.update(task, completed=1000)
+            info["train_seconds"] = train_before + time.time() - t_train
+            with rep.step("score", f"final, {len(eval_all)} held-out sequences"):
+                final = score(eval_all)
+            record(final)
+            with rep.step("write", str(opts.out)):
+                provenance = save(final)
+        except KeyboardInterrupt:
+            where = (f"{opts.out} holds the checkpoint of step {written['step']}; continue with --resume"
+                     if written["step"] is not None else "no checkpoint was written")
+            raise Interrupted(f"interrupted at step {info['step']}; {where}") from None
     return provenance
+
+
+class StopRequests:
+    """Ctrl-C (or the CLI's SIGTERM) raises KeyboardInterrupt wherever the main thread is. When
+    that happens inside a finalizer (torch runs Python ``__del__``s and weakref callbacks during
+    training), Python prints "Exception ignored" and carries on, and the run would go on to its
+    time budget. So the handlers Python already runs are wrapped to also note the request, and
+    the loop checks the note after each step and checkpoint. Ignored signals stay ignored (a
+    background job), and off the main thread nothing is installed."""
+
+    SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopRequests:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for name in self.SIGNALS:
+            number = getattr(signal, name)
+            handler = signal.getsignal(number)
+            if callable(handler):  # a Python handler (not SIG_DFL/SIG_IGN): it raises, we note it too
+                self._previous[number] = handler
+                signal.signal(number, self._noting(handler))
+        return self
+
+    def _noting(self, handler):
+        def note_then_raise(signum, frame):
+            self.requested = True
+            handler(signum, frame)
+
+        return note_then_raise
+
+    def check(self) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
 
 
 def _load_weights(head, weights: dict, where: str, fix: str) -> None:

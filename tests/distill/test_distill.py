@@ -189,6 +189,33 @@ def test_an_interrupt_keeps_the_last_checkpoint(trained, work, tmp_path, error):
         assert f"checkpoint of step {saved[-1]}" in str(caught.value) and caught.value.exit_code == 130
 
 
+def test_a_ctrl_c_swallowed_by_a_finalizer_still_stops_the_run(trained, work, tmp_path):
+    """KeyboardInterrupt raised inside a ``__del__`` or weakref callback is printed as "Exception
+    ignored" and lost; the run must still stop at the next step, keeping its last checkpoint."""
+    from specexport.exporter.distill import checkpoint
+    from specexport.exporter.distill.command import Interrupted, distill
+
+    out = _copy(trained, tmp_path)
+
+    def swallow(kind: str, step: int) -> None:
+        if kind == "step" and step == STEPS + 3:
+            try:  # what a finalizer running when Ctrl-C lands does with the interrupt
+                signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+            except KeyboardInterrupt:
+                pass
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    try:
+        with pytest.raises(Interrupted) as caught:
+            distill(options(work, out, resume=True, prompts=[], data=[], max_steps=STEPS + 40, eval_minutes=1e-6),
+                    on_event=swallow)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert signal.getsignal(signal.SIGINT) is previous  # the run's handler is gone with it
+    assert str(caught.value).startswith(f"interrupted at step {STEPS + 3}; ")
+    assert checkpoint.read(out).info["step"] == STEPS + 2
+
+
 def test_ctrl_c_on_the_command_keeps_the_last_checkpoint(trained, work, tmp_path):
     """SIGINT to a running `specexport distill --resume`: exit 130, one line naming the step the
     folder holds, and that checkpoint whole."""
