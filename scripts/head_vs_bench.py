@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from specexport.exporter.distill import checkpoint
+from specexport.exporter.distill.command import load_weights
 from specexport.exporter.distill.data import Sequences, generate, prompt_ids, read_jsonl
 from specexport.exporter.distill.eagle3_model import Eagle3Draft, rope_tables
 from specexport.exporter.distill.eagle3_train import evaluate
@@ -69,9 +70,7 @@ def main() -> None:
         head_ckpt = checkpoint.read_head(folder)
         taps = tuple(head_ckpt.taps or default_taps(cfg.num_hidden_layers))
         head = Eagle3Draft(head_ckpt.config, len(taps), embed, rope_tables(head_ckpt.config, 4096)).eval()
-        with torch.no_grad():
-            for name, param in head.checkpoint_names().items():
-                param.copy_(head_ckpt.weights[name])
+        load_weights(head, head_ckpt.weights, str(folder), "give an EAGLE-3 head of this recipe's target")
         draft_t = torch.from_numpy(head_ckpt.draft_ids)  # [V_draft] target ids
         draft_of = torch.full((cfg.vocab_size,), -1, dtype=torch.long)  # [V] draft id or -1
         draft_of[draft_t] = torch.arange(len(draft_t))

@@ -377,10 +377,11 @@ def _run(opts, inputs, init: checkpoint.InitHead | None, recipe, base, device, c
     if state is None:
         _note_bench_prompts(opts.prompts, rep)
         seqs, data_record = build_data(opts, inputs, target, device, rep, rng)
-        draft_ids, coverage = choose_vocab(seqs, cfg.vocab_size, s["draft_vocab"])
-        if init is not None:
+        if init is not None:  # the head's own vocabulary, and how much of the new data it covers
             draft_ids, coverage = init.draft_ids, vocab_coverage(seqs, cfg.vocab_size, init.draft_ids)
             data_record["init"] = {"path": str(opts.init), "sha256": file_sha256(opts.init / "model.safetensors")}
+        else:
+            draft_ids, coverage = choose_vocab(seqs, cfg.vocab_size, s["draft_vocab"])
         data_record["vocabulary"] = coverage
     else:
         seqs, draft_ids, data_record = state.sequences, state.draft_ids, state.info["data"]
@@ -400,10 +401,10 @@ def _run(opts, inputs, init: checkpoint.InitHead | None, recipe, base, device, c
         trained = _block_head(opts.drafter, *parts, state.info.get("head") if state is not None else None)
     head = trained.module
     if state is not None:
-        _load_weights(head, state.weights, f"--resume: {opts.out}/state/head.safetensors",
+        load_weights(head, state.weights, f"--resume: {opts.out}/state/head.safetensors",
                       "start over with --force")
     elif init is not None:
-        _load_weights(head, init.weights, f"--init: {opts.init}/model.safetensors",
+        load_weights(head, init.weights, f"--init: {opts.init}/model.safetensors",
                       "it must be an EAGLE-3 head of this target's hidden size")
     opt = torch.optim.AdamW(trained.params, lr=s["lr"], betas=(0.9, 0.95), weight_decay=0.0)
     if state is not None:
@@ -555,7 +556,8 @@ class StopRequests:
         self._previous = {}
 
 
-def _load_weights(head, weights: dict, where: str, fix: str) -> None:
+def load_weights(head, weights: dict, where: str, fix: str) -> None:
+    """Copy checkpoint tensors into ``head`` by its checkpoint names; a mismatch is one BadInput line."""
     import torch
 
     names = head.checkpoint_names()
