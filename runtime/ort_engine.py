@@ -41,10 +41,12 @@ from pathlib import Path
 
 import numpy as np
 
-from specexport.errors import BadInput, missing_extra
+from specexport.errors import BadInput, MissingDependency, missing_extra
 from specexport.runtime.engine import EngineOptions, SharedGraphs, check_feeds
 from specexport.runtime.manifest import EngineEntry, TensorSpec
 
+# onnxruntime-gpu installs the same module as the CPU onnxruntime every extra brings: a swap, not an extra
+ONNXRUNTIME_GPU_SWAP = "pip uninstall -y onnxruntime && pip install 'onnxruntime-gpu>=1.20'"
 _PROVIDERS = {
     "cpu": ["CPUExecutionProvider"],
     "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
@@ -124,7 +126,7 @@ class OrtEngine:
             raise BadInput(f"device '{options.device}' is unknown; choose one of {', '.join(_PROVIDERS)}")
         available = ort.get_available_providers()
         if providers[0] not in available:
-            raise missing_extra(f"onnxruntime with {providers[0]}", "gpu")
+            raise MissingDependency(f"onnxruntime with {providers[0]} is not installed: {ONNXRUNTIME_GPU_SWAP}")
         so = session_options(ort, options.threads)
         self.name = name
         self.inputs = inputs

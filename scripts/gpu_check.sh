@@ -21,13 +21,20 @@ command -v nvidia-smi >/dev/null || { echo "gpu_check: no nvidia-smi: this needs
   || { echo "gpu_check: tensorrt / cuda-python missing: pip install 'specexport[gpu]'" >&2; exit 2; }
 nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader
 
-# The two recipes with the tensorrt backend and the chosen precision (the originals are untouched).
+# The two recipes with the tensorrt backend, standard attention at batch 1 and the chosen precision
+# (the originals are untouched).
 for recipe in tiny-llama smollm2-135m; do
   "$PY" - "$recipe" "$OUT" "$PRECISION" <<'EOF'
 import sys, yaml
+from pathlib import Path
 name, out, precision = sys.argv[1:]
 data = yaml.safe_load(open(f"recipes/{name}.yaml"))
-data.update(name=f"{name}-trt", backends=["onnxruntime", "tensorrt"], precision=precision)
+for drafter in data.get("drafters", []):  # paths are relative to the recipe, which moves to OUT
+    if drafter.get("path"):
+        drafter["path"] = str(Path("recipes", drafter["path"]).resolve())
+# TensorRT compiles the standard graphs (ort-gqa's GroupQueryAttention is onnxruntime's own), built for batch 1
+data.update(name=f"{name}-trt", backends=["onnxruntime", "tensorrt"], precision=precision, attention="standard",
+            shapes={**data.get("shapes", {}), "batch": 1})
 yaml.safe_dump(data, open(f"{out}/{name}-trt.yaml", "w"), sort_keys=False)
 EOF
   "$PY" -m specexport build "$OUT/$recipe-trt.yaml" -o "$OUT/$recipe-trt"

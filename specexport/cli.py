@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from specexport import __version__
-from specexport.errors import SpecexportError
+from specexport.errors import SpecexportError, missing_module
 
 
 def _fail(message: str, code: int) -> None:
@@ -45,7 +45,8 @@ def cli() -> None:
               show_default=True, help="With --calibrate: the prompt set.")
 @click.option("--max-new-tokens", type=click.IntRange(2), default=48, show_default=True,
               help="With --calibrate: tokens per prompt.")
-@click.option("--threads", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--threads", type=click.IntRange(1), default=2, show_default=True,
+              help="With --calibrate: onnxruntime intra-op threads.")
 def plan(recipe: Path, as_json: bool, calibrate: bool, prompts: Path, max_new_tokens: int, threads: int) -> None:
     """Show G, the tile arithmetic and the draft length a RECIPE builds for (or, given an
     engine directory, its plan and the engine costs the runtime uses: tuned or the build's)."""
@@ -149,7 +150,7 @@ def build(recipe: Path | None, out: Path | None, from_onnx: Path | None, precisi
 @click.option("--draft-len", type=int, default=None, help="Draft tokens per round at most (default: the plan's D).")
 @click.option("--adaptive/--fixed-depth", default=True, show_default=True,
               help="Choose each round's depth from measured costs and acceptance, or always draft --draft-len.")
-@click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)
+@click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True, help="Tokens to generate at most.")
 @click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 is off.")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="1 is off.")
@@ -246,21 +247,25 @@ def _generate_batch(engine_dir: Path, prompts_file: Path, max_batch: int | None,
 @click.argument("engine_dir", type=click.Path(path_type=Path))
 @click.option("--prompts", type=click.Path(path_type=Path), default=Path("bench/prompts/dev.jsonl"),
               show_default=True, help="JSONL prompts: {id, category, messages} (chat) or {id, category, prompt}.")
-@click.option("--max-new-tokens", "-n", type=click.IntRange(2), default=128, show_default=True)
-@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--max-new-tokens", "-n", type=click.IntRange(2), default=128, show_default=True,
+              help="Tokens per prompt and run.")
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
+              help="Runs of each prompt per runner, interleaved; tokens/s is their median.")
 @click.option("--drafters", default=None, help="Comma-separated drafter names (default: all in the manifest).")
 @click.option("--peers", default="", help="Comma-separated peers: transformers-greedy, transformers-prompt-lookup, "
               "ort-genai, ort-genai-ngram, or 'all'. With --batch: the target-alone peers that batch "
               "(transformers-greedy, ort-genai) at each batch size.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--threads", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--threads", type=click.IntRange(1), default=2, show_default=True, help="onnxruntime intra-op threads (and each peer's).")
 @click.option("--draft-len", type=int, default=None, help="Maximum draft length (default: the plan's D).")
-@click.option("--adaptive/--fixed-depth", default=True, show_default=True)
+@click.option("--adaptive/--fixed-depth", default=True, show_default=True,
+              help="Choose each round's depth from measured costs and acceptance, or always draft --draft-len.")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default=None,
               help="Engines to run (default: onnxruntime when the directory has them).")
 @click.option("--host-kv", is_flag=True,
               help="tensorrt: keep the KV cache in host memory, copied to the GPU on every run.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("bench/out"), show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench/out"), show_default=True,
+              help="Folder for bench.json, bench.md and the plots.")
 @click.option("--baseline", type=click.Path(path_type=Path), default=None,
               help="Compare ratios with this baseline; exit 1 on a regression.")
 @click.option("--update-baseline", is_flag=True, help="Write the results as the new --baseline.")
@@ -431,6 +436,9 @@ def main() -> None:
     except KeyboardInterrupt:
         _fail("interrupted; nothing was written", 130)
     except Exception as err:  # noqa: BLE001 - the last line of defence against tracebacks
+        missing = missing_module(err)  # an extra's package, imported when the command runs
+        if missing is not None:
+            _fail(str(missing), missing.exit_code)
         if os.environ.get("SPECEXPORT_DEBUG"):
             raise
         _fail(f"internal error: {type(err).__name__}: {err} (set SPECEXPORT_DEBUG=1 for the traceback)", 1)

@@ -42,13 +42,14 @@ def _layers(value: str | None) -> list[int] | None:
               help="eagle3: fine-tune this trained head (SafeAILab layout; its draft vocabulary and taps) "
                    "instead of starting from scratch.")
 @click.option("--force", is_flag=True, help="Start over, replacing an earlier run's --out.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the data split, sampling and initialisation.")
 @click.option("--max-steps", type=click.IntRange(1), default=None, help="Stop after this many optimizer steps in all.")
 @click.option("--eval-minutes", type=click.FloatRange(min=0.0, min_open=True), default=2.0, show_default=True,
               help="Score the held-out split (and write a checkpoint) this often.")
 @click.option("--samples", type=click.IntRange(0), default=1, show_default=True,
               help="Sampled responses per training prompt, besides the greedy one.")
-@click.option("--temperature", type=click.FloatRange(min=0.0, min_open=True), default=0.7, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0.0, min_open=True), default=0.7, show_default=True,
+              help="Temperature of the sampled responses (--samples).")
 @click.option("--max-new", type=click.IntRange(1), default=256, show_default=True, help="Tokens per response.")
 @click.option("--gen-batch", type=click.IntRange(1), default=64, show_default=True, help="Prompts per generate call.")
 @click.option("--holdout", type=click.FloatRange(0.0, 0.5), default=0.05, show_default=True,
@@ -61,7 +62,8 @@ def _layers(value: str | None) -> list[int] | None:
               help="Unrolled training-time-test steps.")
 @click.option("--batch-tokens", type=click.IntRange(16), default=8192, show_default=True,
               help="Padded tokens per training batch.")
-@click.option("--lr", type=click.FloatRange(min=0.0, min_open=True), default=1e-3, show_default=True)
+@click.option("--lr", type=click.FloatRange(min=0.0, min_open=True), default=1e-3, show_default=True,
+              help="Peak learning rate (AdamW, warm-up then cosine).")
 @click.option("--warmup", type=click.IntRange(0), default=100, show_default=True, help="Warm-up steps.")
 @click.option("--layers", default=None, help="Target layers tapped, the stream entering each (default eagle3: "
               "2,L//2,L-3; dflash: up to 5 spread over 1..L-1).")

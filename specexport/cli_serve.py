@@ -27,12 +27,14 @@ def _autoscale(value: str | None) -> tuple[int, int] | None:
 
 
 def check_servable(engine_dir: Path, drafter: str, max_batch: int | None) -> str:
-    """Fail before the port opens on what would fail while loading: the directory, the
-    drafter, batched engines. Returns the drafter to run."""
+    """Fail before the port opens on what would fail while loading: the directory, a target
+    that cannot batch, the drafter, batched engines. Returns the drafter to run."""
     from specexport.runtime.batch_drafter import batched_refusal
     from specexport.runtime.manifest import Manifest
+    from specexport.serve.config import refuse_recurrent_target
 
     manifest = Manifest.load(engine_dir)
+    refuse_recurrent_target(manifest, engine_dir)  # first: rebuilding with ort-gqa would not help it
     info = manifest.models["target"]
     if info.attention != "ort-gqa" or "onnxruntime" not in manifest.backends():
         raise BadInput(f"{engine_dir}: serve batches requests and needs onnxruntime engines built with "
@@ -54,8 +56,10 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None) -> str
 @click.command()
 @click.argument("engine_dir", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--drafter", default="ngram", show_default=True, help="none, ngram, the int4 copy (quantized-self) or a draft model: the batched loop's drafters.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to bind.")
+@click.option("--drafter", default="ngram", show_default=True,
+              help="none, or any drafter the directory has (ngram, quantized-self, a draft model, or a head: "
+                   "eagle3, mtp, dflash, dspark); every one runs batched.")
 @click.option("--max-batch", type=click.IntRange(min=1), default=None,
               help="Sequences per round (default: the largest batch size built).")
 @click.option("--max-waiting", type=click.IntRange(min=0), default=64, show_default=True,
@@ -73,13 +77,14 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None) -> str
 @click.option("--autoscale", default=None, help="With --ray: MIN:MAX replicas, scaled by ongoing requests.")
 @click.option("--ray-address", default=None, help="With --ray: an existing cluster (default: RAY_ADDRESS, else local).")
 @click.option("--log-level", default="warning", show_default=True,
-              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
 def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int | None, max_waiting: int,
           threads: int | None, api_key: str | None, served_model_name: str, no_schedule: bool, per_sequence: bool,
           adaptive: bool, use_ray: bool, replicas: int, autoscale: str | None, ray_address: str | None, log_level: str) -> None:
     """Serve ENGINE_DIR over OpenAI's API: /v1/completions, /v1/chat/completions (streamed or
     not), /v1/models, /health and /metrics (Prometheus). One engine thread batches every
-    request; depth follows the plan's draft.schedule, and each request's adaptive depth under it."""
+    request; depth follows the plan's draft.schedule, and each request's adaptive depth under it.
+    Targets with linear-attention layers (Qwen3-Next, Qwen3.5) run at batch 1 only: refused."""
     for package, extra in (("fastapi", "serve"), ("uvicorn", "serve"), ("prometheus_client", "serve")):
         if importlib.util.find_spec(package) is None:
             raise missing_extra(package, extra)

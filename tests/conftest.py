@@ -35,6 +35,19 @@ def run_cli(*args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def check_one_line(code: int, err: str, *needles: str, alone: bool = False) -> None:
+    """A refused command: exit code 2 and one error line, the last thing on stderr (progress
+    lines may come before it, none with ``alone``), naming each of ``needles``; no traceback."""
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.strip().splitlines() if line]
+    errors = [line for line in lines if line.startswith("specexport: error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], err
+    assert len(lines) == 1 or not alone, err
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
 def tiny_recipe(path: Path, arch: str = "llama", *, drafters=None, name: str | None = None, seed: int = 0,
                 max_seq_len: int = 96, prefill_chunk: int = 16, max_draft: int = 4, attention: str = "standard",
                 batch: int | tuple[int, ...] = 1, **target) -> Path:
@@ -155,8 +168,37 @@ def tiny_engines(tmp_path_factory, worker_id) -> TinyEngines:
 
 
 @pytest.fixture(scope="session")
+def tiny_dir(tiny_engines) -> Path:
+    """The shared tiny llama build: standard attention, TINY_SHAPE, every drafter of ALL_DRAFTERS."""
+    return tiny_engines.get("llama", **TINY_SHAPE)
+
+
+@pytest.fixture(scope="session")
 def batched_engines(tiny_engines) -> Path:
     """The tiny ort-gqa build with batch sizes 1, 2 and 4 (every drafter but the heads) that the
     batched graph, loop and schedule tests share."""
     return tiny_engines.get("llama", drafters=("ngram", "quantized-self", "draft-model"), attention="ort-gqa",
                             batch=(1, 2, 4), **TINY_SHAPE)
+
+
+# The target's twin with its weights scaled by 0.9 (same seed, init_std 0.45 against 0.5): its
+# drafts are mostly accepted, and now and then rejected after several were.
+NEAR_COPY = {"kind": "model", "name": "near-copy",
+             "model": {"source": "tiny", "arch": "llama", "seed": 0, "init_std": 0.45}}
+
+
+@pytest.fixture(scope="session")
+def near_copy_engines(tmp_path_factory, worker_id) -> Path:
+    """The tiny llama (ort-gqa) with NEAR_COPY as its draft model, built once per run: the
+    sampling test (tests/runtime/test_pipeline.py) and the draft model's E[L] floor
+    (tests/runtime/test_drafter_acceptance.py) share it."""
+    root = shared_root(tmp_path_factory, worker_id, "near-copy")
+    with FileLock(root / "build.lock"):
+        if not (root / "engines" / "manifest.json").exists():  # build() swaps a whole directory in
+            from specexport.exporter.builder import build
+            from specexport.exporter.progress import Reporter
+
+            recipe = tiny_recipe(root / "r.yaml", "llama", name="near-copy", drafters=[NEAR_COPY], max_seq_len=64,
+                                 prefill_chunk=16, max_draft=4, attention="ort-gqa")
+            build(recipe, root / "engines", False, Reporter(quiet=True))
+    return root / "engines"

@@ -1,6 +1,8 @@
-"""Whether the GPU tests (marked ``gpu``) can run on this machine."""
+"""Whether the GPU tests (marked ``gpu``) can run on this machine, and the marks that say so."""
 
 from __future__ import annotations
+
+import pytest
 
 from specexport.errors import BadInput
 
@@ -15,3 +17,14 @@ def gpu_unavailable() -> str | None:
     except BadInput as err:
         return str(err)
     return None
+
+
+NO_GPU = gpu_unavailable()
+
+# The refusals of a machine without TensorRT or a GPU: a machine with both has nothing to refuse.
+without_gpu = pytest.mark.skipif(NO_GPU is None, reason="TensorRT and a GPU are present")
+
+
+def needs_gpu(test):
+    """Marks ``test`` gpu, and skips it, saying what is missing, where there is no GPU with TensorRT."""
+    return pytest.mark.gpu(pytest.mark.skipif(NO_GPU is not None, reason=f"needs a CUDA GPU and TensorRT: {NO_GPU}")(test))

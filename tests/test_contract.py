@@ -31,14 +31,13 @@ from specexport.contract import (
     write_manifest,
 )
 from specexport.errors import BadInput
-
-SHAPE = dict(max_seq_len=160, prefill_chunk=16)  # as the runtime tests: one build serves both
+from tests.conftest import TINY_SHAPE
 
 
 @pytest.fixture(scope="module", params=["standard", "ort-gqa"])
 def built(request, tiny_engines):
     """A tiny build with every drafter (ngram, quantized-self, draft model)."""
-    return tiny_engines.get("llama", attention=request.param, **SHAPE)
+    return tiny_engines.get("llama", attention=request.param, **TINY_SHAPE)
 
 
 def assert_round_trip(directory) -> Manifest:
@@ -83,7 +82,7 @@ def test_a_tensorrt_manifest_written_by_the_same_path_reads_back(tiny_engines, t
     from specexport.exporter.trt_from_onnx import with_tensorrt_engines
     from specexport.runtime.trt_engine import CudaDevice
 
-    src = tiny_engines.get("llama", **SHAPE)
+    src = tiny_engines.get("llama", **TINY_SHAPE)
     dst = tmp_path / "trt"
     shutil.copytree(src, dst)
     manifest = read_manifest(dst)
@@ -115,7 +114,7 @@ def test_a_tensorrt_manifest_written_by_the_same_path_reads_back(tiny_engines, t
 def test_manifests_written_before_the_contract_still_load(tiny_engines, tmp_path):
     """The hand-built writers of before: TensorRT entries without kv_update or weights, no
     optional sections. They load to the defaults."""
-    src = tiny_engines.get("llama", **SHAPE)
+    src = tiny_engines.get("llama", **TINY_SHAPE)
     dst = tmp_path / "old"
     shutil.copytree(src, dst)
     raw = json.loads((dst / MANIFEST).read_text())
@@ -137,7 +136,7 @@ def test_manifests_written_before_the_contract_still_load(tiny_engines, tmp_path
 
 def test_an_unknown_role_is_one_line_naming_the_manifest(tiny_engines, tmp_path):
     dst = tmp_path / "bad"
-    shutil.copytree(tiny_engines.get("llama", **SHAPE), dst)
+    shutil.copytree(tiny_engines.get("llama", **TINY_SHAPE), dst)
     raw = json.loads((dst / MANIFEST).read_text())
     raw["engines"][0]["role"] = "draft"
     (dst / MANIFEST).write_text(json.dumps(raw))

@@ -413,7 +413,8 @@ class Reference(Protocol):
     """What a kind's module gives validation: a full-sequence forward written from the published
     code. ``run(tokens [n], states, own_last)``: rows p = 0..n-1 (token tokens[p], the target's
     features of position p from ``states``), the last row fed ``own_last`` (the head's own hidden
-    of the row before) instead when given. Returns (logits [n, V_target], hidden [n, H])."""
+    of the row before) instead when given; ``own_last`` [r, H]: the last r rows so fed, each the
+    hidden of the row before (a chain's step rows). Returns (logits [n, V_target], hidden [n, H])."""
 
     name: str
 

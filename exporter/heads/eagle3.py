@@ -247,8 +247,9 @@ class Eagle3Reference:
         if self.fc_norm is not None:
             aux = aux * torch.rsqrt(aux.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon) * self.fc_norm
         g = aux @ self.fc.T  # [n, H]
-        if own_last is not None:
-            g = torch.cat((g[:-1], own_last[None]))
+        if own_last is not None:  # [H], or [r, H]: the last r rows (a chain's step rows)
+            own = own_last.reshape(-1, g.shape[-1])
+            g = torch.cat((g[: n - len(own)], own))
         first = self.layers[0]
         residual, h = g, first.hidden_norm(g)
         if self.norm_before_residual:

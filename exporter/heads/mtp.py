@@ -455,8 +455,9 @@ class MtpReference:
     def run(self, tokens: torch.Tensor, states: TargetStates, own_last: torch.Tensor | None):
         n = len(tokens)
         prev = (states.before_final_norm if self.pre_norm else states.hidden_states[-1])[:n]  # [n, H]
-        if own_last is not None:
-            prev = torch.cat((prev[:-1], own_last[None]))
+        if own_last is not None:  # [H], or [r, H]: the last r rows (a chain's step rows)
+            own = own_last.reshape(-1, prev.shape[-1])
+            prev = torch.cat((prev[: n - len(own)], own))
         e = self.embed[tokens].clone()  # [n, H]
         if self.mask0:
             e[0] = 0.0  # row 0 sits at position 0

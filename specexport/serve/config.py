@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from specexport.errors import BadInput
+
 
 @dataclass(frozen=True)
 class ServeConfig:
     engine_dir: str
     model_name: str = ""  # the name clients ask for; default: the engine directory's name
-    drafter: str = "ngram"  # one the batched loop runs: none, ngram, the int4 copy, a draft model
+    drafter: str = "ngram"  # none or any drafter of the directory (all run in the batched loop)
     max_batch: int | None = None  # sequences per round (default: the largest batch size built)
     max_waiting: int = 64  # requests queued beyond the running ones; more get 429
     threads: int | None = None
@@ -22,3 +24,14 @@ class ServeConfig:
     @property
     def served_name(self) -> str:
         return self.model_name or Path(self.engine_dir).resolve().name
+
+
+def refuse_recurrent_target(manifest, engine_dir: str | Path) -> None:
+    """A server batches every request; a target with linear-attention layers (Qwen3-Next,
+    Qwen3.5: a recurrent state per sequence) runs at batch 1 only. Refused before the port
+    opens, so it is one line at start and not a 503 on every request. ``manifest``: the
+    directory's runtime Manifest."""
+    if manifest.models["target"].state is not None:
+        raise BadInput(f"{engine_dir}: the target has linear-attention layers (a recurrent state per "
+                       "sequence), which run at batch 1 only, and serve batches every request; "
+                       "use specexport generate")

@@ -26,7 +26,7 @@ import threading
 from typing import Any
 
 from specexport.errors import BadInput, SpecexportError, missing_extra
-from specexport.serve.config import ServeConfig
+from specexport.serve.config import ServeConfig, refuse_recurrent_target
 
 APP_NAME = "specexport"
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a single-machine Ray on 127.0.0.1
@@ -72,15 +72,24 @@ class SpecexportReplica:
             raise RuntimeError(f"{self.config.engine_dir}: {err}") from None
 
 
-def served_batch(config: ServeConfig) -> int | None:
-    """The rows one replica decodes per round (as the batched loop picks them: the largest batch
-    size built, at most max_batch); None when the engine directory cannot be read here."""
+def _driver_manifest(config: ServeConfig):
+    """The engine directory's Manifest as this driver reads it; None when it cannot (the
+    replicas, which load it, report why)."""
     from specexport.runtime.manifest import Manifest
 
     try:
-        built = Manifest.load(config.engine_dir).batch_sizes("target")
+        return Manifest.load(config.engine_dir)
     except Exception:  # noqa: BLE001 - e.g. a driver off the cluster's shared filesystem
+        return None
+
+
+def served_batch(config: ServeConfig) -> int | None:
+    """The rows one replica decodes per round (as the batched loop picks them: the largest batch
+    size built, at most max_batch); None when the engine directory cannot be read here."""
+    manifest = _driver_manifest(config)
+    if manifest is None:
         return config.max_batch
+    built = manifest.batch_sizes("target")
     return max([b for b in built if config.max_batch is None or b <= config.max_batch] or [1])
 
 
@@ -107,6 +116,9 @@ def deployment(config: ServeConfig, *, replicas: int | None = None, autoscaling:
     autoscaling_config keys), between a and b replicas, starting with ``replicas``. Each
     replica reserves ``num_cpus_per_replica`` CPUs (match it to config.threads) and admits
     max_batch + max_waiting requests at once; Ray Serve queues the rest."""
+    manifest = _driver_manifest(config)
+    if manifest is not None:  # refused here, not by every replica in turn
+        refuse_recurrent_target(manifest, config.engine_dir)
     _, serve = _ray()
     if replicas is not None and replicas < 1:
         raise BadInput(f"replicas: need at least 1 (got {replicas})")

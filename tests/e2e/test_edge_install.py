@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, TINY_SHAPE
+from tests.test_packaging import is_onnxruntime
 
 pytestmark = pytest.mark.slow
 
@@ -51,13 +52,17 @@ def test_cpu_extra_alone_runs_generate_and_bench(tiny_engines, tmp_path):
     python = venv / "bin" / "python"
     subprocess.run([str(python), "-m", "pip", "install", "-q", f"specexport[cpu] @ {wheel.as_uri()}"], check=True,
                    capture_output=True)
+    installed = subprocess.run([str(python), "-c", "import importlib.metadata as m\n"
+                                "for d in m.distributions(): print(d.metadata['Name'])"],
+                               capture_output=True, text=True, check=True).stdout.split()
+    assert [name for name in installed if is_onnxruntime(name)] == ["onnxruntime"], installed
     for package in ("torch", "transformers", "onnx"):
         found = subprocess.run([str(python), "-c", f"import importlib.util as u; print(u.find_spec('{package}') is None)"],
                                capture_output=True, text=True, check=True).stdout.strip()
         assert found == "True", f"{package} is importable in the cpu-only install"
 
     engines = tmp_path / "device" / "engines"  # a copy elsewhere, as deployed
-    shutil.copytree(tiny_engines.get("llama", max_seq_len=160, prefill_chunk=16), engines)
+    shutil.copytree(tiny_engines.get("llama", **TINY_SHAPE), engines)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "loop", "category": "grounded", "prompt": "1, 2, 3, 1, 2, 3, 1,"}) + "\n")
 

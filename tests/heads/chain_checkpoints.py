@@ -239,3 +239,93 @@ def write_mtp_speculators(folder: Path, target_cfg, *, drop=None, reshape=None, 
     config = {"speculators_model_type": "mtp", "architectures": ["MTPDraftModel"],
               "transformer_layer_config": target_cfg.to_dict(), "num_speculative_steps": 3}
     return _write(folder, t, config, drop, reshape, config_edit)
+
+
+# -- heads that agree with their target by construction (acceptance floors) -----------------
+
+
+# rotary pairs (i, i + 32) of a 64-wide head turn by 10000^(-i/32) per position: from i = 20 on,
+# by at most 0.15 rad over the 48 cache slots of the head tests
+SLOW_ROTARY = [*range(20, 32), *range(52, 64)]
+KEY_DIMS = len(SLOW_ROTARY)  # the bigram target's embedding columns a copy EAGLE-3 head matches tokens by
+SELF_MATCH_SCORE = 200.0  # a copy EAGLE-3 row's attention score on rows of its own token
+
+
+def write_bigram_target(folder: Path, seed: int = 0) -> Path:
+    """A one-layer qwen2 target (untied lm_head) whose next token depends on the current token
+    only: its attention's output projection is zero. Each embedding row has rms 1, so that a
+    head's RMS-normed embedding is the target's own layer input, and norm sqrt(KEY_DIMS) in its
+    first KEY_DIMS columns (random directions: two tokens' cosine there is far below 1). The
+    copy heads below compute its next-token logits exactly."""
+    from safetensors.torch import load_file
+
+    from tests.exporter.hf_dirs import save_tiny_hf
+
+    save_tiny_hf(folder, "qwen2", seed=seed, num_layers=1)
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["model.layers.0.self_attn.o_proj.weight"].zero_()
+    embed = weights["model.embed_tokens.weight"]  # [V, H]
+    keys, rest = embed[:, :KEY_DIMS], embed[:, KEY_DIMS:]
+    weights["model.embed_tokens.weight"] = torch.cat((keys / keys.norm(dim=-1, keepdim=True) * KEY_DIMS**0.5,
+                                                      rest / rest.norm(dim=-1, keepdim=True) * rest.shape[1]**0.5), 1)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def _target_layer(weights: dict, prefix: str) -> dict[str, torch.Tensor]:
+    """The bigram target's decoder layer 0 (attention, norms, MLP) under ``prefix``."""
+    return {prefix + k[len("model.layers.0."):]: v.clone() for k, v in weights.items() if k.startswith("model.layers.0.")}
+
+
+def add_copy_mimo(target: Path) -> Path:
+    """A MiMo MTP module in the bigram target's safetensors that is the target's own layer:
+    input_proj takes the normed embedding back to the embedding (rms 1: a factor sqrt(1 + eps))
+    and drops the hidden, the final norm is the target's; each row computes the target's
+    next-token logits of its token."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(target / "model.safetensors"))
+    eps = json.loads((target / "config.json").read_text())["rms_norm_eps"]
+    h = weights["model.norm.weight"].shape[0]
+    p = "model.mtp_layers.0."
+    weights.update({p + "token_layernorm.weight": torch.ones(h), p + "hidden_layernorm.weight": torch.ones(h),
+                    # [H, 2H]: MiMo concatenates [hidden, embedding]
+                    p + "input_proj.weight": torch.cat((torch.zeros(h, h), torch.eye(h) * (1 + eps) ** 0.5), dim=1),
+                    p + "final_layernorm.weight": weights["model.norm.weight"].clone(), **_target_layer(weights, p)})
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+def write_copy_eagle3(folder: Path, target: Path) -> Path:
+    """An EAGLE-3 head (speculators layout) that is the bigram target's own layer. Its hidden
+    path is off: hidden_norm 0 with norm_before_residual, so the features are never read and
+    the residual starts at 0. One attention head of width H finds the rows of its own token:
+    q = k, the embedding's first KEY_DIMS columns scaled, on the slowest rotary dimensions (the
+    rotation barely turns them), so a row scores SELF_MATCH_SCORE on rows of its own token and
+    tens less on any other; v and o copy that embedding into the stream. The MLP, final norm and
+    lm_head are the target's: each row computes the target's next-token logits of its token."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((target / "config.json").read_text())
+    weights = load_file(str(target / "model.safetensors"))
+    h, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
+    qk = torch.zeros(h, 2 * h)  # [hd = H, 2H]: reads the normed embedding half of [embedding, hidden]
+    # score = |q|^2 / sqrt(hd) = scale^2 · KEY_DIMS / sqrt(H) on a row's own token
+    qk[SLOW_ROTARY, :KEY_DIMS] = torch.eye(KEY_DIMS) * (SELF_MATCH_SCORE * h**0.5 / KEY_DIMS) ** 0.5
+    copy = torch.cat((torch.eye(h), torch.zeros(h, h)), dim=1)  # [H, 2H]
+    p = "layers.0."
+    t = {p + "self_attn.q_proj.weight": qk, p + "self_attn.k_proj.weight": qk.clone(),
+         p + "self_attn.v_proj.weight": copy, p + "self_attn.o_proj.weight": torch.eye(h) * (1 + eps) ** 0.5,
+         p + "input_layernorm.weight": torch.ones(h), p + "hidden_norm.weight": torch.zeros(h),
+         p + "post_attention_layernorm.weight": weights["model.layers.0.post_attention_layernorm.weight"],
+         **{p + f"mlp.{m}_proj.weight": weights[f"model.layers.0.mlp.{m}_proj.weight"] for m in ("gate", "up", "down")},
+         "fc.weight": torch.zeros(h, 3 * h), "norm.weight": weights["model.norm.weight"],
+         "lm_head.weight": weights["lm_head.weight"]}
+    layer = {"model_type": "llama", "hidden_size": h, "num_attention_heads": 1, "num_key_value_heads": 1,
+             "head_dim": h, "intermediate_size": cfg["intermediate_size"], "num_hidden_layers": 1, "rms_norm_eps": eps,
+             "hidden_act": "silu", "vocab_size": cfg["vocab_size"], "max_position_embeddings": 4096,
+             "rope_theta": 10000.0}
+    config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+              "transformer_layer_config": layer, "draft_vocab_size": cfg["vocab_size"],
+              "norm_before_residual": True, "eagle_aux_hidden_state_layer_ids": [0, 0, 0]}
+    return _write(folder, t, config, None, None, None)

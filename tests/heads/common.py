@@ -9,7 +9,12 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from tests.lossless import assert_lossless, chi_square_passes, exact_sequence_probs
+from tests.lossless import (
+    assert_each_position_sampled_as_target,
+    assert_lossless,
+    exact_sequence_probs,
+    use_rule,
+)
 
 SHAPES = {"batch": 1, "max_seq_len": 48, "prefill_chunk": 8}
 PROMPTS = ["The lighthouse keeper", "def merge(a, b):\n    return", "1, 2, 3, 4,"]
@@ -71,24 +76,30 @@ def check_greedy_lossless(pipe, drafter: str, max_new_tokens: int = 20, prompts:
         assert_lossless(pipe, ids, base, spec.token_ids, f"{drafter} on {prompt!r}")
 
 
-def check_sampling(pipe, drafter: str, draws: int = 500) -> None:
-    """Two sampled tokens with the head drafting: distributed as the target's warped p."""
+def check_sampling(pipe, drafter: str, monkeypatch, rule=None, draws: int = 500) -> None:
+    """Two sampled tokens with the head drafting, at a flat warp (T = 3, the whole vocabulary) so
+    that the random head's q overlaps the target's p and drafts are sometimes kept: each token is
+    distributed as the target's warped p under the right rule (``rule`` None); under a wrong
+    ``rule`` (the failing control) the same draws fail."""
     from specexport.runtime.acceptance import Sampling
 
-    sampling = Sampling(temperature=1.5, top_k=3, top_p=0.95)
+    sampling = Sampling(temperature=3.0)
     ids = pipe.prompt_ids("1, 2, 1, 2, 1,")
     exact = exact_sequence_probs(pipe, ids, sampling, 2)
-    counts = dict.fromkeys(exact, 0)
-    proposed = 0
+    use_rule(monkeypatch, rule)
+    counts: dict[tuple[int, ...], int] = {}
+    proposed = accepted = 0
     for seed in range(draws):
-        out = pipe.generate(prompt_ids=ids, drafter=drafter, max_new_tokens=2, temperature=1.5, top_k=3,
-                            top_p=0.95, seed=seed, adaptive=False)
-        assert tuple(out.token_ids) in counts, f"{out.token_ids} is outside the target's support"
-        counts[tuple(out.token_ids)] += 1
+        out = pipe.generate(prompt_ids=ids, drafter=drafter, max_new_tokens=2, temperature=3.0, seed=seed,
+                            adaptive=False)
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
         proposed += out.stats.proposed
-    assert proposed > 0
-    passes, figures = chi_square_passes(counts, exact, draws)
-    assert passes, figures
+        accepted += out.stats.accepted
+    if rule is None:
+        assert set(counts) <= set(exact), f"{set(counts) - set(exact)} are outside the target's support"
+        assert proposed > accepted > 0, "drafts were not both kept and rejected"
+    # 259² two-token sequences: too many to fill, so each position on its own
+    assert_each_position_sampled_as_target(counts, exact, draws, right_rule=rule is None)
 
 
 # -- checkpoint edits and loader mistakes (block heads' malformed and broken-loader tests) ------

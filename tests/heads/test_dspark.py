@@ -26,7 +26,14 @@ from tests.heads.block_checkpoints import (
     write_speculators_dspark,
 )
 from tests.heads.common import build_head_only, check_greedy_lossless, drop_tensor, edit_config, patch_layout
-from tests.lossless import assert_lossless, chi_square_passes, exact_sequence_probs
+from tests.lossless import (
+    assert_lossless,
+    assert_sampled_as_target,
+    each_with_one_control,
+    exact_sequence_probs,
+    residual_is_q,
+    use_rule,
+)
 
 HEADS = {  # drafter name -> (layout, writer, its options, recipe extras)
     "ds": ("deepspec", write_deepspec_dspark, {}, {}),
@@ -136,24 +143,26 @@ def test_the_confidence_product_cuts_the_draft(pipe):
     assert_lossless(pipe, ids, base, spec.token_ids, "ds with a confidence cut")
 
 
-@pytest.mark.parametrize("drafter", ["ds", "sds"])
-def test_sampling_is_exact(pipe, drafter):
+@pytest.mark.parametrize("drafter, rule", each_with_one_control(["ds", "sds"], residual_is_q))
+def test_sampling_is_exact(pipe, drafter, rule, monkeypatch):
     """The first sampled token with the Markov-refined block drafting: distributed as the
-    target's warped p (a flat warp, so drafts are sometimes kept)."""
+    target's warped p (a flat warp, so drafts are sometimes kept). The control: the same draws
+    with the replacement token drawn from q, not max(0, p − q), must fail."""
     from specexport.runtime.acceptance import Sampling
 
     sampling = Sampling(temperature=3.0)
     ids = pipe.prompt_ids("1, 2, 1, 2, 1,")
     exact = exact_sequence_probs(pipe, ids, sampling, 1)
+    use_rule(monkeypatch, rule)
     draws, counts, accepted = 900, {}, 0
     for seed in range(draws):
         out = pipe.generate(prompt_ids=ids, drafter=drafter, max_new_tokens=4, draft_len=3, adaptive=False,
                             temperature=3.0, seed=seed)
         counts[tuple(out.token_ids[:1])] = counts.get(tuple(out.token_ids[:1]), 0) + 1
         accepted += out.stats.accepted
-    assert accepted > 0, "no draft was ever kept: the test would not exercise acceptance"
-    passes, figures = chi_square_passes(counts, exact, draws)
-    assert passes, figures
+    if rule is None:
+        assert accepted > 0, "no draft was ever kept: the test would not exercise acceptance"
+    assert_sampled_as_target(counts, exact, draws, right_rule=rule is None)
 
 
 # -- loader mistakes must fail parity (head-only builds) ----------------------------------------

@@ -1,6 +1,6 @@
 """EAGLE-3 heads from tiny random checkpoints in both published layouts: build with parity,
-greedy losslessness, exact sampling, the layer-index convention, the d2t mapping, and every
-malformed-checkpoint error."""
+greedy losslessness, the runtime's drafts equal the reference's greedy chain, exact sampling,
+the layer-index convention, the d2t mapping, and every malformed-checkpoint error."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 from specexport.errors import BadInput, SpecexportError
 from tests.heads.chain_checkpoints import write_eagle3
+from tests.heads.chain_reference import check_drafts_are_the_reference_chain, load_chain_heads
 from tests.heads.common import (
     SHAPES,
     build,
@@ -16,6 +17,7 @@ from tests.heads.common import (
     check_parity,
     check_sampling,
 )
+from tests.lossless import residual_is_q, rules
 
 TARGET = {"source": "tiny", "arch": "llama", "num_layers": 6}
 
@@ -31,6 +33,10 @@ def recipe(*drafters) -> dict:
     return {"name": "eagle3", "target": TARGET, "drafters": list(drafters)}
 
 
+BOTH_LAYOUTS = recipe({"kind": "eagle3", "name": "e-safe", "path": "safe"},
+                      {"kind": "eagle3", "name": "e-spec", "path": "spec"})
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """One build, both layouts: SafeAILab (default taps, target embedding) and speculators
@@ -40,8 +46,7 @@ def engines(tmp_path_factory):
     write_eagle3(root / "safe", cfg, "safeailab")
     write_eagle3(root / "spec", cfg, "speculators", seed=3, layer_ids=[0, 1, 3], norm_before_residual=True,
                  with_embed=True)
-    return build(recipe({"kind": "eagle3", "name": "e-safe", "path": "safe"},
-                        {"kind": "eagle3", "name": "e-spec", "path": "spec"}), root, root / "out")
+    return build(BOTH_LAYOUTS, root, root / "out")
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +72,23 @@ def test_greedy_is_lossless(pipe, drafter):
     check_greedy_lossless(pipe, drafter)
 
 
-def test_sampling_is_exact(pipe):
-    check_sampling(pipe, "e-spec")
+@pytest.fixture(scope="module")
+def references(engines):
+    """(target, {drafter name: loaded head}): the exporter's reference forward of each layout."""
+    return load_chain_heads(BOTH_LAYOUTS, engines.parent)
+
+
+@pytest.mark.parametrize("drafter", ["e-safe", "e-spec"])
+def test_runtime_drafts_are_the_reference_chain(pipe, references, drafter):
+    """Through the decode loop: each round's proposals (the catch-up's draft, then the step
+    graph's) are the reference's greedy chain after the same committed tokens."""
+    target, heads = references
+    check_drafts_are_the_reference_chain(pipe, drafter, heads[drafter], target)
+
+
+@pytest.mark.parametrize("rule", rules(residual_is_q))
+def test_sampling_is_exact(pipe, rule, monkeypatch):
+    check_sampling(pipe, "e-spec", monkeypatch, rule)
 
 
 def test_drafts_map_through_d2t(pipe):
@@ -171,7 +191,7 @@ def test_the_cli_exits_2_on_a_malformed_head(tmp_path):
 
     write_eagle3(tmp_path / "head", target_config(), "speculators", drop="layers.0.mlp.down_proj.weight")
     (tmp_path / "r.yaml").write_text(yaml.safe_dump({**recipe({"kind": "eagle3", "path": "head"}),
-                                                    "shapes": {"max_seq_len": 48, "prefill_chunk": 8}}))
+                                                    "shapes": SHAPES}))
     code, _, err = run_cli("build", tmp_path / "r.yaml", "--out", tmp_path / "out")
     assert code == 2, err
     assert "layers.0.mlp.down_proj.weight" in err and "Traceback" not in err

@@ -1,6 +1,6 @@
 """MTP heads from tiny random checkpoints in the four published layouts, read from the target's
 own safetensors (DeepSeek, Qwen3-Next, MiMo) or a speculators folder: build with parity, greedy
-losslessness, exact sampling, a broken mapping failing parity (head-only builds), and the
+losslessness, the runtime's drafts equal the reference's greedy chain, exact sampling, a broken mapping failing parity (head-only builds), and the
 one-line errors."""
 
 from __future__ import annotations
@@ -9,7 +9,16 @@ import pytest
 
 from specexport.errors import BadInput, SpecexportError
 from tests.heads.chain_checkpoints import write_mtp_speculators, write_mtp_target
-from tests.heads.common import build, build_head_only, check_greedy_lossless, check_parity, check_sampling
+from tests.heads.chain_reference import check_drafts_are_the_reference_chain, load_chain_heads
+from tests.heads.common import (
+    SHAPES,
+    build,
+    build_head_only,
+    check_greedy_lossless,
+    check_parity,
+    check_sampling,
+)
+from tests.lossless import residual_is_q, rules
 
 
 def mtp_recipe(target_path: str, *drafters: dict) -> dict:
@@ -20,6 +29,9 @@ def mtp_recipe(target_path: str, *drafters: dict) -> dict:
 # drafter name -> layout; the three in-target layouts live side by side in one qwen3 target
 # (q/k norms), MiMo also in a qwen2 target (biases), speculators in a folder beside the target
 IN_QWEN3 = {"m-deepseek": "deepseek", "m-qwen3-next": "qwen3-next"}
+QWEN3 = mtp_recipe("t-qwen3", *[{"kind": "mtp", "name": name, "layout": layout} for name, layout in IN_QWEN3.items()],
+                   {"kind": "mtp", "name": "m-speculators", "path": "spec"})
+QWEN2 = mtp_recipe("t-qwen2", {"kind": "mtp", "name": "m-mimo"})
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +42,9 @@ def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp")
     write_mtp_target(root / "t-qwen3", "qwen3", tuple(IN_QWEN3.values()))
     write_mtp_speculators(root / "spec", AutoConfig.from_pretrained(root / "t-qwen3"))
-    heads = [{"kind": "mtp", "name": name, "layout": layout} for name, layout in IN_QWEN3.items()]
-    qwen3 = build(mtp_recipe("t-qwen3", *heads, {"kind": "mtp", "name": "m-speculators", "path": "spec"}),
-                  root, root / "out-qwen3")
+    qwen3 = build(QWEN3, root, root / "out-qwen3")
     write_mtp_target(root / "t-qwen2", "qwen2", "mimo")
-    qwen2 = build(mtp_recipe("t-qwen2", {"kind": "mtp", "name": "m-mimo"}), root, root / "out-qwen2")
+    qwen2 = build(QWEN2, root, root / "out-qwen2")
     return {**dict.fromkeys([*IN_QWEN3, "m-speculators"], qwen3), "m-mimo": qwen2}
 
 
@@ -46,23 +56,47 @@ def test_layout_builds_with_parity_and_decodes_losslessly(built, name):
     check_greedy_lossless(load(built[name]), name)
 
 
+@pytest.fixture(scope="module")
+def references(built):
+    """drafter name -> (target, loaded head): the exporter's reference forward of each layout."""
+    found = {}
+    for raw in (QWEN3, QWEN2):
+        target, heads = load_chain_heads(raw, built["m-mimo"].parent)
+        found.update({name: (target, head) for name, head in heads.items()})
+    return found
+
+
+@pytest.mark.parametrize("name", [*IN_QWEN3, "m-mimo", "m-speculators"])
+def test_runtime_drafts_are_the_reference_chain(built, references, name):
+    """Through the decode loop: each round's proposals (the catch-up's draft, then the step
+    graph's) are the reference's greedy chain after the same committed tokens."""
+    from specexport.runtime import load
+
+    target, head = references[name]
+    check_drafts_are_the_reference_chain(load(built[name]), name, head, target)
+
+
 # DeepSeek-V3 and GLM-4.5 targets (tests/exporter/test_archs.py's tiny configs): their MTP layer
 # is an MoE layer (4 experts, top-2, a shared expert), DeepSeek's with MLA attention
 MOE_TARGETS = ("glm4_moe", "deepseek_v3")
 
 
 @pytest.mark.parametrize("arch", MOE_TARGETS)
-def test_moe_and_mla_mtp_layers_build_with_parity_and_decode_losslessly(tmp_path, arch):
+def test_moe_and_mla_mtp_layers_build_with_parity_and_draft_the_reference_chain(tmp_path, arch):
+    """Parity, greedy losslessness, and the runtime's drafts equal the reference's chain."""
     import json
 
     from specexport.runtime import load
 
     write_mtp_target(tmp_path / "t", arch, "deepseek")
     # ort-gqa: one target graph for every size (the quickest build); the head's graphs are its own
-    engines = build({**mtp_recipe("t", {"kind": "mtp", "name": "m"}), "attention": "ort-gqa"}, tmp_path,
-                    tmp_path / "out")
+    raw = {**mtp_recipe("t", {"kind": "mtp", "name": "m"}), "attention": "ort-gqa"}
+    engines = build(raw, tmp_path, tmp_path / "out")
     check_parity(engines, "m")
-    check_greedy_lossless(load(engines), "m")
+    pipe = load(engines)
+    check_greedy_lossless(pipe, "m")
+    target, heads = load_chain_heads(raw, tmp_path)
+    check_drafts_are_the_reference_chain(pipe, "m", heads["m"], target)
     kv = json.loads((engines / "manifest.json").read_text())["models"]["m"]["kv"]
     if arch == "deepseek_v3":  # MLA: every head cached at the qk width (nope 24 + rope 8)
         assert (kv["num_kv_heads"], kv["head_dim"]) == (4, 32), kv
@@ -89,10 +123,11 @@ def test_layouts_are_detected_from_the_files(tmp_path):
         assert detect_layout({}, Tensors(safetensors_files(folder, "t"), "t"))[0] == layout
 
 
-def test_sampling_is_exact(built):
+@pytest.mark.parametrize("rule", rules(residual_is_q))
+def test_sampling_is_exact(built, rule, monkeypatch):
     from specexport.runtime import load
 
-    check_sampling(load(built["m-mimo"]), "m-mimo", draws=400)
+    check_sampling(load(built["m-mimo"]), "m-mimo", monkeypatch, rule, draws=400)
 
 
 @pytest.mark.parametrize("what", ["concat order", "swapped tensors"])
@@ -166,6 +201,6 @@ def test_a_malformed_speculators_config_is_one_line(tmp_path):
     write_mtp_speculators(tmp_path / "spec", AutoConfig.from_pretrained(tmp_path / "t"),
                           drop="mtp_layers.0.token_layernorm.weight")
     (tmp_path / "r.yaml").write_text(yaml.safe_dump({**mtp_recipe("t", {"kind": "mtp", "path": "spec"}),
-                                                    "shapes": {"max_seq_len": 48, "prefill_chunk": 8}}))
+                                                    "shapes": SHAPES}))
     code, _, err = run_cli("build", tmp_path / "r.yaml", "--out", tmp_path / "out")
     assert code == 2 and "mtp_layers.0.token_layernorm.weight" in err and "Traceback" not in err, err

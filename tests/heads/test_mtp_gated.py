@@ -273,20 +273,30 @@ def test_unreachable_layers_are_refused(tmp_path):
     assert "\n" not in str(err.value)
 
 
+def check_drafts(pipe, folder) -> None:
+    """The runtime's drafts (drafter "m") are the reference's greedy chain, round by round."""
+    from tests.heads.chain_reference import check_drafts_are_the_reference_chain
+
+    target = load_target(folder)
+    check_drafts_are_the_reference_chain(pipe, "m", load_head(target, folder), target)
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_build_with_parity_and_greedy_lossless_decode(tmp_path, arch):
     """The whole build of a tiny Qwen3-Next / Qwen3.5 / Qwen3.5-MoE target with its MTP head: the head's graphs pass
-    validation against the reference (1e-4, 100% argmax) and decode greedily losslessly.
-    Needs the target graph of Qwen3-Next (gated attention, Gated DeltaNet layers) and the
-    runtime's recurrent-state cache."""
+    validation against the reference (1e-4, 100% argmax), decode greedily losslessly, and
+    draft the reference's greedy chain through the decode loop. Needs the target graph of
+    Qwen3-Next (gated attention, Gated DeltaNet layers) and the runtime's recurrent-state cache."""
     from specexport.runtime import load
     from tests.heads.common import build, check_greedy_lossless, check_parity
 
-    write_mtp_target(tmp_path / "t", arch, "qwen3-next")
+    folder = write_mtp_target(tmp_path / "t", arch, "qwen3-next")
     engines = build({"name": "mtp", "target": {"source": "hf", "path": "t"}, "drafters": [{"kind": "mtp", "name": "m"}]},
                     tmp_path, tmp_path / "out")
     check_parity(engines, "m")
-    check_greedy_lossless(load(engines), "m")
+    pipe = load(engines)
+    check_greedy_lossless(pipe, "m")
+    check_drafts(pipe, folder)
 
 
 def write_qwen3_5_wrapper(folder, seed: int = 0):
@@ -320,7 +330,8 @@ def write_qwen3_5_wrapper(folder, seed: int = 0):
 
 def test_a_published_qwen3_5_folder_builds_its_text_model_and_mtp_head(tmp_path):
     """The published Qwen3.5 checkpoints are the multimodal wrapper: build exports its text
-    model (transformers' AutoModelForCausalLM reads it) and the MTP head inside it."""
+    model (transformers' AutoModelForCausalLM reads it) and the MTP head inside it, which drafts
+    the reference's greedy chain."""
     import json
 
     from specexport.runtime import load
@@ -334,4 +345,6 @@ def test_a_published_qwen3_5_folder_builds_its_text_model_and_mtp_head(tmp_path)
     assert manifest["models"]["target"]["model_type"] == "qwen3_5_text"
     assert manifest["models"]["target"]["state"]["num_layers"] >= 1
     check_parity(engines, "m")
-    check_greedy_lossless(load(engines), "m")
+    pipe = load(engines)
+    check_greedy_lossless(pipe, "m")
+    check_drafts(pipe, folder)

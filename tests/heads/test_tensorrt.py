@@ -20,9 +20,6 @@ Nothing here builds or runs a real TensorRT engine (docs/tensorrt.md, "What has 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -30,12 +27,11 @@ import numpy as np
 import onnx
 import pytest
 
-from specexport.contract import LOGITS, MANIFEST, EngineEntry, Manifest, read_manifest, write_manifest
+from specexport.contract import LOGITS, MANIFEST, EngineEntry, Manifest, read_manifest
 from specexport.errors import BadInput
-from tests.gpu import gpu_unavailable
+from tests.gpu import needs_gpu
+from tests.scaffold import as_tensorrt_build, json_from_fake_gpu
 
-REPO = Path(__file__).resolve().parents[2]
-FAKE_GPU = REPO / "tests" / "fake_gpu"
 HEADS = {"eagle": "eagle3", "mtp": "mtp", "dflash": "dflash", "dspark": "dspark"}  # drafter name -> kind
 PROMPT = "hello hello hello world, hello"
 
@@ -185,27 +181,11 @@ def test_minus_inf_columns_must_stay_minus_inf():
 def test_a_tensorrt_manifest_with_head_engines_reads_back(engines, tmp_path):
     """trt_from_onnx's manifest step with trt_build's entries for every graph (the heads' too),
     minus TensorRT itself: the .plan files are placeholders."""
-    import shutil
-
-    from specexport.exporter.trt_build import TrtBuildOptions, _entry
-    from specexport.exporter.trt_from_onnx import with_tensorrt_engines
-    from specexport.runtime.trt_engine import CudaDevice
     from tests.test_contract import assert_round_trip
 
-    dst = tmp_path / "trt"
-    shutil.copytree(engines, dst)
-    manifest = read_manifest(dst)
-    device, options = CudaDevice(0, "NVIDIA H200", "9.0"), TrtBuildOptions(precision="fp16")
-    compiled = []
-    for entry in manifest.engines:
-        plan = dst / f"{entry.name}.plan"
-        plan.write_bytes(b"placeholder engine " + entry.name.encode())
-        compiled.append(_entry(entry, plan, "10.13.0.35", device, options))
-    updated = with_tensorrt_engines(manifest, compiled, dst, options, "2026-12-01T00:00:00+00:00")
-    write_manifest(dst, updated)
-    again = assert_round_trip(dst)
-    assert again == updated
+    again = assert_round_trip(as_tensorrt_build(engines, tmp_path / "trt", fake_plans=False, precision="fp16"))
     again.verify_files()
+    assert again.extra["tensorrt_build"]["precision"] == "fp16"
     for head in HEADS:
         onnx_side, trt_side = again.engines_of(head, "onnxruntime"), again.engines_of(head, "tensorrt")
         assert [(e.name, e.role, e.tokens, e.inputs, e.outputs) for e in trt_side] == \
@@ -220,29 +200,6 @@ def test_a_tensorrt_manifest_with_head_engines_reads_back(engines, tmp_path):
 # -- the runtime --------------------------------------------------------------------------------
 
 
-def with_fake_plans(src: Path, dst: Path) -> Path:
-    """A copy of ``src`` as a TensorRT build of every graph writes it, for the fake TensorRT of
-    tests/fake_gpu: each plan names the ONNX graph TensorRT would have parsed (a shared
-    catch-up graph's static copy per size, from trt_build.tensorrt_graph)."""
-    import shutil
-
-    from specexport.exporter.trt_build import TrtBuildOptions, _entry, tensorrt_graph
-    from specexport.exporter.trt_from_onnx import with_tensorrt_engines
-    from specexport.runtime.trt_engine import CudaDevice
-
-    shutil.copytree(src, dst)
-    manifest = read_manifest(dst)
-    device, options = CudaDevice(0, "NVIDIA H200", "9.0"), TrtBuildOptions()
-    compiled = []
-    for entry in manifest.engines:
-        graph = tensorrt_graph(entry, dst / entry.path, dst.parent / "parsed", "fp32")
-        plan = dst / f"{entry.name}.plan"
-        plan.write_bytes(b"fake-trt:" + str(graph).encode())
-        compiled.append(_entry(entry, plan, "10.13.0.35", device, options))
-    write_manifest(dst, with_tensorrt_engines(manifest, compiled, dst, options, "2026-12-01T00:00:00+00:00"))
-    return dst
-
-
 def test_without_tensorrt_the_head_engines_ask_for_the_extra(engines, tmp_path):
     from specexport.runtime import load
     from specexport.runtime.engine import EngineOptions, open_engine, open_kv_cache
@@ -254,7 +211,7 @@ def test_without_tensorrt_the_head_engines_ask_for_the_extra(engines, tmp_path):
         pass
     else:
         pytest.skip("TensorRT is installed here")
-    trt_dir = with_fake_plans(engines, tmp_path / "engines")
+    trt_dir = as_tensorrt_build(engines, tmp_path / "engines")
     manifest = Manifest.load(trt_dir)
     head = manifest.engines_of("eagle", "tensorrt")[0]
     attempts = [lambda: load(trt_dir, backend="tensorrt"),
@@ -317,12 +274,8 @@ ON_FAKE_GPU = textwrap.dedent(f"""
 
 @pytest.fixture(scope="module")
 def on_fake_gpu(engines, tmp_path_factory) -> dict:
-    trt_dir = with_fake_plans(engines, tmp_path_factory.mktemp("fake-gpu") / "engines")
-    path = os.pathsep.join([str(FAKE_GPU), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    done = subprocess.run([sys.executable, "-c", ON_FAKE_GPU, str(trt_dir)], capture_output=True, text=True,
-                          cwd=REPO, timeout=600, env={**os.environ, "PYTHONPATH": path})
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.splitlines()[-1])
+    trt_dir = as_tensorrt_build(engines, tmp_path_factory.mktemp("fake-gpu") / "engines")
+    return json_from_fake_gpu(ON_FAKE_GPU, trt_dir)
 
 
 @pytest.mark.parametrize("mode", ["device", "host", "graphs"])
@@ -354,9 +307,6 @@ def test_the_directory_lint_reports_each_engine_once(engines):
 # -- on a GPU with TensorRT (skipped elsewhere) ----------------------------------------------
 
 
-NO_GPU = gpu_unavailable()  # tests/runtime/test_trt_backend.py's check
-
-
 def proposals(pipe, drafter: str) -> list[list[int]]:
     """The drafter's proposals, round by round, over one greedy generate."""
     seen: list[list[int]] = []
@@ -373,8 +323,7 @@ def proposals(pipe, drafter: str) -> list[list[int]]:
     return seen
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(NO_GPU is not None, reason=f"needs a CUDA GPU and TensorRT: {NO_GPU}")
+@needs_gpu
 def test_gpu_head_engines_build_with_parity_and_draft_as_onnxruntime(engines, tmp_path):
     """A real TensorRT build of every head kind (fp32): each head engine within the build-time
     limits against its ONNX graph, the drafts equal onnxruntime's; then --from-onnx in fp16."""

@@ -16,6 +16,7 @@ from specexport.runtime.acceptance import (
     warp_reference,
     warp_row,
 )
+from tests.lossless import assert_sampled_as_target, residual_is_q, residual_keeps_the_rejected_token
 
 
 def test_greedy_stops_at_first_mismatch():
@@ -67,29 +68,42 @@ def test_sample_follows_distribution():
     assert draws[1] == 0 and np.abs(draws - p).max() < 0.015
 
 
-def _first_token_distribution(p_rows, q_rows, draft_probs: bool, draws: int, seed: int) -> np.ndarray:
-    """Empirical distribution of the first emitted token over many rejection rounds."""
+def _first_token_counts(p_rows, q_rows, draft_probs: bool, draws: int, seed: int, rule=None) -> dict:
+    """How often each first emitted token came out of many rounds of ``rule`` (None: rejection):
+    (token,) -> count."""
     rng = np.random.default_rng(seed)
-    vocab = p_rows.shape[1]
-    counts = np.zeros(vocab)
+    accept = rule or rejection
+    counts: dict[tuple[int], int] = {}
     for _ in range(draws):
         token = sample(q_rows[0], rng)
         draft = Draft(np.array([token]), q_rows[:1] if draft_probs else None)
-        n, nxt = rejection(draft, p_rows, rng)
-        counts[token if n else nxt] += 1
-    return counts / draws
+        n, nxt = accept(draft, p_rows, rng)
+        counts[(token if n else nxt,)] = counts.get((token if n else nxt,), 0) + 1
+    return counts
 
 
-@pytest.mark.parametrize("draft_probs", [True, False])
-def test_rejection_first_token_is_distributed_as_the_target(draft_probs):
+# the drafter's q (False: a point mass) and the rule; each wrong one is the failing control of the
+# right one: the same draws must fail the same chi-square test
+FIRST_TOKEN_RULES = [pytest.param(True, None, id="q-right-rule"),
+                     pytest.param(True, residual_is_q, id="q-control-residual_is_q"),
+                     pytest.param(True, residual_keeps_the_rejected_token, id="q-control-residual_keeps_the_rejected_token"),
+                     pytest.param(False, None, id="point-mass-right-rule"),
+                     pytest.param(False, residual_keeps_the_rejected_token,
+                                  id="point-mass-control-residual_keeps_the_rejected_token")]
+
+
+@pytest.mark.parametrize("draft_probs, rule", FIRST_TOKEN_RULES)
+def test_rejection_first_token_is_distributed_as_the_target(draft_probs, rule):
     rng = np.random.default_rng(1)
     p = rng.dirichlet(np.ones(6), size=2)  # [k+1, V]
     q = rng.dirichlet(np.ones(6), size=1)  # [k, V]
     if not draft_probs:
         # a point-mass drafter proposes a fixed token: q is one-hot
         q = np.eye(6)[[2]]
-    got = _first_token_distribution(p, q, draft_probs, 30000, seed=2)
-    assert np.abs(got - p[0]).max() < 0.012, (got, p[0])
+    draws = 10000  # the wrong rules' statistics are 20x the limit and more
+    counts = _first_token_counts(p, q, draft_probs, draws, seed=2, rule=rule)
+    exact = {(t,): float(p[0, t]) for t in range(6)}
+    assert_sampled_as_target(counts, exact, draws, right_rule=rule is None)
 
 
 def test_rejection_point_mass_never_resamples_the_rejected_token():

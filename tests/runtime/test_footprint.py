@@ -16,15 +16,13 @@ from specexport.runtime.costs import COSTS
 from specexport.runtime.integrity import RECORD, scan
 from specexport.runtime.manifest import Manifest
 from specexport.runtime.runner import time_interleaved
-from tests.conftest import REPO, run_cli
-
-SHAPE = dict(max_seq_len=160, prefill_chunk=16)
+from tests.conftest import REPO, TINY_SHAPE, run_cli
 
 
 @pytest.fixture
 def engines(tiny_engines, tmp_path):
     copy = tmp_path / "engines"
-    shutil.copytree(tiny_engines.get("llama", **SHAPE), copy)
+    shutil.copytree(tiny_engines.get("llama", **TINY_SHAPE), copy)
     return copy
 
 
@@ -215,7 +213,7 @@ def test_a_smaller_graph_never_costs_more_than_a_larger_one():
 def test_the_runner_decodes_one_token_with_the_one_token_graph_whatever_the_noise(tiny_engines):
     from specexport.runtime.runner import ModelRunner
 
-    pipe = load(tiny_engines.get("llama", **SHAPE))
+    pipe = load(tiny_engines.get("llama", **TINY_SHAPE))
     target = pipe.target
     engines = [target._by_size[t] for t in target.decoding_sizes]
     assert target.decoding_sizes[:2] == [1, 2]
@@ -227,7 +225,7 @@ def test_the_runner_decodes_one_token_with_the_one_token_graph_whatever_the_nois
 
 
 def test_build_times_all_models_in_one_schedule(tiny_engines):
-    manifest = Manifest.load(tiny_engines.get("llama", **SHAPE))
+    manifest = Manifest.load(tiny_engines.get("llama", **TINY_SHAPE))
     steps = [s["what"] for s in manifest.build["steps"] if s["kind"] == "validate"]
     assert steps[-1] == "costs (all graphs, interleaved)"  # one step after every model's validation
     assert all(e.cost_ms for e in manifest.engines)

@@ -13,10 +13,9 @@ import yaml
 
 from specexport.bench.harness import cost_curve
 from specexport.runtime import load
-from tests.conftest import tiny_recipe
+from tests.conftest import TINY_SHAPE, tiny_recipe
 from tests.runtime.fakes import MarkovRunner, random_table
 
-SHAPE = dict(max_seq_len=160, prefill_chunk=16)
 DRAFTERS = ("none", "ngram", "quantized-self", "draft-model")
 
 
@@ -55,7 +54,7 @@ def test_a_probe_larger_than_the_prefill_chunk_is_not_used_for_prefill(probe_dir
 
 @pytest.mark.parametrize("attention", ["standard", "ort-gqa"])
 def test_a_one_token_prompt_decodes_with_every_drafter(tiny_engines, attention):
-    pipe = load(tiny_engines.get("llama", attention=attention, **SHAPE))
+    pipe = load(tiny_engines.get("llama", attention=attention, **TINY_SHAPE))
     for token in (5, 72):
         baseline = pipe.generate(prompt_ids=[token], drafter="none", max_new_tokens=12)
         assert len(baseline.token_ids) == 12
@@ -65,7 +64,7 @@ def test_a_one_token_prompt_decodes_with_every_drafter(tiny_engines, attention):
 
 
 def test_an_empty_forward_is_a_no_op_in_the_real_runner_and_the_fake(tiny_engines):
-    pipe = load(tiny_engines.get("llama", **SHAPE))
+    pipe = load(tiny_engines.get("llama", **TINY_SHAPE))
     fake = MarkovRunner(random_table(8, seed=0))
     for runner in (pipe.target, fake):
         runner.rewind(0)

@@ -7,36 +7,26 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, TINY_SHAPE, check_one_line, run_cli
 from tests.lossless import assert_lossless
-
-SHAPE = dict(max_seq_len=160, prefill_chunk=16)
-
-
-def _check(code, err, *needles):
-    assert code == 2, err
-    lines = [line for line in err.strip().splitlines() if line]
-    assert len(lines) == 1 and lines[0].startswith("specexport: error:"), err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.fixture
 def engines_copy(tiny_engines, tmp_path):
     copy = tmp_path / "engines"
-    shutil.copytree(tiny_engines.get("llama", **SHAPE), copy)
+    shutil.copytree(tiny_engines.get("llama", **TINY_SHAPE), copy)
     return copy
 
 
 def test_engine_directory_missing(tmp_path):
     code, _, err = run_cli("generate", tmp_path / "nothing", "--prompt", "hi")
-    _check(code, err, "engine directory not found")
+    check_one_line(code, err, "engine directory not found", alone=True)
 
 
 def test_foreign_directory(tmp_path):
     (tmp_path / "x.txt").write_text("hello")
     code, _, err = run_cli("generate", tmp_path, "--prompt", "hi")
-    _check(code, err, "not an engine directory")
+    check_one_line(code, err, "not an engine directory", alone=True)
 
 
 def test_unknown_manifest_format(engines_copy):
@@ -44,7 +34,7 @@ def test_unknown_manifest_format(engines_copy):
     manifest["format"] = 99
     (engines_copy / "manifest.json").write_text(json.dumps(manifest))
     code, _, err = run_cli("generate", engines_copy, "--prompt", "hi")
-    _check(code, err, "format 99 is not supported")
+    check_one_line(code, err, "format 99 is not supported", alone=True)
 
 
 def test_tampered_engine_file(engines_copy):
@@ -52,34 +42,34 @@ def test_tampered_engine_file(engines_copy):
         fh.seek(64)
         fh.write(b"\xff\xfe")
     code, _, err = run_cli("generate", engines_copy, "--prompt", "hi")
-    _check(code, err, "target.weights", "sha256 does not match")
+    check_one_line(code, err, "target.weights", "sha256 does not match", alone=True)
 
 
 def test_missing_engine_file(engines_copy):
     (engines_copy / "target.verify.b1.t5.onnx").unlink()
     code, _, err = run_cli("generate", engines_copy, "--prompt", "hi")
-    _check(code, err, "target.verify.b1.t5.onnx", "missing")
+    check_one_line(code, err, "target.verify.b1.t5.onnx", "missing", alone=True)
 
 
 def test_unknown_drafter(tiny_engines):
-    code, _, err = run_cli("generate", tiny_engines.get("llama", **SHAPE), "--prompt", "hi", "--drafter", "eagle")
-    _check(code, err, "unknown drafter 'eagle'", "ngram")
+    code, _, err = run_cli("generate", tiny_engines.get("llama", **TINY_SHAPE), "--prompt", "hi", "--drafter", "eagle")
+    check_one_line(code, err, "unknown drafter 'eagle'", "ngram", alone=True)
 
 
 def test_prompt_longer_than_the_cache(tiny_engines):
-    code, _, err = run_cli("generate", tiny_engines.get("llama", **SHAPE), "--prompt", "y" * 400)
-    _check(code, err, "400 tokens", "160")
+    code, _, err = run_cli("generate", tiny_engines.get("llama", **TINY_SHAPE), "--prompt", "y" * 400)
+    check_one_line(code, err, "400 tokens", "160", alone=True)
 
 
 @pytest.mark.parametrize("prompt", ["", "   "])
 def test_empty_prompt(tiny_engines, prompt):
-    code, _, err = run_cli("generate", tiny_engines.get("llama", **SHAPE), "--prompt", prompt)
-    _check(code, err, "prompt is empty")
+    code, _, err = run_cli("generate", tiny_engines.get("llama", **TINY_SHAPE), "--prompt", prompt)
+    check_one_line(code, err, "prompt is empty", alone=True)
 
 
 def test_no_prompt_at_all(tiny_engines):
-    code, _, err = run_cli("generate", tiny_engines.get("llama", **SHAPE))
-    _check(code, err, "prompt is empty")
+    code, _, err = run_cli("generate", tiny_engines.get("llama", **TINY_SHAPE))
+    check_one_line(code, err, "prompt is empty", alone=True)
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -91,18 +81,18 @@ def test_no_prompt_at_all(tiny_engines):
     (["--draft-len", "99"], "draft length"),
 ])
 def test_invalid_sampling_values(tiny_engines, args, needle):
-    code, _, err = run_cli("generate", tiny_engines.get("llama", **SHAPE), "--prompt", "hi", *args)
-    _check(code, err, needle)
+    code, _, err = run_cli("generate", tiny_engines.get("llama", **TINY_SHAPE), "--prompt", "hi", *args)
+    check_one_line(code, err, needle, alone=True)
 
 
 def test_prompt_file_unreadable(tiny_engines, tmp_path):
-    code, _, err = run_cli("generate", tiny_engines.get("llama", **SHAPE), "--prompt-file", tmp_path / "none.txt")
-    _check(code, err, "cannot read the prompt file")
+    code, _, err = run_cli("generate", tiny_engines.get("llama", **TINY_SHAPE), "--prompt-file", tmp_path / "none.txt")
+    check_one_line(code, err, "cannot read the prompt file", alone=True)
 
 
 def test_runtime_never_imports_the_exporter_stack(tiny_engines):
     """A full generation in a fresh interpreter: torch, transformers, onnx, the exporter stay out."""
-    engines = tiny_engines.get("llama", **SHAPE)
+    engines = tiny_engines.get("llama", **TINY_SHAPE)
     script = (
         "import sys\n"
         "from specexport.runtime import load\n"
@@ -129,7 +119,7 @@ def test_runtime_never_imports_the_exporter_stack(tiny_engines):
 
 
 def test_cli_generate_path_is_light_too(tiny_engines):
-    engines = tiny_engines.get("llama", **SHAPE)
+    engines = tiny_engines.get("llama", **TINY_SHAPE)
     script = (
         "import sys\n"
         "from specexport.cli import main\n"

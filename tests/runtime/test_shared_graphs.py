@@ -9,8 +9,8 @@ import onnx
 
 from specexport.contract import INPUT_IDS, read_manifest
 from specexport.runtime import load
+from tests.conftest import TINY_SHAPE
 
-SHAPE = dict(max_seq_len=160, prefill_chunk=16)
 DRAFTERS = ("ngram", "quantized-self", "draft-model")
 
 
@@ -22,7 +22,7 @@ def _files_by_model(directory) -> dict[str, set[str]]:
 
 
 def test_an_ort_gqa_model_is_one_graph_with_a_symbolic_token_count(tiny_engines):
-    directory = tiny_engines.get("llama", attention="ort-gqa", **SHAPE)
+    directory = tiny_engines.get("llama", attention="ort-gqa", **TINY_SHAPE)
     manifest = read_manifest(directory)
     for model, files in _files_by_model(directory).items():
         assert files == {f"{model}.onnx"}, (model, files)
@@ -36,7 +36,7 @@ def test_an_ort_gqa_model_is_one_graph_with_a_symbolic_token_count(tiny_engines)
 
 
 def test_a_standard_model_keeps_one_static_graph_per_size(tiny_engines):
-    directory = tiny_engines.get("llama", attention="standard", **SHAPE)
+    directory = tiny_engines.get("llama", attention="standard", **TINY_SHAPE)
     manifest = read_manifest(directory)
     for model, files in _files_by_model(directory).items():
         entries = [e for e in manifest.engines if e.model == model]
@@ -44,7 +44,7 @@ def test_a_standard_model_keeps_one_static_graph_per_size(tiny_engines):
 
 
 def test_a_load_opens_one_session_per_graph_file_whatever_sizes_it_runs(tiny_engines):
-    pipe = load(tiny_engines.get("llama", attention="ort-gqa", **SHAPE))
+    pipe = load(tiny_engines.get("llama", attention="ort-gqa", **TINY_SHAPE))
     baseline = pipe.generate(prompt_ids=list(range(3, 40)), drafter="none", max_new_tokens=16)
     for drafter in DRAFTERS:
         result = pipe.generate(prompt_ids=list(range(3, 40)), drafter=drafter, max_new_tokens=16)
@@ -59,7 +59,7 @@ def test_a_load_opens_one_session_per_graph_file_whatever_sizes_it_runs(tiny_eng
 
 def test_a_standard_load_opens_a_session_per_size(tiny_engines):
     """The counter above can fail: static graphs each take their own session."""
-    pipe = load(tiny_engines.get("llama", attention="standard", **SHAPE))
+    pipe = load(tiny_engines.get("llama", attention="standard", **TINY_SHAPE))
     pipe.generate(prompt_ids=list(range(3, 40)), drafter="none", max_new_tokens=4)
     opened = [size for size in pipe.target.sizes if pipe.target.is_open(size)]
     assert len(pipe.sessions) == len(opened) >= 3
@@ -70,7 +70,7 @@ def test_outputs_handed_out_survive_the_next_run_of_the_same_engine(tiny_engines
     the caller's own, not a view the next run of that engine overwrites."""
     import numpy as np
 
-    pipe = load(tiny_engines.get("llama", attention="ort-gqa", **SHAPE))
+    pipe = load(tiny_engines.get("llama", attention="ort-gqa", **TINY_SHAPE))
     runner = pipe.runner("target")
     runner.rewind(0)
     first = runner.forward(list(range(3, 10)), want_logits=True)  # [7], [7, V]

@@ -7,7 +7,9 @@ function's signature; the device-side KV append writes what the host cache write
 fp16/bf16 cast of a real graph keeps its I/O types and its argmax; and the whole TensorRT
 path of the runtime (load, the device KV cache by default, --host-kv, CUDA graphs, a drafter
 without TensorRT engines on onnxruntime beside them) on the fake TensorRT and CUDA of
-tests/fake_gpu, which run the ONNX graphs with onnxruntime on host memory.
+tests/fake_gpu, which run the ONNX graphs with onnxruntime on host memory and hold the runtime
+to TensorRT's binding contract: binding mistakes made on purpose fail there, and the right
+binding computes what onnxruntime computes.
 """
 
 from __future__ import annotations
@@ -16,10 +18,7 @@ import ast
 import importlib.util
 import inspect
 import json
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import pytest
 
 from specexport.errors import BadInput
 from specexport.runtime.kv_cache import KVCache
-from specexport.runtime.manifest import EngineEntry, TensorSpec, sha256_of
+from specexport.runtime.manifest import EngineEntry, TensorSpec
 from specexport.runtime.trt_engine import (
     CudaDevice,
     append_copies,
@@ -38,51 +37,22 @@ from specexport.runtime.trt_engine import (
     rebuild_command,
     require_tensorrt,
 )
-from tests.conftest import run_cli
-from tests.gpu import gpu_unavailable
+from tests.conftest import check_one_line, run_cli
+from tests.gpu import NO_GPU, needs_gpu, without_gpu
+from tests.scaffold import as_tensorrt_build, json_from_fake_gpu
 
 REPO = Path(__file__).resolve().parents[2]
 BACKEND = REPO / "runtime" / "trt_engine.py"
 
 
-NO_GPU = gpu_unavailable()
-needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(NO_GPU is not None, reason=f"needs a CUDA GPU and TensorRT: {NO_GPU}")]
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tiny_engines) -> Path:
-    """The shared tiny llama build (target, ngram, quantized-self, draft-model)."""
-    return tiny_engines.get("llama", max_seq_len=160, prefill_chunk=16)
-
-
-def with_tensorrt_entries(src: Path, dst: Path, version: str = "10.13.0.35", cc: str = "9.0",
-                          models: tuple[str, ...] = ("target",), fake_plans: bool = False) -> Path:
-    """A copy of an engine directory as a GPU build writes it: a tensorrt entry beside each
-    graph of ``models``. The .plan files are placeholders, or with ``fake_plans`` what the fake
-    TensorRT of tests/fake_gpu loads (the ONNX graph it runs)."""
-    shutil.copytree(src, dst)
-    manifest = json.loads((dst / "manifest.json").read_text())
-    for entry in [e for e in manifest["engines"] if e["model"] in models and e["backend"] == "onnxruntime"]:
-        plan = dst / f"{entry['name']}.plan"
-        plan.write_bytes(b"fake-trt:" + str(dst / entry["path"]).encode() if fake_plans else b"placeholder engine")
-        digest = sha256_of(plan)
-        manifest["files"][plan.name] = digest
-        extra = {"tensorrt_version": version, "device_name": "NVIDIA H200", "compute_capability": cc,
-                 "precision": "fp16", "onnx": entry["path"]}
-        manifest["engines"].append({**entry, "backend": "tensorrt", "path": plan.name, "sha256": digest,
-                                    "extra": extra})
-    (dst / "manifest.json").write_text(json.dumps(manifest))
-    return dst
-
-
 # -- missing TensorRT or GPU: one line, the extra, exit code 2 -------------------------------
 
 
-@pytest.mark.skipif(NO_GPU is None, reason="TensorRT and a GPU are present")
+@without_gpu
 def test_loading_the_tensorrt_backend_names_the_extra(tiny_dir, tmp_path):
     from specexport.runtime import load
 
-    engines = with_tensorrt_entries(tiny_dir, tmp_path / "engines")
+    engines = as_tensorrt_build(tiny_dir, tmp_path / "engines", ("target",), fake_plans=False)
     with pytest.raises(BadInput) as err:
         load(engines, backend="tensorrt")
     assert err.value.exit_code == 2
@@ -90,32 +60,26 @@ def test_loading_the_tensorrt_backend_names_the_extra(tiny_dir, tmp_path):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.skipif(NO_GPU is None, reason="TensorRT and a GPU are present")
+@without_gpu
 def test_generate_with_tensorrt_backend_exits_2(tiny_dir, tmp_path):
-    from specexport.cli import cli
-
-    if "backend" not in {p.name for p in cli.commands["generate"].params}:
-        pytest.skip("`generate --backend` is not wired into specexport/cli.py yet")
-    engines = with_tensorrt_entries(tiny_dir, tmp_path / "engines")
+    engines = as_tensorrt_build(tiny_dir, tmp_path / "engines", ("target",), fake_plans=False)
     code, _, err = run_cli("generate", engines, "--backend", "tensorrt", "--prompt", "hi", "-n", "2")
-    assert code == 2, err
-    assert "pip install 'specexport[gpu]'" in err and "Traceback" not in err
+    check_one_line(code, err, "pip install 'specexport[gpu]'")
 
 
-@pytest.mark.skipif(NO_GPU is None, reason="TensorRT and a GPU are present")
+@without_gpu
 def test_build_of_a_tensorrt_recipe_exits_2_before_exporting(tmp_path):
     recipe = tmp_path / "trt.yaml"
     text = (REPO / "recipes" / "tiny-llama.yaml").read_text()
     recipe.write_text(text.replace("name: tiny-llama", "name: tiny-trt") + "backends: [onnxruntime, tensorrt]\n")
     out = tmp_path / "out"
     code, _, err = run_cli("build", recipe, "-o", out, "--quiet")
-    assert code == 2, err
-    assert err.strip().count("\n") == 0, err
-    assert "pip install 'specexport[gpu]'" in err
+    check_one_line(code, err, "pip install 'specexport[gpu]'")
+    assert err.strip().count("\n") == 0, err  # --quiet: not even a progress line
     assert not out.exists()
 
 
-@pytest.mark.skipif(NO_GPU is None, reason="TensorRT and a GPU are present")
+@without_gpu
 def test_build_from_onnx_names_the_extra_and_leaves_the_directory(tiny_dir, tmp_path):
     from specexport.cli_trt import build_from_onnx
     from specexport.exporter.progress import Reporter
@@ -128,15 +92,11 @@ def test_build_from_onnx_names_the_extra_and_leaves_the_directory(tiny_dir, tmp_
     assert err.value.exit_code == 2
     assert sorted(p.name for p in engines.iterdir()) == before
     assert not list(tmp_path.glob(".engines.partial-*"))
-
-    from specexport.cli import cli
-
-    if "from_onnx" in {p.name for p in cli.commands["build"].params}:
-        code, _, stderr = run_cli("build", "--from-onnx", engines, "--quiet")
-        assert code == 2 and "pip install 'specexport[gpu]'" in stderr, stderr
+    code, _, stderr = run_cli("build", "--from-onnx", engines, "--quiet")
+    check_one_line(code, stderr, "pip install 'specexport[gpu]'")
 
 
-@pytest.mark.skipif(NO_GPU is None, reason="TensorRT and a GPU are present")
+@without_gpu
 def test_require_tensorrt_is_not_fooled_by_the_type_stubs():
     # tensorrt-stubs installs tensorrt/__init__.pyi, which imports as an empty namespace package
     with pytest.raises(BadInput, match=r"tensorrt is not installed: pip install 'specexport\[gpu\]'"):
@@ -351,7 +311,6 @@ def test_cast_precision_clips_instead_of_overflowing():
 
 # -- the whole TensorRT path on the fake TensorRT and CUDA of tests/fake_gpu ----------------
 
-FAKE_GPU = REPO / "tests" / "fake_gpu"
 PROMPT = "hello hello hello world, hello"
 DRAFTERS = ("none", "ngram", "quantized-self", "draft-model")
 
@@ -402,19 +361,20 @@ ON_FAKE_GPU = textwrap.dedent(f"""
 
 
 @pytest.fixture(scope="module")
-def on_fake_gpu(tiny_dir, tmp_path_factory) -> dict:
+def fake_plans_dir(tiny_dir, tmp_path_factory) -> Path:
+    """The tiny build with fake TensorRT plans for the target and the draft model."""
+    return as_tensorrt_build(tiny_dir, tmp_path_factory.mktemp("fake-gpu") / "engines", ("target", "draft-model"))
+
+
+@pytest.fixture(scope="module")
+def on_fake_gpu(fake_plans_dir) -> dict:
     """Greedy output of every drafter on onnxruntime, and on TensorRT (device KV cache, host
     cache, device cache with CUDA graphs), with the copies each made; the target and the draft
     model have TensorRT engines, the int4 drafter only onnxruntime ones."""
-    engines = with_tensorrt_entries(tiny_dir, tmp_path_factory.mktemp("fake-gpu") / "engines",
-                                    models=("target", "draft-model"), fake_plans=True)
+    engines = fake_plans_dir
     prompts = engines.parent / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "loop", "category": "grounded", "prompt": "1, 2, 3, 1, 2, 3, 1,"}) + "\n")
-    path = os.pathsep.join([str(FAKE_GPU), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    done = subprocess.run([sys.executable, "-c", ON_FAKE_GPU, str(engines), str(prompts), str(engines.parent / "bench")],
-                          capture_output=True, text=True, cwd=REPO, timeout=600, env={**os.environ, "PYTHONPATH": path})
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.splitlines()[-1])
+    return json_from_fake_gpu(ON_FAKE_GPU, engines, prompts, engines.parent / "bench")
 
 
 @pytest.mark.parametrize("mode", ["device", "host", "graphs"])
@@ -452,12 +412,118 @@ def test_the_command_line_uses_the_device_cache_unless_host_kv(on_fake_gpu, comm
         assert default["out"] == host["out"]
 
 
+# -- the fake TensorRT holds the runtime to TensorRT's binding contract -------------------------
+
+# Opens the target's verify engine on the fake TensorRT once per case, with the binding as the
+# runtime makes it ("right") or with one mistake a runtime could make, runs it on the feeds of
+# argv[2], and prints per case the error it ended in, or the file of its outputs.
+MISBOUND = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+
+    import numpy as np
+    import tensorrt
+    from cuda.bindings import runtime as cudart
+
+    from specexport.errors import SpecexportError
+    from specexport.runtime import trt_engine
+    from specexport.runtime.engine import EngineOptions
+    from specexport.runtime.manifest import Manifest
+
+    root, feeds, out = Path(sys.argv[1]), dict(np.load(sys.argv[2])), Path(sys.argv[3])
+    entry = next(e for e in Manifest.load(root).engines_of("target", "tensorrt") if e.name == sys.argv[4])
+
+    def right(engine):
+        pass
+
+    def bound_by_position(engine):  # the engine's i-th tensor gets the manifest's i-th buffer
+        for i, ptr in enumerate(engine._device.values()):
+            engine._context.set_tensor_address(engine._engine.get_tensor_name(i), ptr)
+
+    def int32_buffer_for_int64_input(engine):  # input_ids sized as int32, copied in as int64
+        spec = engine.inputs["input_ids"]
+        ptr = trt_engine.cuda_call(cudart, "cudaMalloc", int(np.prod(spec.shape)) * 4)
+        engine._device["input_ids"] = ptr
+        engine._context.set_tensor_address("input_ids", ptr)
+
+    def output_left_unbound(engine):
+        engine._context.set_tensor_address("logits", 0)
+
+    def present_key_and_value_swapped(engine):  # two buffers of one size: no error, other numbers
+        key, value = engine._device["present.0.key"], engine._device["present.0.value"]
+        engine._context.set_tensor_address("present.0.key", value)
+        engine._context.set_tensor_address("present.0.value", key)
+
+    results = {}
+    for mistake in (right, bound_by_position, int32_buffer_for_int64_input, output_left_unbound,
+                    present_key_and_value_swapped):
+        cudart.cudaDeviceReset()  # a fresh device: an illegal access is sticky until then
+        del tensorrt.ERRORS[:]
+        engine = trt_engine.open_trt_engine(entry, root, EngineOptions())
+        mistake(engine)
+        try:
+            outputs = engine.run(feeds)
+        except SpecexportError as err:
+            results[mistake.__name__] = {"error": str(err), "logged": list(tensorrt.ERRORS)}
+            continue
+        np.savez(out / f"{mistake.__name__}.npz", **outputs)
+        results[mistake.__name__] = {"outputs": str(out / f"{mistake.__name__}.npz")}
+    print(json.dumps(results))
+""")
+
+
+@pytest.fixture(scope="module")
+def misbound(fake_plans_dir, tmp_path_factory) -> tuple[dict, dict[str, np.ndarray]]:
+    """(what each binding case ended in, onnxruntime's outputs on the same feeds)."""
+    from specexport.runtime.engine import EngineOptions, open_engine
+    from specexport.runtime.manifest import Manifest
+
+    manifest = Manifest.load(fake_plans_dir)
+    entry = next(e for e in manifest.engines_of("target", "onnxruntime") if e.role == "verify")
+    raw = next(e for e in manifest.raw["engines"] if e["name"] == entry.name and e["backend"] == "onnxruntime")
+    feeds = feeds_for(raw)
+    out = tmp_path_factory.mktemp("misbound")
+    np.savez(out / "feeds.npz", **feeds)
+    cases = json_from_fake_gpu(MISBOUND, fake_plans_dir, out / "feeds.npz", out, entry.name)
+    return cases, open_engine(entry, fake_plans_dir, EngineOptions()).run(feeds)
+
+
+def test_the_fake_tensorrt_bound_right_computes_what_onnxruntime_computes(misbound):
+    cases, reference = misbound
+    got = dict(np.load(cases["right"]["outputs"]))
+    assert set(got) == set(reference)
+    for name, value in reference.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("mistake, says", [
+    ("bound_by_position", "cudaErrorIllegalAddress"),  # a past tensor read from a smaller buffer
+    ("int32_buffer_for_int64_input", "cudaErrorInvalidValue"),  # the int64 copy does not fit
+    ("output_left_unbound", "TensorRT execution failed"),
+])
+def test_the_fake_tensorrt_refuses_a_binding_mistake(misbound, mistake, says):
+    """Each mistake ends in the error a GPU gives it, never in outputs (the fake's earlier form
+    ran the first two as if they were bound right, and the third wrote to address 0)."""
+    case = misbound[0][mistake]
+    assert says in case.get("error", ""), case
+    if mistake == "output_left_unbound":
+        assert case["logged"] == ["enqueueV3: no address was set for logits"]
+
+
+def test_the_fake_tensorrt_writes_each_output_where_its_name_is_bound(misbound):
+    cases, reference = misbound
+    got = dict(np.load(cases["present_key_and_value_swapped"]["outputs"]))
+    np.testing.assert_allclose(got["present.0.key"], reference["present.0.value"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["present.0.value"], reference["present.0.key"], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(reference["present.0.key"], reference["present.0.value"])
+
+
 def test_the_target_never_falls_back(tiny_dir, tmp_path):
     from specexport.runtime.api import Pipeline
     from specexport.runtime.engine import EngineOptions
     from specexport.runtime.manifest import Manifest
 
-    manifest = Manifest.load(with_tensorrt_entries(tiny_dir, tmp_path / "engines", models=("draft-model",)))
+    manifest = Manifest.load(as_tensorrt_build(tiny_dir, tmp_path / "engines", ("draft-model",), fake_plans=False))
     with pytest.raises(BadInput, match="no tensorrt engines for model 'target'"):
         Pipeline(manifest, EngineOptions(), "tensorrt")
 
@@ -478,8 +544,7 @@ def trt_dir(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(NO_GPU is not None, reason=f"needs a CUDA GPU and TensorRT: {NO_GPU}")
+@needs_gpu
 def test_gpu_tensorrt_greedy_equals_onnxruntime(trt_dir):
     from specexport.runtime import load
 
@@ -495,8 +560,7 @@ def test_gpu_tensorrt_greedy_equals_onnxruntime(trt_dir):
         assert a.token_ids == b.token_ids, drafter
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(NO_GPU is not None, reason=f"needs a CUDA GPU and TensorRT: {NO_GPU}")
+@needs_gpu
 def test_gpu_device_kv_and_cuda_graphs_match_the_host_path(trt_dir):
     from dataclasses import dataclass
 

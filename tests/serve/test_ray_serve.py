@@ -24,7 +24,6 @@ from specexport.errors import BadInput
 from specexport.serve.config import ServeConfig
 
 pytest.importorskip("ray.serve", reason="the ray extra (pip install 'specexport[ray]')")
-pytest.importorskip("specexport.serve.app")
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny"

@@ -1,0 +1,68 @@
+"""Chain heads that predict their target are accepted: an EAGLE-3 head and a MiMo MTP head built
+from a one-layer target's own weights (tests/heads/chain_checkpoints.py: the target's next token
+depends on the current token only, and each head computes exactly that), one build. The
+construction is checked in plain torch first; then E[L] through the decode loop must reach a
+floor near 1 + D, where random heads (and a drafter whose proposals are off by one) reach 1."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.heads.chain_checkpoints import add_copy_mimo, write_bigram_target, write_copy_eagle3
+from tests.heads.chain_reference import acceptance_length, load_chain_heads, one_torch_thread, reference_chain
+from tests.heads.common import PROMPTS, build, check_greedy_lossless
+
+HEADS = ["copy-eagle3", "copy-mimo"]
+# ort-gqa: one target graph for every size (the quickest build)
+RECIPE = {"name": "agreeing", "target": {"source": "hf", "path": "t"}, "attention": "ort-gqa",
+          "drafters": [{"kind": "eagle3", "name": "copy-eagle3", "path": "e"}, {"kind": "mtp", "name": "copy-mimo"}]}
+DEPTH = 3  # tests/heads/common.with_shapes' max_draft
+NEW_TOKENS = 16  # the longest prompt (27 tokens) and these fit the 48 cache slots
+# observed 4.0 (= 1 + D: every draft kept, 16 tokens in 4 rounds per prompt); the margin leaves
+# room for a near-tie argmax flipping between torch and onnxruntime, not for a wrong draft a round
+FLOOR = 3.5
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("agreeing")
+    add_copy_mimo(write_bigram_target(folder / "t"))
+    write_copy_eagle3(folder / "e", folder / "t")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pipe(root):
+    from specexport.runtime import load
+
+    return load(build(RECIPE, root, root / "out"))
+
+
+def test_the_heads_agree_with_the_target_by_construction(root):
+    """In plain torch (the exporter's reference forwards): after prefixes of the target's own
+    greedy continuation, each head's chain of D drafts is the target's next D tokens. The
+    continuation moves (several distinct tokens), so agreeing is more than repeating a token."""
+    import torch
+
+    target, heads = load_chain_heads(RECIPE, root)
+    with one_torch_thread():
+        for prompt in PROMPTS:
+            ids = target.tokenizer(prompt)["input_ids"]
+            with torch.no_grad():
+                text = target.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0].numpy()
+            assert len(np.unique(text[len(ids):])) >= 4, (prompt, text[len(ids):])
+            for end in range(len(ids), len(text) - DEPTH + 1, 3):
+                for name, head in heads.items():
+                    assert reference_chain(head, target, text[:end], DEPTH) == text[end : end + DEPTH].tolist(), \
+                        (name, prompt, end)
+
+
+@pytest.mark.parametrize("drafter", HEADS)
+def test_a_head_that_predicts_the_target_is_accepted(pipe, drafter):
+    """Greedy at depth D through the decode loop: E[L] (tokens per verify round) at the floor,
+    and the output is the target's own."""
+    assert pipe.manifest.draft_len == DEPTH
+    expected_length = acceptance_length(pipe, drafter, max_new_tokens=NEW_TOKENS)
+    assert expected_length >= FLOOR, f"{drafter}: E[L] {expected_length:.2f} at depth {DEPTH}"
+    check_greedy_lossless(pipe, drafter)
