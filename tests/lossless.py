@@ -89,12 +89,6 @@ def chi_square_limit(df: int) -> float:
     return float(chi2_distribution.isf(ALPHA, df))
 
 
-def chi_square_passes(counts: dict, exact: dict, draws: int) -> tuple[bool, str]:
-    """Below the chi-square tail at ALPHA. Returns (passes, what to print)."""
-    ratio, figures = _over_limit(counts, exact, draws)
-    return ratio < 1.0, figures
-
-
 def _over_limit(counts: dict, exact: dict, draws: int) -> tuple[float, str]:
     """The statistic as a multiple of its limit (< 1: passes), and what to print."""
     chi2, df = chi_square(counts, exact, draws)

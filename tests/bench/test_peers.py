@@ -3,7 +3,8 @@
 Fast tests use the tiny llama of recipes/tiny-llama.yaml (the session's shared tiny build). The
 onnxruntime-genai peers run in `make test` (onnxruntime-genai is in the dev extra; building the
 tiny model for it takes about 25 s on 2 cores); only an install without it skips them. On the
-default model: tests/e2e/test_smollm2_peers.py.
+default model they run in `make bench-peers` (building genai's model from the GGUF takes minutes,
+too long for the suite).
 """
 
 from __future__ import annotations

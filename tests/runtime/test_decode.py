@@ -8,6 +8,7 @@ import pytest
 from specexport.runtime.acceptance import Sampling, as_kept, warp_reference
 from specexport.runtime.decode import DecodeStats, decode
 from specexport.runtime.drafters import ModelDrafter, NgramDrafter, NoDrafter
+from tests.lossless import chi_square_limit, use_rule
 from tests.runtime.fakes import FixedDrafter, MarkovRunner, OracleDrafter, random_table
 
 V = 6
@@ -210,18 +211,16 @@ def test_sampled_output_follows_the_target_distribution(table, name, sampling):
         counts[tuple(out)] += 1
     # sequences the target can never produce (cut by top-k / top-p) never appear
     assert all(counts[s] == 0 for s, p in exact.items() if p == 0)
-    # chi-square over the possible sequences, against a far tail (df + 6 standard deviations)
+    # chi-square over the possible sequences, against the exact tail at ALPHA (tests/lossless.py)
     cells = [(counts[s], p * draws) for s, p in exact.items() if p > 0]
     chi2 = sum((c - e) ** 2 / e for c, e in cells)
     df = len(cells) - 1
-    assert chi2 < df + 6 * np.sqrt(2 * df), (chi2, df)
+    assert chi2 < chi_square_limit(df), (chi2, df)
 
 
 def test_a_biased_acceptance_rule_would_be_caught(table, monkeypatch):
     # The statistical test must be able to fail: accept every draft and it does.
-    import specexport.runtime.decode as loop
-
-    monkeypatch.setattr(loop, "rejection", lambda draft, p, rng: (draft.size, as_kept(p[draft.size]).draw(rng)))
+    use_rule(monkeypatch, lambda draft, p, rng: (draft.size, as_kept(p[draft.size]).draw(rng)))
     sampling, prompt, length, draws = Sampling(1.0), [1, 2, 1], 3, 3000
     exact = _sequence_probs(table, prompt[-1], sampling, length)
     counts = dict.fromkeys(exact, 0)
@@ -232,7 +231,7 @@ def test_a_biased_acceptance_rule_would_be_caught(table, monkeypatch):
     cells = [(counts[s], p * draws) for s, p in exact.items() if p > 0]
     chi2 = sum((c - e) ** 2 / e for c, e in cells)
     df = len(cells) - 1
-    assert chi2 > df + 6 * np.sqrt(2 * df)
+    assert chi2 > 2 * chi_square_limit(df), (chi2, df)
 
 
 @pytest.mark.parametrize("name", ["none", "ngram", "model"])
