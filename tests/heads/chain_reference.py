@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tests.heads.block_checkpoints import drafts_by_reference
-from tests.heads.common import PROMPTS, with_shapes
+from tests.heads.common import with_shapes
 
 CHAIN_KINDS = ("eagle3", "mtp")
 
@@ -85,13 +85,3 @@ def check_drafts_are_the_reference_chain(pipe, drafter: str, head, target,
         for context, drafts, _, _ in seen:
             want = reference_chain(head, target, context, len(drafts))
             assert drafts.tolist() == want, (drafter, len(context), drafts.tolist(), want)
-
-
-def acceptance_length(pipe, drafter: str, max_new_tokens: int, prompts: list[str] = PROMPTS) -> float:
-    """E[L] over ``prompts``: tokens committed per verify round (accepted drafts + the target's
-    own), greedy at the full depth."""
-    tokens = rounds = 0
-    for prompt in prompts:
-        stats = pipe.generate(prompt, drafter=drafter, max_new_tokens=max_new_tokens, adaptive=False).stats
-        tokens, rounds = tokens + stats.tokens, rounds + stats.rounds
-    return tokens / rounds
