@@ -39,7 +39,6 @@ from specexport.exporter.heads import HeadContext, LoadedHead, load_head, merged
 from specexport.exporter.onnx_export import WeightStore, drop_outputs, export_graph, tensor_specs
 from specexport.exporter.outdir import AtomicDir, existing_manifest
 from specexport.exporter.plan import DraftPlanResult, calibration_file, plan_recipe_draft
-from specexport.exporter.progress import Reporter
 from specexport.exporter.quantize import count_quantized, gemm_heads_to_matmul, quantize_int4
 from specexport.exporter.recipe import (
     HIDDEN_STATE_KINDS,
@@ -63,8 +62,10 @@ from specexport.exporter.validate import (
     reference_forward,
     reference_ids,
     validate_batched,
+    validate_batched_append,
     validate_model,
 )
+from specexport.progress import Reporter
 from specexport.runtime.integrity import ensure_verified
 from specexport.runtime.runner import ModelRunner, time_interleaved
 
@@ -88,6 +89,10 @@ class GraphSet:
 
     def names(self, batch: int) -> dict[int, str]:
         return {t: engine_name(self.model, role, batch, t) for t, role in sorted(self.sizes.items())}
+
+    def batched(self, tokens: int | None) -> bool:
+        """Is the graph of ``tokens`` built at every batch size (its role in BATCHED_ROLES)?"""
+        return tokens in self.sizes and self.sizes[tokens] in BATCHED_ROLES
 
 
 def target_graphs(recipe: Recipe, plan: DraftPlanResult) -> GraphSet:
@@ -226,21 +231,34 @@ class Builder:
             stores[int4[0]] = WeightStore(tmp / f"{int4[0]}.weights")
         # ort-gqa: one graph per model with a symbolic token count, every size an entry of it,
         # so that onnxruntime holds (and pre-packs) the weights once per model, not once per
-        # size. The standard graph stays one static graph per size (TensorRT's need).
-        # With batch sizes above 1 its batch is symbolic too: every batch size shares the weights.
-        # A linear-attention model's graphs unroll their recurrence over T: one static graph per size.
+        # size. With batch sizes above 1 its batch is symbolic too: every batch size shares the
+        # weights. The standard graph stays one static graph per size (TensorRT's need), and per
+        # batch size too: the decoding sizes (BATCHED_ROLES) again at each batch above 1, every
+        # row with its own cache length (the mask is per row; the runtime keeps each row's
+        # first real presents). A linear-attention model's graphs unroll their recurrence over
+        # T: one static graph per size (and batch 1 only: _state_refusal).
         shared = self.recipe.attention == "ort-gqa" and state is None
         batched = shapes.batches != [1]
+        # (batch, tokens, label): None a symbolic size
+        exports: list[tuple[int | None, int | None, str]]
+        if shared:
+            exports = [(None if batched else 1, None, f"{name} (every size)")]
+        else:
+            exports = [(1, tokens, label) for tokens, label in graphs.names(1).items()]
+            for b in shapes.batches[1:]:
+                exports += [(b, tokens, label) for tokens, label in graphs.names(b).items()
+                            if graphs.batched(tokens) or (int4 is not None and int4[2].batched(tokens))]
         try:
-            exports = [(None, f"{name} (every size)")] if shared else list(graphs.names(1).items())
-            for tokens, label in exports:
+            for batch, tokens, label in exports:
                 with self.rep.step("export", label) as s:
-                    proto = export_graph(decoder, None if batched else 1, tokens, self.recipe.opset)
+                    proto = export_graph(decoder, batch, tokens, self.recipe.opset)
                     s.detail = f"{len(proto.graph.node)} nodes" + (
                         f", {'batch and ' if batched else ''}token count symbolic" if shared else "")
-                if int4 is not None and (tokens is None or tokens in int4[2].sizes):
+                static_batch = batch if batch is not None else 1  # a shared graph's files are named at batch 1
+                if int4 is not None and (tokens is None or tokens in int4[2].sizes) and \
+                        (static_batch == 1 or int4[2].batched(tokens)):
                     q_name, q_spec, q_graphs = int4
-                    q_label = f"{q_name} (every size)" if tokens is None else q_graphs.names(1)[tokens]
+                    q_label = f"{q_name} (every size)" if tokens is None else q_graphs.names(static_batch)[tokens]
                     with self.rep.step("quantize", q_label) as s:
                         copy = onnx.ModelProto()
                         copy.CopyFrom(proto)
@@ -250,8 +268,10 @@ class Builder:
                         quantized = quantize_int4(copy, q_spec.block_size, q_spec.symmetric, q_spec.accuracy_level,
                                                   keep_head=not q_spec.quantize_head)
                         s.detail = f"{count_quantized(quantized)} MatMulNBits, block {q_spec.block_size}"
-                    self._save(tmp, q_name, tokens, "quantized-self", quantized, stores[q_name], q_graphs)
-                self._save(tmp, name, tokens, kind, proto, stores[name], graphs)
+                    self._save(tmp, q_name, tokens, "quantized-self", quantized, stores[q_name], q_graphs,
+                               static_batch)
+                if static_batch == 1 or graphs.batched(tokens):
+                    self._save(tmp, name, tokens, kind, proto, stores[name], graphs, static_batch)
         finally:
             for store in stores.values():
                 store.close()
@@ -284,32 +304,33 @@ class Builder:
         return None
 
     def _save(self, tmp: Path, model: str, tokens: int | None, kind: str, proto: onnx.ModelProto,
-              store: WeightStore, graphs: GraphSet) -> None:
-        """Write one graph and its manifest entries: the graph of ``tokens`` tokens, or with
-        ``tokens=None`` the model's shared graph, one entry per size of ``graphs`` at batch 1,
-        and per decoding size (decode, catch-up, verify) at each larger batch of the recipe."""
-        names = graphs.names(1)
+              store: WeightStore, graphs: GraphSet, batch: int = 1) -> None:
+        """Write one graph and its manifest entries: the static graph of ``batch`` rows of
+        ``tokens`` tokens (a standard graph), or with ``tokens=None`` the model's shared graph
+        (ort-gqa), one entry per size of ``graphs`` at batch 1, and per decoding size (decode,
+        catch-up, verify) at each larger batch of the recipe. Entries above batch 1 are checked
+        row by row against batch 1 (``validate``)."""
+        names = graphs.names(batch)
         sizes = sorted(graphs.sizes) if tokens is None else [tokens]
         path = tmp / (f"{model}.onnx" if tokens is None else f"{names[tokens]}.onnx")
         store.save(proto, path)
         onnx.checker.check_model(str(path))
-        batches = self.recipe.shapes.batches if tokens is None else [1]
-        for batch in batches:
+        for rows in (self.recipe.shapes.batches if tokens is None else [batch]):
             for size in sizes:
                 role = graphs.sizes[size]
-                if batch > 1 and role not in BATCHED_ROLES:
+                if rows > 1 and role not in BATCHED_ROLES:
                     continue
-                graph_name = engine_name(model, role, batch, size)
-                inputs = tensor_specs(proto, "inputs", size, batch)
-                outputs = tensor_specs(proto, "outputs", size, batch)
+                graph_name = engine_name(model, role, rows, size)
+                inputs = tensor_specs(proto, "inputs", size, rows)
+                outputs = tensor_specs(proto, "outputs", size, rows)
                 self.specs[graph_name] = (inputs, outputs)
-                if batch == 1:
+                if rows == 1:
                     self.graph_files.setdefault(model, []).append(GraphUnderTest(graph_name, path, size))
                 else:
-                    self.batched_files.setdefault(model, []).append(BatchedGraph(graph_name, path, size, batch))
+                    self.batched_files.setdefault(model, []).append(BatchedGraph(graph_name, path, size, rows))
                 self.engines.append(EngineEntry(
                     name=graph_name, model=model, role=role, backend="onnxruntime", path=path.name,
-                    batch=batch, tokens=size, inputs=inputs, outputs=outputs,
+                    batch=rows, tokens=size, inputs=inputs, outputs=outputs,
                     kv_update=KV_UPDATE_OF_ATTENTION[self.recipe.attention], weights=store.location,
                 ))
 
@@ -342,8 +363,12 @@ class Builder:
         batched = self.batched_files.get(model, [])
         if batched:
             with self.rep.step("validate", f"{model} batched graphs") as s:
-                single = {g.tokens: g.name for g in self.graph_files[model]}
-                rows = validate_batched(batched, single, self.specs, kept[0].cache, ids, self.threads)
+                if self.recipe.attention == "ort-gqa":  # in place: entries of the batch-1 graph's file
+                    single = {g.tokens: g.name for g in self.graph_files[model]}
+                    rows = validate_batched(batched, single, self.specs, kept[0].cache, ids, self.threads)
+                else:  # append: static graphs of their own, each row's real positions against batch 1
+                    alone = {g.tokens: g for g in self.graph_files[model]}
+                    rows = validate_batched_append(batched, alone, self.specs, kept[0].cache, ids, self.threads)
                 worst = max(r["max_abs_logit_diff"] for r in rows.values())
                 s.detail = f"{len(rows)} graphs, ragged rows and an idle row against batch 1: max |Δlogit| {worst:.2e}"
             for name, figures in rows.items():

@@ -420,24 +420,53 @@ class StaticDecoder(nn.Module):
         # input_ids [B, T]; cache_length [B]; inputs: valid_tokens [B] (ort-gqa), then the past:
         # 2·kv_layers tensors [B, n_kv, S_max, head_dim], then 2·state_layers: conv [B, C, K-1]
         # and recurrent [B, Hv, dk, dv] per linear-attention layer
+        valid_tokens, past, past_state = self._split_inputs(inputs)
+        batch, tokens = input_ids.shape
+        offsets, positions, rope_index = self._positions(cache_length, tokens)  # [T], [B, T], [B, T]
+        visibility = self._visibility(cache_length, offsets, batch, tokens)  # [S_max], [B, T, S_max], [B, T, T]
+        rope = self._rope(rope_index)  # name -> cos, sin [B, T, 1, rot]
+        hidden = self._embed(input_ids)  # [B, T, hidden]
+        masks = self._masks(positions, offsets, visibility, hidden.dtype)  # window -> [B, 1, 1, T, S_max+T]
+        # ort-gqa: seqlens_k [B], total length [], query_seqlens [B] (int32)
+        gqa_lengths = self._gqa_lengths(cache_length, valid_tokens, tokens) if self.attention == "ort-gqa" else None
+        hidden, presents, state_presents, tapped = self._decoder_layers(hidden, rope, masks, gqa_lengths, past,
+                                                                        past_state)  # hidden [B, T, hidden]
+        return self._outputs(hidden, presents, state_presents, tapped)
+
+    def _split_inputs(self, inputs):
+        """forward's ``*inputs`` -> (valid_tokens [B] (ort-gqa; None otherwise), the KV cache:
+        2·kv_layers tensors [B, n_kv, S_max, hd], the linear-attention state: 2·state_layers
+        tensors, conv [B, C, K-1] and recurrent [B, Hv, dk, dv] per layer (empty without))."""
         valid_tokens, past = (inputs[0], inputs[1:]) if self.takes_valid_tokens else (None, inputs)
+        past_state = ()
         if self.state_layers:
             past, past_state = past[: 2 * self.kv_layers], past[2 * self.kv_layers :]
-        batch, tokens = input_ids.shape
-        s_max = self.max_seq_len
+        return valid_tokens, past, past_state
+
+    def _positions(self, cache_length, tokens: int):
+        """cache_length [B] -> the new tokens' offsets [T], positions [B, T] and rope table rows
+        [B, T]."""
         offsets = torch.arange(tokens, dtype=torch.int64)  # [T]
         positions = cache_length.unsqueeze(1) + offsets  # [B, T]
         # Padding slots of a last, short chunk may run past the table; their outputs are unused.
-        rope_index = positions.clamp(max=s_max - 1)
+        rope_index = positions.clamp(max=self.max_seq_len - 1)  # [B, T]
+        return offsets, positions, rope_index
 
+    def _visibility(self, cache_length, offsets, batch: int, tokens: int):
+        """Which keys each new token may see, before any sliding window: (the cache slots
+        [S_max], the filled cache slots [B, T, S_max], the new tokens causally [B, T, T])."""
+        s_max = self.max_seq_len
         past_slots = torch.arange(s_max, dtype=torch.int64)  # [S_max]
         past_visible = past_slots.view(1, 1, s_max) < cache_length.view(batch, 1, 1)  # [B, 1, S_max]
         past_visible = past_visible.expand(batch, tokens, s_max)  # [B, T, S_max]
         new_visible = offsets.view(1, tokens) <= offsets.view(tokens, 1)  # [T, T] causal
         new_visible = new_visible.unsqueeze(0).expand(batch, tokens, tokens)  # [B, T, T]
+        return past_slots, past_visible, new_visible
 
-        # One Gather per table, shared by the layers that use it.
-        rope = {
+    def _rope(self, rope_index):
+        """rope_index [B, T] -> name -> (cos, sin) [B, T, 1, rot]: one Gather per table, shared
+        by the layers that use it."""
+        return {
             name: (
                 nn.functional.embedding(rope_index, getattr(self, f"rope_cos_{name}")).unsqueeze(2),
                 nn.functional.embedding(rope_index, getattr(self, f"rope_sin_{name}")).unsqueeze(2),
@@ -445,78 +474,115 @@ class StaticDecoder(nn.Module):
             for name in self.rope_tables
         }  # name -> cos, sin [B, T, 1, rot]
 
+    def _embed(self, input_ids):
+        """input_ids [B, T] -> the scaled token embeddings [B, T, hidden]."""
+        batch, tokens = input_ids.shape
         if self.embed_from_head:
             table_t = getattr(self, HEAD_WEIGHT)  # [hidden, V]
             hidden = table_t.index_select(1, input_ids.reshape(-1)).T.reshape(batch, tokens, -1)  # [B, T, hidden]
         else:
             hidden = nn.functional.embedding(input_ids, self.embed)  # [B, T, hidden]
         if self.embed_scale != 1.0:
-            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)  # [B, T, hidden]
+        return hidden
 
-        # One additive mask per distinct window, shared by the layers: 0 visible, -inf hidden.
+    def _masks(self, positions, offsets, visibility, dtype: torch.dtype):
+        """One additive mask [B, 1, 1, T, S_max+T] per distinct window, shared by the layers: 0
+        visible, -inf hidden. positions [B, T], offsets [T], visibility: _visibility's."""
+        past_slots, past_visible, new_visible = visibility  # [S_max], [B, T, S_max], [B, T, T]
+        batch, tokens, s_max = past_visible.shape
         masks: dict[int | None, torch.Tensor] = {}
         for window in {layer.sliding_window for layer in self.layers if layer.linear is None}:
-            mask_past, mask_new = past_visible, new_visible
+            mask_past, mask_new = past_visible, new_visible  # [B, T, S_max], [B, T, T]
             if window is not None:
                 mask_past = mask_past & (positions.unsqueeze(2) - past_slots.view(1, 1, s_max) < window)
                 mask_new = mask_new & (offsets.view(tokens, 1) - offsets.view(1, tokens) < window).unsqueeze(0)
             visible = torch.cat((mask_past, mask_new), dim=-1)  # [B, T, S_max+T]
-            zero = torch.zeros((), dtype=hidden.dtype)
+            zero = torch.zeros((), dtype=dtype)  # []
             masks[window] = torch.where(visible, zero, float("-inf")).view(batch, 1, 1, tokens, s_max + tokens)
+        return masks
 
-        if self.attention == "ort-gqa":
-            total = cache_length + valid_tokens  # [B] filled length after this step
-            # seqlens_k (an idle row at length 0 still needs >= 0); an upper bound of the totals
-            # that is at least T (the op's check), as if every row's T were real; query_seqlens
-            gqa_lengths = ((total - 1).clamp(min=0).to(torch.int32), (cache_length + tokens).max().to(torch.int32),
-                           valid_tokens.to(torch.int32))
+    def _gqa_lengths(self, cache_length, valid_tokens, tokens: int):
+        """GroupQueryAttention's lengths, int32: seqlens_k [B] (an idle row at length 0 still
+        needs >= 0); an upper bound [] of the totals that is at least T (the op's check), as if
+        every row's T were real; query_seqlens [B]."""
+        total = cache_length + valid_tokens  # [B] filled length after this step
+        return ((total - 1).clamp(min=0).to(torch.int32), (cache_length + tokens).max().to(torch.int32),
+                valid_tokens.to(torch.int32))
 
+    def _decoder_layers(self, hidden, rope, masks, gqa_lengths, past, past_state):
+        """Every layer over the embeddings hidden [B, T, hidden] -> (the stream after the final
+        norm [B, T, hidden], the KV presents (2 per attention layer), the linear-attention state
+        presents (conv, recurrent per linear layer), hidden_states index -> tapped [B, T, hidden])."""
         presents: list[torch.Tensor] = []
         state_presents: list[torch.Tensor] = []  # per linear-attention layer: conv, recurrent
         tapped: dict[int, torch.Tensor] = {}  # hidden_states index -> [B, T, hidden]
-        x = _rms_norm(hidden, self.layers[0].attn_norm, self.eps)  # the first layer's attention input
+        x = _rms_norm(hidden, self.layers[0].attn_norm, self.eps)  # [B, T, hidden] the first layer's attention input
         for i, layer in enumerate(self.layers):
             if i in self.taps:
-                tapped[i] = hidden  # the residual stream entering layer i
+                tapped[i] = hidden  # [B, T, hidden] the residual stream entering layer i
             if layer.linear is not None:  # Gated DeltaNet: the state in, the state after each position out
                 j = len(state_presents)
                 attn_out, conv_states, recurrent_states = layer.linear(x, past_state[j], past_state[j + 1])
                 state_presents += [conv_states, recurrent_states]
             else:
-                cos, sin = rope[layer.rope_table]  # [B, T, 1, rot]
                 a = len(presents)
-                past_k, past_v = past[a], past[a + 1]  # [B, n_kv, S_max, hd]
-                if self.attention == "ort-gqa":
-                    attn_out, k_new, v_new = self._attention_gqa(layer, x, cos, sin, past_k, past_v, gqa_lengths)
-                else:
-                    attn_out, k_new, v_new = self._attention(layer, x, cos, sin, past_k, past_v,
-                                                             masks[layer.sliding_window])
+                # attn_out [B, T, hidden]; k_new, v_new: the new K/V or updated caches [B, n_kv, *, hd]
+                attn_out, k_new, v_new = self._layer_attention(layer, x, rope, masks, gqa_lengths,
+                                                               past[a], past[a + 1])
                 presents += [k_new, v_new]
-            if layer.attn_out_norm is not None:
-                attn_out = _rms_norm(attn_out, layer.attn_out_norm, self.eps)
-            x, hidden = self._add_norm(hidden, attn_out, layer.mlp_norm)
-            mlp_out = self._mlp(layer, x)
-            if layer.mlp_out_norm is not None:
-                mlp_out = _rms_norm(mlp_out, layer.mlp_out_norm, self.eps)
             last = i + 1 == len(self.layers)
-            x, hidden = self._add_norm(hidden, mlp_out, self.final_norm if last else self.layers[i + 1].attn_norm)
+            next_norm = self.final_norm if last else self.layers[i + 1].attn_norm
+            x, hidden = self._residual_mlp(layer, hidden, attn_out, next_norm)  # [B, T, hidden] ×2
+        return x, presents, state_presents, tapped
 
-        hidden = x  # [B, T, hidden], after the final norm
-        tapped[len(self.layers)] = hidden
-        if self.fusions.matmul_head:
-            logits = hidden @ getattr(self, HEAD_WEIGHT)  # [B, T, V]
-        else:
-            head = self.embed if self.lm_head is None else self.lm_head  # [V, hidden]
-            # 2-D linear exports as Gemm(transB=1): the [V, hidden] table is used as stored.
-            logits = nn.functional.linear(hidden.reshape(batch * tokens, -1), head)
-            logits = logits.reshape(batch, tokens, -1)  # [B, T, V]
-        if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+    def _layer_attention(self, layer: _Layer, x, rope, masks, gqa_lengths, past_k, past_v):
+        """An attention layer's attention on the normed input x [B, T, hidden] with its RoPE
+        table and (standard) its window's mask or (ort-gqa) the op's lengths -> (out
+        [B, T, hidden], K and V presents). past_k, past_v [B, n_kv, S_max, hd]."""
+        cos, sin = rope[layer.rope_table]  # [B, T, 1, rot]
+        if self.attention == "ort-gqa":
+            return self._attention_gqa(layer, x, cos, sin, past_k, past_v, gqa_lengths)
+        return self._attention(layer, x, cos, sin, past_k, past_v, masks[layer.sliding_window])
+
+    def _residual_mlp(self, layer: _Layer, hidden, attn_out, next_norm):
+        """The rest of a layer after its attention: attn_out [B, T, hidden] into the residual
+        stream hidden [B, T, hidden], the MLP, its output into the stream -> (the next block's
+        input, normed by ``next_norm`` [B, T, hidden], the stream [B, T, hidden])."""
+        if layer.attn_out_norm is not None:
+            attn_out = _rms_norm(attn_out, layer.attn_out_norm, self.eps)  # [B, T, hidden]
+        x, hidden = self._add_norm(hidden, attn_out, layer.mlp_norm)  # [B, T, hidden] ×2
+        mlp_out = self._mlp(layer, x)  # [B, T, hidden]
+        if layer.mlp_out_norm is not None:
+            mlp_out = _rms_norm(mlp_out, layer.mlp_out_norm, self.eps)  # [B, T, hidden]
+        return self._add_norm(hidden, mlp_out, next_norm)
+
+    def _outputs(self, hidden, presents, state_presents, tapped):
+        """hidden [B, T, hidden] after the final norm -> forward's outputs: logits [B, T, V],
+        next_tokens [B, T], the presents, then the state presents, then (taps) aux [B, T,
+        n_taps·hidden]."""
+        tapped = {**tapped, len(self.layers): hidden}  # hidden_states index -> [B, T, hidden]
+        logits = self._logits(hidden)  # [B, T, V]
         next_tokens = logits.argmax(dim=-1)  # [B, T]
         if self.taps:
             aux = torch.cat([tapped[i] for i in self.taps], dim=-1)  # [B, T, n_taps·hidden]
             return (logits, next_tokens, *presents, *state_presents, aux)
         return (logits, next_tokens, *presents, *state_presents)
+
+    def _logits(self, hidden):
+        """The output head (softcapped where the model does): hidden [B, T, hidden] -> logits
+        [B, T, V]."""
+        if self.fusions.matmul_head:
+            logits = hidden @ getattr(self, HEAD_WEIGHT)  # [B, T, V]
+        else:
+            batch, tokens, _ = hidden.shape
+            head = self.embed if self.lm_head is None else self.lm_head  # [V, hidden]
+            # 2-D linear exports as Gemm(transB=1): the [V, hidden] table is used as stored.
+            logits = nn.functional.linear(hidden.reshape(batch * tokens, -1), head)  # [B·T, V]
+            logits = logits.reshape(batch, tokens, -1)  # [B, T, V]
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap  # [B, T, V]
+        return logits
 
     def _add_norm(self, hidden, delta, weight):
         """(RMSNorm(hidden + delta) · weight, hidden + delta): the residual stream and the next

@@ -19,7 +19,14 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from specexport.contract import AUX_HIDDEN_STATES, INPUT_IDS, TensorSpec, graph_inputs, graph_outputs
+from specexport.contract import (
+    AUX_HIDDEN_STATES,
+    CACHE_LENGTH,
+    INPUT_IDS,
+    TensorSpec,
+    graph_inputs,
+    graph_outputs,
+)
 from specexport.errors import SpecexportError
 from specexport.exporter.graph_model import StaticDecoder
 
@@ -72,7 +79,8 @@ def export_graph(decoder: StaticDecoder, batch: int | None, tokens: int | None, 
     t = None if tokens is not None else {1: torch.export.Dim(TOKENS_DIM, min=1, max=decoder.max_seq_len)}
     b = torch.export.Dim(BATCH_DIM, min=1, max=MAX_BATCH) if batch is None else None
     rows = {0: b} if b is not None else None
-    dims = {"input_ids": {**(t or {}), **(rows or {})} or None, "cache_length": rows,
+    # keyed by forward's argument names (input_ids, cache_length, *inputs)
+    dims = {INPUT_IDS: {**(t or {}), **(rows or {})} or None, CACHE_LENGTH: rows,
             "inputs": tuple(rows for _ in range(len(inputs) - 2))}
     example = example_inputs(decoder, 2 if batch is None else batch, 4 if tokens is None else tokens)
     return export_module(decoder, example, inputs, outputs, opset, dims)

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from specexport.contract import DrafterKind, drafter_kinds
 from specexport.errors import BadInput
 
 
@@ -171,7 +172,8 @@ class DSparkDrafter(_HiddenStateDrafter):
     confidence_threshold: float = Field(0.0, ge=0.0, le=1.0)
 
 
-HIDDEN_STATE_KINDS = ("eagle3", "mtp", "dflash", "dspark")
+# the kinds whose heads read the target's hidden states (contract.DRAFTER_KINDS: reads_taps)
+HIDDEN_STATE_KINDS = tuple(k.value for k in drafter_kinds(reads_taps=True))
 
 DrafterSpec = Annotated[
     NgramDrafter | QuantizedSelfDrafter | ModelDrafter | Eagle3Drafter | MtpDrafter | DFlashDrafter | DSparkDrafter,
@@ -187,7 +189,8 @@ MAX_BATCH = 256  # exporter/onnx_export.py's symbolic batch range
 
 class Shapes(_Strict):
     # Batch sizes the decode, catch-up and verify graphs are built for: one number or a list
-    # ([1, 2, 4, 8]); batch 1 is always built (prefill, probes and drafter heads run at batch 1).
+    # ([1, 2, 4, 8]), for either attention (a target with linear-attention layers: 1 only); batch 1
+    # is always built (prefill and probes run at batch 1; drafter heads get batched graphs too).
     batch: int | list[int] = 1
     max_seq_len: int = Field(1024, ge=2)  # KV cache positions: prompt and output together
     prefill_chunk: int = Field(64, ge=1)  # prompt tokens per prefill call (a static graph size)
@@ -298,12 +301,10 @@ class Recipe(_Strict):
                 raise ValueError("draft.schedule: keys are batch sizes >= 1 (upper bounds), values depths >= 0")
         return self
 
-    @model_validator(mode="after")
-    def _batched_graphs_need_gqa(self) -> Recipe:
-        if self.shapes.batches != [1] and self.attention != "ort-gqa":
-            raise ValueError("shapes.batch: batch sizes above 1 need attention: ort-gqa (its graphs take "
-                             "each row's valid tokens; the standard graph is built for batch 1 only)")
-        return self
+    # Batch sizes above 1 build with either attention: ort-gqa as entries of the model's one graph
+    # (batch symbolic, updated in place), standard as one static graph per (batch, tokens) that
+    # returns the new K/V (append; TensorRT's path). A target with linear-attention layers keeps
+    # a recurrent state per sequence: the builder refuses it above batch 1 (it knows the layers).
 
 
 # --- loading -------------------------------------------------------------------------------
@@ -312,7 +313,7 @@ class Recipe(_Strict):
 def _field_path(loc: tuple) -> str:
     # Discriminated unions add the tag to the location (drafters.1.quantized-self.bits);
     # users wrote drafters.1.bits, so drop the tag.
-    tags = {"hf", "gguf", "tiny", "ngram", "quantized-self", "model", *HIDDEN_STATE_KINDS}
+    tags = {"hf", "gguf", "tiny", *(k.value for k in DrafterKind)}
     parts = [str(p) for p in loc if str(p) not in tags]
     return ".".join(parts) or "(top level)"
 
@@ -321,7 +322,10 @@ def _one_line(err: ValidationError) -> str:
     first = err.errors()[0]
     where = _field_path(first["loc"])
     msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
+    if first["type"] == "union_tag_invalid" and first.get("ctx", {}).get("discriminator") == "'kind'":
+        msg = (f"unknown drafter kind {first['ctx']['tag']!r} "
+               f"(valid kinds: {', '.join(k.value for k in DrafterKind)})")
+    elif first["type"] == "extra_forbidden":
         msg = "unknown key (check the spelling against docs/recipe.md)"
     elif first["type"] == "missing":
         msg = "required field is missing"

@@ -13,10 +13,10 @@ from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 from pathlib import Path
 
+from specexport.contract import sha256_of as file_sha256
 from specexport.errors import BadInput
 from specexport.exporter.archs import check_supported
 from specexport.exporter.recipe import GgufSource, HfSource, TinySource
-from specexport.runtime.manifest import sha256_of as file_sha256
 
 
 @dataclass

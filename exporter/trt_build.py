@@ -36,8 +36,8 @@ from specexport import atomic
 from specexport.contract import EngineEntry
 from specexport.errors import BadInput, SpecexportError
 from specexport.exporter.lint import has_symbolic_io, lint_model, static_graph, tensor_types
-from specexport.exporter.progress import Reporter
 from specexport.exporter.trt_parity import engine_parity
+from specexport.progress import Reporter
 from specexport.runtime import trt_engine
 
 if TYPE_CHECKING:

@@ -25,9 +25,9 @@ from specexport.contract import (
 )
 from specexport.errors import BadInput
 from specexport.exporter.outdir import AtomicDir
-from specexport.exporter.progress import Reporter
 from specexport.exporter.recipe import parse_recipe
 from specexport.exporter.trt_build import TrtBuildOptions, compile_engines, require_tensorrt
+from specexport.progress import Reporter
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

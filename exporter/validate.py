@@ -24,6 +24,7 @@ from specexport.contract import (
     NEXT_TOKENS,
     VALID_TOKENS,
     StateLayout,
+    is_present,
     present_of,
 )
 from specexport.errors import SpecexportError
@@ -400,16 +401,59 @@ def validate_batched(graphs: list[BatchedGraph], single_name: dict[int, str], sp
     return results
 
 
+def append_rows(batch: int, tokens: int, max_seq_len: int, ref_ids: np.ndarray) -> tuple[list[dict[str, np.ndarray]], list[int]]:
+    """The batch-1 feeds of each row of a batched append graph's check (``row_plan``: spread
+    cache lengths, T, T-1, ... real tokens right-padded, the last row idle) on the reference
+    text: row r reads ``ref_ids`` from its cache length on. Returns (rows, real tokens of each)."""
+    rows, valid = [], []
+    for length, count in row_plan(batch, tokens, max_seq_len):
+        ids = np.full((1, tokens), PAD_ID, dtype=np.int64)  # [1, T]
+        ids[0, :count] = ref_ids[length : length + count]
+        rows.append({INPUT_IDS: ids, CACHE_LENGTH: np.array([length], dtype=np.int64)})  # [1, T], [1]
+        valid.append(count)
+    return rows, valid
+
+
+def validate_batched_append(graphs: list[BatchedGraph], single: dict[int, GraphUnderTest], specs, cache: KVCache,
+                            ref_ids: np.ndarray, threads: int | None, tolerance: float = 1e-4) -> dict[str, dict]:
+    """Each batched append graph (standard attention: a static graph per batch size, returning
+    the new K/V that the runtime writes into each row's cache itself) on rows at different cache
+    lengths, with different counts of real tokens (the rest padding) and an idle row, against the
+    batch-1 graph of its size (``single``: tokens -> batch-1 graph) fed each row alone: the same
+    padded tokens at that row's cache length (validate.check_batched_rows). The logits, next
+    tokens, presents (and taps) of a row's real positions, which the runtime keeps, must agree
+    to ``tolerance`` of their scale (fp32 rounding), else a one-line error naming the row: a mask
+    that ignored a row's own cache length, or rows mixed up, fails here. ``cache``: a batch-1
+    cache filled with ``ref_ids`` (validate_model's; the slots past each row's length hold data
+    the mask must hide). Returns graph name -> Parity figures (the batch-1 graph as reference),
+    the rows, and the worst relative difference of the other outputs."""
+    shared = SharedGraphs()
+    options = EngineOptions(threads=threads)
+    past = cache.view()  # name -> [1, n_kv, S_max, hd]
+    results = {}
+    for graph in graphs:
+        alone = single[graph.tokens]
+        engine = OrtEngine(graph.name, graph.path, *specs[graph.name], options, shared)
+        one = OrtEngine(alone.name, alone.path, *specs[alone.name], options, shared)
+        rows, valid = append_rows(graph.batch, graph.tokens, cache.max_seq_len, ref_ids)
+        outputs = [name for name in specs[graph.name][1] if name != LOGITS]  # next tokens, presents, taps
+        parity, worst = check_batched_rows(graph.name, engine, one, past, rows, valid, [LOGITS, *outputs],
+                                           tolerance=tolerance)
+        results[graph.name] = {**parity.to_dict(), "rows": [[int(r[CACHE_LENGTH][0]), v] for r, v in zip(rows, valid)],
+                               "max_rel_output_diff": worst, "outputs_compared": sorted([LOGITS, *outputs])}
+    return results
+
+
 def _token_rows(name: str, array: np.ndarray, row: int, count: int | None) -> np.ndarray:
     """Row ``row``'s first ``count`` tokens of an output (None: all): present.* [B, n_kv, T, hd]
     on axis 2, every other output [B, T, ...] on axis 1."""
-    return array[row, :, :count] if name.startswith("present.") else array[row, :count]
+    return array[row, :, :count] if is_present(name) else array[row, :count]
 
 
-def _rows_agree(got: np.ndarray, want: np.ndarray) -> float | None:
+def _rows_agree(got: np.ndarray, want: np.ndarray, tolerance: float = 1e-4) -> float | None:
     """max |Δ| / scale of two outputs of one row (0 for equal integers), or None when they do
     not agree: integers differ, -inf (a head's logits off its draft vocabulary) in other
-    places, or finite values apart by more than fp32 rounding (1e-4 of the scale)."""
+    places, or finite values apart by more than ``tolerance`` of the scale (fp32 rounding: 1e-4)."""
     if not np.issubdtype(want.dtype, np.floating):
         return 0.0 if np.array_equal(got, want) else None
     finite = np.isfinite(want)
@@ -418,7 +462,7 @@ def _rows_agree(got: np.ndarray, want: np.ndarray) -> float | None:
     if not finite.any():
         return 0.0
     diff = float(np.abs(got[finite] - want[finite]).max()) / max(1.0, float(np.abs(want[finite]).max()))
-    return diff if diff <= 1e-4 else None
+    return diff if diff <= tolerance else None
 
 
 def _as_is(got: np.ndarray, want: np.ndarray, next_tokens: np.ndarray | None):
@@ -426,7 +470,8 @@ def _as_is(got: np.ndarray, want: np.ndarray, next_tokens: np.ndarray | None):
 
 
 def check_batched_rows(graph: str, batched, single, past: dict[str, np.ndarray], rows: list[dict[str, np.ndarray]],
-                       valid: list[int], outputs: list[str], figures=_as_is, whole: tuple[str, ...] = ()):
+                       valid: list[int], outputs: list[str], figures=_as_is, whole: tuple[str, ...] = (),
+                       tolerance: float = 1e-4):
     """An append-mode batched graph (a head's: the runtime writes each row's first valid
     presents, so it needs no valid_tokens) against its batch-1 graph on each row alone.
     ``past``: the batch-1 cache every row reads ([1, n_kv, S_max, hd] each); ``rows``: each
@@ -447,7 +492,8 @@ def check_batched_rows(graph: str, batched, single, past: dict[str, np.ndarray],
         want = single.run({**past, **row}, outputs)
         for name in outputs:
             span = None if name in whole else count
-            agree = _rows_agree(_token_rows(name, got[name], r, span), _token_rows(name, want[name], 0, span))
+            agree = _rows_agree(_token_rows(name, got[name], r, span), _token_rows(name, want[name], 0, span),
+                                tolerance)
             if agree is None:
                 raise SpecexportError(f"{graph}: row {r} ({count} tokens at cache length {int(row[CACHE_LENGTH][0])}) "
                                       f"differs in {name} from the batch-1 graph run on that row alone; the "

@@ -4,12 +4,13 @@ For each draft tag (the drafter's name, or the n-gram match length for prompt lo
 policy estimates alpha = P(a draft is kept | the drafts before it were), with exponential
 forgetting. Depth k is then worth
 
-    E(k) / (T_verify(1+k) + k · t_draft),   E(k) = 1 + alpha + alpha² + ... + alpha^k,
+    E(k) / (T_verify(1+k) + T_draft(k)),   E(k) = 1 + alpha + alpha² + ... + alpha^k,
 
-with T_verify the time of the verify engine that holds 1+k tokens and t_draft the time per
-draft token (k = 0 pays the drafter's catch-up of the skipped token instead), all measured at
-build time and recorded in the manifest (so a seeded run makes
-the same choices every time). k = 0 (plain decoding) wins when drafts are too often wrong for
+with T_verify the time of the verify engine that holds 1+k tokens and T_draft(k) the
+drafter's own cost of a round of depth k (``Drafter.round_cost``: a chain head's catch-up and
+steps, a block head's one call, a draft model's steps; k = 0 what skipping costs it, a later
+catch-up), all from costs measured at build time or by ``specexport tune`` (so a seeded run
+makes the same choices every time). k = 0 (plain decoding) wins when drafts are too often wrong for
 what they cost, so a poor drafter never makes decoding much slower than the target alone;
 every ``probe_every`` rounds that chose 0 for a tag, the full draft is verified anyway so the
 estimate can recover. A policy lives for one generation.
@@ -43,10 +44,8 @@ class _TagStats:
 @dataclass
 class DepthPolicy:
     verify_cost: Callable[[int], float | None]  # tokens -> seconds of that verify (None: unknown)
-    draft_cost: float = 0.0  # seconds per draft token
-    # seconds per committed token that a drafter with its own cache must still process when it
-    # skips a round (it catches up before its next draft): skipping is not free for it
-    sync_cost: float = 0.0
+    # depth -> seconds of the drafter's round (Drafter.round_cost); at 0 what skipping costs it
+    round_cost: Callable[[int], float] = lambda k: 0.0
     decay: float = 0.9  # per round: the last ten rounds or so count
     prior: float = 0.8  # optimistic start: draft until measured otherwise
     probe_every: int = 8
@@ -71,12 +70,12 @@ class DepthPolicy:
             return limit
         stats = self._stats(tag)
         expected = 1.0 + np.cumsum(stats.alpha(self.prior) ** np.arange(1, limit + 1))  # E(k), k = 1..limit
-        best_k, best_rate = 0, 1.0 / (base + (0.0 if sunk else self.sync_cost))
+        best_k, best_rate = 0, 1.0 / (base + (0.0 if sunk else self.round_cost(0)))
         for k in range(1, limit + 1):
             cost = self.verify_cost(1 + k)
             if not cost:
                 return limit  # no measurement: draft as asked
-            cost += 0.0 if sunk else k * self.draft_cost
+            cost += 0.0 if sunk else self.round_cost(k)
             rate = expected[k - 1] / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate

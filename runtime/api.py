@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import copy
 import importlib
 import logging
 import time
@@ -17,19 +16,27 @@ from pathlib import Path
 
 import numpy as np
 
-from specexport.contract import Role
+from specexport.contract import (
+    DRAFTER_KINDS,
+    DrafterEntry,
+    DrafterFamily,
+    EngineEntry,
+    Manifest,
+    Role,
+    drafter_kinds,
+)
 from specexport.errors import BadInput
 from specexport.runtime.acceptance import Sampling
 from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.costs import TunedCosts, load_tuned
-from specexport.runtime.decode import DecodeStats, decode
 from specexport.runtime.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
-from specexport.runtime.engine import EngineOptions, LazyEngine, SharedGraphs, open_kv_cache
+from specexport.runtime.engine import EngineOptions, SharedGraphs
 from specexport.runtime.integrity import ensure_verified
-from specexport.runtime.kv_cache import KVCache
-from specexport.runtime.manifest import DrafterEntry, EngineEntry, KVUpdate, Manifest
+from specexport.runtime.loop import BatchLoop, Request
 from specexport.runtime.memory import memory
+from specexport.runtime.model import Model, SlotCaches, open_caches, open_model, slots_refusal
 from specexport.runtime.runner import ModelRunner, monotone_costs
+from specexport.runtime.stats import DecodeStats
 from specexport.runtime.text import TextCodec
 
 
@@ -66,40 +73,65 @@ def _rounded(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds, 4)
 
 
-def _ngram(entry: DrafterEntry, pipe: Pipeline) -> Drafter:
-    return NgramDrafter(entry.name, int(entry.params.get("max_ngram", 3)), int(entry.params.get("min_ngram", 1)))
-
-
-def _model(entry: DrafterEntry, pipe: Pipeline) -> Drafter:
-    return ModelDrafter(entry.name, pipe.runner(entry.model or entry.name))
-
-
 _log = logging.getLogger(__name__)
 # a drafter model without engines for the pipeline's backend runs on this one (Pipeline.backend_of)
 FALLBACK_BACKEND = "onnxruntime"
 
 
-def _from_module(module: str) -> Callable[[DrafterEntry, Pipeline], Drafter]:
-    """A factory in a runtime module (``make(entry, pipe)``), imported on first use."""
+def _ngram(pipe: Pipeline, entry: DrafterEntry, slots: int) -> Drafter:
+    return NgramDrafter(entry.name, entry.settings.max_ngram, entry.settings.min_ngram)
 
-    def factory(entry: DrafterEntry, pipe: Pipeline) -> Drafter:
-        return importlib.import_module(module).make(entry, pipe)
+
+def _model(pipe: Pipeline, entry: DrafterEntry, slots: int) -> Drafter:
+    model = entry.model or entry.name
+    costs = {t: ms for by_tokens in pipe.costs_by_role(model).values() for t, ms in by_tokens.items()}
+    return ModelDrafter(entry.name, pipe.model(model, slots=slots), costs)
+
+
+def _from_module(module: str) -> Callable[[Pipeline, DrafterEntry, int], Drafter]:
+    """A factory in a runtime module (``make(pipe, entry, slots)``), imported on first use."""
+
+    def factory(pipe: Pipeline, entry: DrafterEntry, slots: int) -> Drafter:
+        return importlib.import_module(module).make(pipe, entry, slots)
 
     return factory
 
 
-# manifest drafter kind -> factory
-DRAFTER_FACTORIES: dict[str, Callable[[DrafterEntry, Pipeline], Drafter]] = {
-    "ngram": _ngram,
-    "model": _model,
-    "quantized-self": _model,
-    # heads that read the target's hidden states (EAGLE-3 and MTP draft a chain, DFlash and
-    # DSpark a block per call)
-    "eagle3": _from_module("specexport.runtime.chain_drafter"),
-    "mtp": _from_module("specexport.runtime.chain_drafter"),
-    "dflash": _from_module("specexport.runtime.block_drafter"),
-    "dspark": _from_module("specexport.runtime.block_drafter"),
+# drafter family (contract.DRAFTER_KINDS: each kind's family) -> the factory of its drafter over
+# a loop's slots: EAGLE-3 and MTP draft a chain from the target's hidden states, DFlash and
+# DSpark a block per call
+DRAFTERS: dict[DrafterFamily, Callable[[Pipeline, DrafterEntry, int], Drafter]] = {
+    DrafterFamily.LOOKUP: _ngram,
+    DrafterFamily.MODEL: _model,
+    DrafterFamily.CHAIN: _from_module("specexport.runtime.chain_drafter"),
+    DrafterFamily.BLOCK: _from_module("specexport.runtime.block_drafter"),
 }
+HEAD_KINDS = drafter_kinds(reads_taps=True)  # read the target's hidden states
+
+
+def target_batches(manifest: Manifest, max_batch: int | None = None) -> list[int]:
+    """The batch sizes the loop runs: those built for the target, up to ``max_batch``."""
+    built = manifest.batch_sizes("target")
+    return [b for b in built if max_batch is None or b <= max_batch] or [1]
+
+
+def batched_refusal(manifest: Manifest, drafter: str, max_batch: int | None = None,
+                    backend: str = FALLBACK_BACKEND) -> str | None:
+    """Why ``drafter`` cannot run with up to ``max_batch`` sequences at once in this directory
+    (None when it can; "none" and an unknown name are the caller's to report)."""
+    batches = target_batches(manifest, max_batch)
+    refusal = slots_refusal(manifest, "target", backend, batches, need_graphs=True)
+    entry = manifest.drafters.get(drafter)
+    if refusal is not None or entry is None or DRAFTER_KINDS[entry.kind].family == DrafterFamily.LOOKUP:
+        return refusal
+    model = entry.model or entry.name
+    if model not in manifest.models or not manifest.engines_of(model, FALLBACK_BACKEND):
+        return f"its model '{model}' has no onnxruntime graphs in this directory; rebuild it"
+    if entry.kind in HEAD_KINDS and not manifest.models["target"].taps:
+        return "the target's graphs output no aux_hidden_states for it; rebuild with the head in the recipe"
+    backend = backend if manifest.engines_of(model, backend) else FALLBACK_BACKEND
+    # a head without batched graphs runs its rows one after another; a draft model needs them
+    return slots_refusal(manifest, model, backend, batches, need_graphs=entry.kind not in HEAD_KINDS)
 
 
 class Pipeline:
@@ -113,12 +145,11 @@ class Pipeline:
         self.tuned = tuned
         self._started = started
         self.text = TextCodec(manifest.root, manifest.tokenizer)
-        self._runners: dict[tuple[str, frozenset[Role] | None], ModelRunner] = {}
-        self._caches: dict[str, KVCache] = {}  # model -> its one cache, shared by its runners
         self.sessions = SharedGraphs()  # graph file -> its one session, shared by the engines of its sizes
-        self._batched: tuple | None = None  # (max_batch, BatchedTarget) of generate_batch, made on first use
         self.backends: dict[str, str] = {}  # model -> the backend its engines run on
-        self._drafters: dict[str, Drafter] = {"none": NoDrafter()}
+        self._caches: dict[tuple[str, int], SlotCaches] = {}  # (model, slots) -> its one cache
+        self._models: dict[tuple, Model] = {}
+        self._drafters: dict[tuple[str, int], Drafter] = {}
         self.target = self.runner("target")
 
     @property
@@ -129,48 +160,38 @@ class Pipeline:
     def max_seq_len(self) -> int:
         return self.manifest.models["target"].max_seq_len
 
-    def runner(self, model: str, roles: frozenset[Role] | None = None) -> ModelRunner:
-        """The model's engines and cache, created on first use (sessions once per directory).
-        ``roles``: only the engines of these roles (a chain drafter's catch-up graphs and its
-        step graph take different features, so each set gets its own runner); runners of one
-        model share its cache."""
-        key = (model, roles)
-        if key not in self._runners:
-            info = self.manifest.models[model]
-            backend = self.backend_of(model)
-            entries = [e for e in self.manifest.engines_of(model, backend) if roles is None or e.role in roles]
-            # the cache first: engines of a device-resident cache bind it when they open
-            if model not in self._caches:
-                largest = max((e.tokens for e in self.manifest.engines_of(model, backend)), default=1)
-                self._caches[model] = open_kv_cache(backend, info, self.options, largest)
-            cache = self._caches[model]
-            engines = [LazyEngine(e, self.manifest.root, self.options, cache, self.sessions) for e in entries]
-            # The manifest's role says which graphs decoding runs (decode, catchup, verify,
-            # prefill): open those now, so no session is created inside a timed round. Probe
-            # graphs (the bench's cost curve) open on demand and the runner never chooses them.
-            decoding = [e for e in entries if e.role.decoding]
-            for entry, engine in zip(entries, engines):
-                if entry.role.decoding:
-                    engine.open()
-            self._runners[key] = ModelRunner(model, engines, cache, {e.name: e.tokens for e in entries},
-                                             {e.tokens: self.cost_ms(e) for e in decoding},
-                                             frozenset(e.name for e in entries if e.kv_update == KVUpdate.IN_PLACE),
-                                             roles={e.name: e.role for e in entries})
-        return self._runners[key]
+    def model(self, name: str, roles: frozenset[Role] | None = None, slots: int = 1, make_runner=None) -> Model:
+        """The model's graphs of ``roles`` (None: all) over its cache of ``slots`` rows, opened on
+        first use (runtime/model.py); models of one name and slots share that cache."""
+        key = (name, roles, slots)
+        if key not in self._models:
+            backend = self.backend_of(name)
+            refusal = slots_refusal(self.manifest, name, backend, [slots], roles)
+            if refusal is not None:
+                raise BadInput(f"{self.manifest.root}: {refusal}")
+            if (name, slots) not in self._caches:  # the cache first: engines of a device cache bind it
+                largest = max((e.tokens for e in self.manifest.engines_of(name, backend)), default=1)
+                self._caches[(name, slots)] = open_caches(self.manifest.models[name], backend, self.options, slots,
+                                                          largest)
+            self._models[key] = open_model(self.manifest, name, backend, self.options, self.sessions,
+                                           self._caches[(name, slots)], roles, self.cost_ms, make_runner)
+        return self._models[key]
 
-    def with_own_caches(self) -> Pipeline:
-        """This pipeline's manifest, options, backends and sessions, with caches, runners and
-        drafters of its own: what the batched loop makes per slot for a head drafter (one head
-        cache per sequence; the weights stay loaded once)."""
-        view = copy.copy(self)
-        view._runners, view._caches, view._drafters = {}, {}, {"none": NoDrafter()}
-        view._batched = None
-        return view
+    def runner(self, model: str, roles: frozenset[Role] | None = None) -> ModelRunner:
+        """The model's batch-1 runner (the bench's cost curve, tune, build's timing)."""
+        return self.model(model, roles).runners[0]
 
     def cost_ms(self, entry: EngineEntry) -> float | None:
         """One run of the engine: measured on this machine by specexport tune, else at build."""
         tuned = self.tuned.ms(entry) if self.tuned is not None else None
         return tuned if tuned is not None else entry.cost_ms
+
+    def costs_by_role(self, model: str) -> dict[Role, dict[int, float]]:
+        """role -> tokens -> ms of one batch-1 run of the model's graphs (0 where unmeasured)."""
+        costs: dict[Role, dict[int, float]] = {}
+        for entry in self.manifest.engines_of(model, self.backend_of(model)):
+            costs.setdefault(entry.role, {})[entry.tokens] = self.cost_ms(entry) or 0.0
+        return costs
 
     @property
     def costs_source(self) -> str:
@@ -191,45 +212,33 @@ class Pipeline:
                 raise BadInput(f"{self.manifest.root}: no {self.backend} engines for model '{model}'")
         return self.backends[model]
 
-    def drafter(self, name: str) -> Drafter:
-        if name not in self._drafters:
+    def drafter(self, name: str, slots: int = 1) -> Drafter:
+        """The drafter ``name`` over a loop of ``slots`` rows, made once."""
+        if (name, slots) not in self._drafters:
+            if name == "none":
+                self._drafters[(name, slots)] = NoDrafter()
+                return self._drafters[(name, slots)]
             entry = self.manifest.drafters.get(name)
             if entry is None:
                 raise BadInput(f"unknown drafter '{name}'; this engine directory has: {', '.join(self.drafter_names)}")
-            factory = DRAFTER_FACTORIES.get(entry.kind)
-            if factory is None:
-                raise BadInput(f"drafter '{name}' is of kind '{entry.kind}', which this runtime cannot run")
-            self._drafters[name] = factory(entry, self)
-        return self._drafters[name]
+            factory = DRAFTERS[DRAFTER_KINDS[entry.kind].family]
+            if slots > 1:
+                reason = batched_refusal(self.manifest, name, slots, self.backend)
+                if reason is not None:
+                    raise BadInput(f"drafter '{name}' ({entry.kind}) cannot run batched: {reason}")
+            self._drafters[(name, slots)] = factory(self, entry, slots)
+        return self._drafters[(name, slots)]
 
-    def _policy(self, drafter: str) -> DepthPolicy:
-        """A fresh adaptive-depth policy over the engines' costs (tuned here, else the build's)."""
+    def _policy(self, drafter: Drafter) -> DepthPolicy:
+        """A fresh adaptive-depth policy: the target's verify costs (tuned here, else the build's)
+        and the drafter's own round cost."""
         target = monotone_costs({e.tokens: self.cost_ms(e) for e in self.manifest.engines_of("target", self.backend)})
 
         def verify_cost(tokens: int) -> float | None:
             ms = target.get(self.target.engine_size(tokens))
             return ms / 1e3 if ms else None
 
-        entry = self.manifest.drafters.get(drafter)
-        draft_ms = sync_ms = 0.0
-        if entry is not None and entry.model is not None:
-            engines = self.manifest.engines_of(entry.model, self.backend_of(entry.model))
-            costs = {e.tokens: self.cost_ms(e) or 0.0 for e in engines}
-            blocks = {e.tokens: self.cost_ms(e) for e in engines if e.role == Role.BLOCK}
-            if blocks:
-                # A block drafter pays one call per round whatever its depth (the round's C =
-                # the smallest graph); a skipped round's rows just wait for the next call. So
-                # a depth k >= 1 costs verify(1+k) + one block, depth 0 the verify alone.
-                block_ms = blocks[min(blocks)]
-
-                def with_block(tokens: int) -> float | None:
-                    cost = verify_cost(tokens)
-                    return cost + block_ms / 1e3 if cost and tokens > 1 and block_ms else cost
-
-                return DepthPolicy(with_block)
-            draft_ms = costs.get(1, 0.0)
-            sync_ms = costs.get(2, draft_ms * 2) / 2  # skipped tokens are caught up two at a time
-        return DepthPolicy(verify_cost, draft_cost=draft_ms / 1e3, sync_cost=sync_ms / 1e3)
+        return DepthPolicy(verify_cost, drafter.round_cost)
 
     def _depth(self, draft_len: int | None) -> int:
         """The draft length asked for (default: the plan's D), checked against the engines'."""
@@ -263,80 +272,67 @@ class Pipeline:
                prompt_ids: Sequence[int] | None = None, drafter: str = "none", max_new_tokens: int = 128,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                stop: Sequence[str] = (), draft_len: int | None = None, adaptive: bool = True) -> Iterator[str]:
-        """Yield text pieces as tokens are accepted; the final Generation is the return value."""
+        """Yield text pieces as tokens are accepted; the final Generation is the return value.
+        One request is the decode loop with one slot."""
         if max_new_tokens < 1:
             raise BadInput(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
         ids = self.prompt_ids(prompt, chat=chat, messages=messages, ids=prompt_ids)
-        sampling = Sampling(temperature, top_k, top_p)
-        chosen = self.drafter(drafter)
-        depth = self._depth(draft_len)
-        stats = DecodeStats(draft_len=depth)
-        policy = self._policy(chosen.name) if adaptive and chosen.name != "none" else None
-        text = TextTracker(self.text.stream(), stop)
+        request, text = self.batch_request(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                           top_p=top_p, seed=seed, stop=stop)
         out: list[int] = []
-        called, first_at = time.perf_counter(), None
-        for token in decode(self.target, chosen, np.asarray(ids, dtype=np.int64), draft_len=depth,
-                            max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=self.text.eos_ids,
-                            rng=np.random.default_rng(seed), stop=text.add, stats=stats, policy=policy):
-            if first_at is None:
+        loop = self.batch_loop(drafter=drafter, draft_len=draft_len, max_batch=1, schedule=False, adaptive=adaptive,
+                               on_token=lambda key, token: out.append(token))
+        loop.submit(0, request)
+        called, first_at, done = time.perf_counter(), None, []
+        while loop.busy:
+            done += loop.step()
+            if first_at is None and out:
                 first_at = time.perf_counter()
-            out.append(token)
             if piece := text.ready():
                 yield piece
         if piece := text.rest():
             yield piece
-        entry = self.manifest.drafters.get(chosen.name)
-        models = ["target", *([entry.model] if entry is not None and entry.model else [])]
+        stats = done[0][1].stats
         since_load = None
         if self._started is not None and first_at is not None:  # the first generation after load()
             since_load, self._started = first_at - self._started, None
-        return Generation(text.text, out, ids, stats.stop_reason, chosen.name, stats,
-                          {m: self.backend_of(m) for m in models}, self.costs_source,
+        return Generation(text.text, out, ids, stats.stop_reason, loop.drafter.name, stats,
+                          self._backends_of(loop.drafter.name), self.costs_source,
                           None if first_at is None else first_at - called, since_load)
 
-    def batched_target(self, max_batch: int | None = None):
-        """The target's batched engines over one cache of max_batch rows (default: the largest
-        batch size built), made on first use and kept while max_batch stays the same."""
-        from specexport.runtime.batched_model import BatchedTarget
+    def _backends_of(self, drafter: str) -> dict[str, str]:
+        entry = self.manifest.drafters.get(drafter)
+        models = ["target", *([entry.model] if entry is not None and entry.model else [])]
+        return {m: self.backend_of(m) for m in models}
 
-        if self.manifest.models["target"].state is not None:
-            raise BadInput("the batched loop (serve, --prompts-file, bench --batch) does not run targets with "
-                           "linear-attention layers (a recurrent state per sequence) yet; generate one prompt at a time")
-        if self._batched is None or (max_batch is not None and max_batch != self._batched[0]):
-            target = BatchedTarget(self.manifest, self.backend, self.options, self.sessions, max_batch, self.cost_ms)
-            self._batched = (max_batch, target)
-        return self._batched[1]
+    def batched_target(self, max_batch: int | None = None) -> Model:
+        """The target over one slot per sequence the loop may run (default: the largest batch size built)."""
+        return self.model("target", slots=max(target_batches(self.manifest, max_batch)))
 
     def batch_loop(self, *, drafter: str = "none", draft_len: int | None = None, max_batch: int | None = None,
                    schedule: bool = True, per_sequence: bool = False, adaptive: bool = True, on_token=None,
-                   on_round=None):
-        """A continuous-batching loop (runtime/batch_decode.BatchLoop) over this pipeline's
-        batched target: submit requests made by ``batch_request`` and step it. Rounds draft
-        at most the manifest's depth for the number of running sequences (the plan's schedule,
-        unless ``schedule`` is False) and ``draft_len``; ``per_sequence``: each round's width,
-        under that cap, from every row's own acceptance and the measured batch costs; otherwise
-        ``adaptive``: each sequence's own adaptive depth under it, as ``generate`` chooses it
-        alone (so a request alone in the batch decodes exactly as ``generate``). Drafters: every
-        kind (a drafter model needs batched graphs at every batch size the target runs; heads
-        run on batched head graphs, or per row without them; runtime/batch_drafter.py says why
-        one cannot run)."""
-        from specexport.runtime.batch_decode import BatchLoop
-        from specexport.runtime.batch_drafter import batch_drafter
-
+                   on_round=None) -> BatchLoop:
+        """A continuous-batching loop (runtime/loop.BatchLoop) over the target's slots: submit
+        requests made by ``batch_request`` and step it. Rounds draft at most the manifest's depth
+        for the number of running sequences (the plan's schedule, unless ``schedule`` is False)
+        and ``draft_len``; ``per_sequence``: each round's width, under that cap, from every row's
+        own acceptance and the measured batch costs; otherwise ``adaptive``: each sequence's own
+        adaptive depth under it (so a request alone in the batch decodes exactly as
+        ``generate``). Every drafter kind runs batched where the directory has its graphs at
+        each batch size (``batched_refusal`` says why not)."""
         target = self.batched_target(max_batch)
-        chosen = batch_drafter(self, drafter, target)  # BadInput: a drafter that cannot run batched
-        policy = (lambda: self._policy(chosen.name)) if adaptive and chosen.name != "none" else None
+        chosen = self.drafter(drafter, target.slots)
+        policy = (lambda: self._policy(chosen)) if adaptive and chosen.name != "none" else None
         return BatchLoop(target, chosen, draft_len=self._depth(draft_len),
                          eos_ids=self.text.eos_ids, on_token=on_token,
                          schedule=self.manifest.draft_schedule if schedule else None,
                          per_sequence=per_sequence, on_round=on_round, adaptive=policy)
 
     def batch_request(self, ids: Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
-                      top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = ()):
-        """A request for the batched loop and the text tracker that finds its stop strings
-        (feed it nothing: the request's stop check does)."""
-        from specexport.runtime.batch_decode import Request
-
+                      top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                      stop: Sequence[str] = ()) -> tuple[Request, TextTracker]:
+        """A request for the loop and the text tracker that finds its stop strings (the request's
+        stop check feeds it each token)."""
         if max_new_tokens < 1:
             raise BadInput(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
         tracker = TextTracker(self.text.stream(), stop)
@@ -349,11 +345,11 @@ class Pipeline:
                        top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
                        draft_len: int | None = None, max_batch: int | None = None,
                        schedule: bool = True, per_sequence: bool = False, adaptive: bool = True) -> list[Generation]:
-        """Decode many prompts together (runtime/batch_decode.py): up to ``max_batch`` (default:
-        the largest batch size built) share each verify pass, joining as others finish. A prompt
-        is text, a {"messages": [...]} or {"prompt": "..."} record (the bench's format), or token
-        ids. Each result is what ``generate`` gives for that prompt alone (greedy: the same
-        tokens). Sequence i samples with seed ``seed + i``. Depth: as ``batch_loop``."""
+        """Decode many prompts together: up to ``max_batch`` (default: the largest batch size
+        built) share each verify pass, joining as others finish. A prompt is text, a
+        {"messages": [...]} or {"prompt": "..."} record (the bench's format), or token ids. Each
+        result is what ``generate`` gives for that prompt alone (greedy: the same tokens).
+        Sequence i samples with seed ``seed + i``. Depth: as ``batch_loop``."""
         loop = self.batch_loop(drafter=drafter, draft_len=draft_len, max_batch=max_batch, schedule=schedule,
                                per_sequence=per_sequence, adaptive=adaptive)
         trackers, ids_of = [], []
@@ -373,10 +369,9 @@ class Pipeline:
         done = {}
         while loop.busy:
             done.update(loop.step())
-        entry = self.manifest.drafters.get(loop.drafter.name)
-        models = ["target", *([entry.model] if entry is not None and entry.model else [])]
+        backends = self._backends_of(loop.drafter.name)
         return [Generation(tracker.text, done[i].tokens, ids, done[i].stats.stop_reason, loop.drafter.name,
-                           done[i].stats, {m: self.backend_of(m) for m in models}, self.costs_source)
+                           done[i].stats, backends, self.costs_source)
                 for i, (tracker, ids) in enumerate(zip(trackers, ids_of))]
 
     def generate(self, prompt: str | None = None, **kwargs) -> Generation:

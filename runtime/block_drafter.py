@@ -14,6 +14,14 @@ predicts how far the drafts will be accepted; with ``confidence_threshold`` > 0 
 where the product falls below it (a depth signal on top of the adaptive depth's own choice).
 Sampling stays exact: each draft's q is the warped distribution it was drawn from, over target
 ids (a reduced draft vocabulary is mapped back through d2t).
+
+Rows of a batch: each slot keeps a ``BlockSlot`` (its pending features, its cache row, its
+numpy heads). One running row proposes through its slot alone, at batch 1. With more, every
+drafting row whose pending context fits a round's graph (C = 1+D) joins one call of the
+batched block graph, each at its own ``cache_length`` with its own ``context_valid`` and
+anchor; the runtime writes each row's real context rows into its cache row, and each row drafts
+from its own slice of the outputs. A row with more pending context (the prompt after a join, a
+row back from rounds at depth 0) proposes alone through its slot.
 """
 
 from __future__ import annotations
@@ -34,14 +42,15 @@ from specexport.contract import (
     INPUT_IDS,
     LOGITS,
     NEXT_TOKENS,
+    PRESENT,
     Role,
     present_names,
 )
-from specexport.errors import BadInput
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
-from specexport.runtime.drafters import DraftCost
-from specexport.runtime.engine import Engine
-from specexport.runtime.kv_cache import KVCache
+from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut
+from specexport.runtime.engine import Engine, LazyEngine
+from specexport.runtime.kv_cache import CacheLength
+from specexport.runtime.model import BatchedCall
 
 PAD_ID = 0  # the anchor of a call whose drafts are thrown away (a prompt chunk)
 
@@ -50,7 +59,7 @@ class BlockRunner:
     """A block head's graphs, one per context size C, over its own KV cache. Also what the
     build's interleaved timing runs (``sizes``, ``time_run``, ``end_timing``, ``engine_at``)."""
 
-    def __init__(self, name: str, engines: Sequence[Engine], cache: KVCache, tokens_of: dict[str, int]):
+    def __init__(self, name: str, engines: Sequence[Engine], cache, tokens_of: dict[str, int]):
         self.name = name
         self.cache = cache
         self._by_size = dict(sorted(((tokens_of[e.name], e) for e in engines), key=lambda pair: pair[0]))
@@ -194,10 +203,8 @@ def _rnn(heads: BlockHeads, hidden: np.ndarray, emb: np.ndarray) -> np.ndarray:
 MARKOV_FEATURES = {"vanilla": _vanilla, "gated": _gated, "rnn": _rnn}
 
 
-class BlockDrafter:
-    """Drafter protocol (runtime/drafters.py) over a BlockRunner."""
-
-    needs = (AUX_HIDDEN_STATES,)
+class BlockSlot:
+    """One sequence's block drafting over its BlockRunner (its cache row)."""
 
     def __init__(self, name: str, runner: BlockRunner, heads: BlockHeads, drafts: int, round_rows: int,
                  confidence_threshold: float = 0.0):
@@ -209,15 +216,6 @@ class BlockDrafter:
         self.threshold = confidence_threshold
         self._pending: list[np.ndarray] = []  # committed rows not yet in the cache: [n, F] each
         self.last_confidence: np.ndarray | None = None  # the last proposal's running products
-
-    @property
-    def engine_seconds(self) -> float:
-        return self.runner.seconds
-
-    @property
-    def draft_cost(self) -> DraftCost:
-        # a round: one block call, whatever k (the prompt's context rows aside)
-        return DraftCost(per_round=(self.runner, self.runner.fitting(self.round_rows)), first_drafts=self.drafts)
 
     def reset(self, prompt: np.ndarray, target_out) -> None:
         self.runner.cache.rewind(0)
@@ -239,7 +237,7 @@ class BlockDrafter:
         self._pending = []
         return rows
 
-    def adopt(self, other: BlockDrafter) -> None:
+    def adopt(self, other: BlockSlot) -> None:
         """Take over ``other``'s sequence: its pending rows and its cache length (the caller
         copies the cache rows; a batched loop's row moving to another slot)."""
         self._pending, other._pending = other._pending, []
@@ -303,37 +301,95 @@ class BlockDrafter:
         return Draft(np.array(tokens, dtype=np.int64), probs if not sampling.greedy else None, self.name)
 
 
-def make(entry, pipe) -> BlockDrafter:
-    """The drafter of a manifest entry of kind dflash or dspark (runtime/api.py DRAFTER_FACTORIES)."""
-    from specexport.runtime.engine import LazyEngine, open_kv_cache
-
-    model = entry.model or entry.name
-    info = pipe.manifest.models[model]
-    backend = pipe.backend_of(model)
-    entries = [e for e in pipe.manifest.engines_of(model, backend) if e.role == Role.BLOCK]
-    if not entries:
-        raise BadInput(f"{pipe.manifest.root}: drafter '{entry.name}' has no block graphs")
-    cache = open_kv_cache(backend, info, pipe.options, max(e.tokens for e in entries))
-    engines = [LazyEngine(e, pipe.manifest.root, pipe.options, cache, pipe.sessions) for e in entries]  # one session per file
-    for engine in engines:
-        engine.open()  # no session is created inside a timed round
-    runner = BlockRunner(model, engines, cache, {e.name: e.tokens for e in entries})
-    return over(entry, runner, load_heads(entry, pipe.manifest.root))
-
-
 def load_heads(entry, root) -> BlockHeads:
     """The entry's numpy heads (DSpark's Markov and confidence heads, a reduced vocabulary's d2t)."""
-    params = entry.params
+    params = entry.settings
     arrays: dict[str, np.ndarray] = {}
-    if params.get("heads_file"):
-        with np.load(Path(root) / params["heads_file"], allow_pickle=False) as data:
+    if params.heads_file:
+        with np.load(Path(root) / params.heads_file, allow_pickle=False) as data:
             arrays = {key: data[key] for key in data.files}
-    return BlockHeads(arrays, params.get("markov"), bool(params.get("confidence_with_markov", False)))
+    return BlockHeads(arrays, params.markov, params.confidence_with_markov)
 
 
-def over(entry, runner: BlockRunner, heads: BlockHeads) -> BlockDrafter:
-    """The entry's drafter over ``runner``: the smallest graph takes a round's rows (C = 1+D),
-    the largest a prompt's chunks."""
-    params = entry.params
-    return BlockDrafter(entry.name, runner, heads, int(params["drafts"]), runner.sizes[0],
-                        float(params.get("confidence_threshold", 0.0)))
+class BlockDrafter:
+    """A block head drafting for every running row (the module docstring says how)."""
+
+    needs = (AUX_HIDDEN_STATES,)
+
+    def __init__(self, name: str, calls: dict[int, BatchedCall], slots: list[BlockSlot], round_ms: float,
+                 tensors: dict[str, np.ndarray] | None):
+        self.name = name
+        self.tensors = tensors  # the head cache [slots, n_kv, S_max, hd] (None: one slot)
+        self.calls = calls  # batch size (>= 2) -> its block graph (C = 1+D context rows)
+        self.slots = slots  # slot -> the sequence's drafting over its cache row
+        self.round_ms = round_ms  # one block call of a round's C, batch 1
+
+    @property
+    def engine_seconds(self) -> float:
+        return sum(c.seconds for c in self.calls.values()) + sum(s.runner.seconds for s in self.slots)
+
+    def round_cost(self, k: int, costs: PartCosts | None = None) -> float:
+        """One block call per round whatever its depth (a skipped round's rows wait for the next)."""
+        ms = costs["block"].get(self.slots[0].round_rows, 0.0) if costs else self.round_ms
+        return ms / 1e3 if k > 0 else 0.0
+
+    def cost_graphs(self) -> dict[str, tuple[object, list[int]]]:
+        return {"block": (self.slots[0].runner, [self.slots[0].round_rows])}
+
+    def join(self, slot: int, prompt: np.ndarray, target_out: TargetOut) -> None:
+        self.slots[slot].reset(prompt, target_out)
+
+    def accept(self, slot: int, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
+        self.slots[slot].accept(n_accepted, next_token, target_out)
+
+    def move(self, src: int, dst: int) -> None:
+        length = self.slots[src].runner.cache.length
+        for array in (self.tensors or {}).values():
+            array[dst, :, :length] = array[src, :, :length]
+        self.slots[dst].adopt(self.slots[src])
+
+    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
+        n = len(rows)
+        call = self.calls[min(b for b in self.calls if b >= n)] if n > 1 and self.calls else None
+        drafts = [EMPTY_DRAFT] * n
+        together: dict[int, tuple[int, np.ndarray, dict[str, np.ndarray]]] = {}  # slot -> (length, [anchor], context)
+        for r in (r for r in range(n) if ks[r] > 0):
+            slot, row = self.slots[r], rows[r]
+            if call is None or slot.pending_rows > call.tokens:  # alone, at batch 1
+                drafts[r] = slot.propose(row.context, ks[r], row.sampling, row.rng)
+            else:
+                together[r] = (slot.runner.cache.length, row.context[-1:], {CONTEXT_FEATURES: slot.take_pending()})
+        if not together or call is None:
+            return drafts
+        want_logits = any(self.slots[r].heads.serial or not rows[r].sampling.greedy for r in together)
+        extra = [BLOCK_HIDDEN] if BLOCK_HIDDEN in call.engine.outputs else []
+        out = call.run(together, want_logits, extra)  # next_tokens [B, n], logits [B, n, V_d], block_hidden [B, n, H]
+        for r, (_, anchor, context) in together.items():
+            slot, row = self.slots[r], rows[r]
+            slot.runner.cache.advance(len(context[CONTEXT_FEATURES]))
+            mine = {name: array[r : r + 1] for name, array in out.items() if not name.startswith(PRESENT)}
+            drafts[r] = slot.draft_from(mine, int(anchor[0]), ks[r], row.sampling, row.rng)
+        return drafts
+
+
+def make(pipe, entry, slots: int) -> BlockDrafter:
+    """The drafter of a manifest entry of kind dflash or dspark over ``slots`` rows: a slot's
+    smallest graph takes a round's rows (C = 1+D), its largest a prompt's chunks."""
+    model = entry.model or entry.name
+    head = pipe.model(model, frozenset({Role.BLOCK}), slots, make_runner=_block_runner)
+    heads = load_heads(entry, pipe.manifest.root)  # read once, shared by the slots
+    states = [BlockSlot(entry.name, runner, heads.for_sequence(), entry.settings.drafts, runner.sizes[0],
+                        entry.settings.confidence_threshold) for runner in head.runners]
+    calls = {}
+    if head.caches.tensors is not None:
+        round_rows = states[0].round_rows
+        for e in pipe.manifest.engines_of(model, pipe.backend_of(model), batch=None):
+            if e.role == Role.BLOCK and 1 < e.batch <= slots and e.tokens == round_rows:
+                engine = LazyEngine(e, pipe.manifest.root, pipe.options, None, pipe.sessions)
+                calls[e.batch] = BatchedCall(engine, e.batch, e.tokens, head.caches.tensors, in_place=False)
+    round_ms = pipe.costs_by_role(model).get(Role.BLOCK, {}).get(states[0].round_rows, 0.0)
+    return BlockDrafter(entry.name, calls, states, round_ms, head.caches.tensors)
+
+
+def _block_runner(name: str, engines: list, cache: CacheLength, entries: list) -> BlockRunner:
+    return BlockRunner(name, engines, cache, {e.name: e.tokens for e in entries})

@@ -1,84 +1,148 @@
 """Chain drafters (EAGLE-3, MTP): a head that reads the target's hidden states, one draft per call.
 
-The head's cache slot p holds the row (token x_{p+1}, features of position p). The target hands
-over its tapped features for committed positions (the prompt after prefill, then 1 + accepted
-rows after each verify); they wait as pending rows until the next proposal, which runs them
-through the catch-up graphs (tokens from the committed context) — the last row's output is the
-first draft. Each further draft is one step-graph call fed the head's own hidden of the row
-before. After the verify, the step rows are dropped (rewind) and the committed rows queued.
+The head's cache row p of a slot holds (token x_{p+1}, the target's features of position p).
+The target hands over its tapped features for committed positions (the prompt after prefill,
+then 1 + accepted rows after each verify); they wait as pending rows until the slot drafts
+again. A round:
+
+- catch-up: one call feeds every drafting row its pending rows, each at its own cache length
+  (one row: its runner, chunked by cost; more: the batched catch-up graph, T = 1+D, the rows
+  it cannot take first alone through the slot's runner); the last row's output is the first draft;
+- steps: draft j+1 of every row that wants it comes from one step-graph call fed draft j and
+  the head's own hidden of the row before, at cache length committed + j. A row that drafts
+  fewer sits out the later calls. Step rows lie past the committed rows and are overwritten by
+  the next catch-up.
+
+Sampled rows draw each draft from the warped head distribution with their own rng, so
+rejection sampling keeps every row exact.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from specexport.contract import AUX_HIDDEN_STATES, DRAFT_FEATURES, HIDDEN_OUT, DrafterEntry, Role
-from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
-from specexport.runtime.drafters import DraftCost, TargetOut
-from specexport.runtime.runner import ModelRunner
+from specexport.contract import (
+    AUX_HIDDEN_STATES,
+    DRAFT_FEATURES,
+    HIDDEN_OUT,
+    LOGITS,
+    NEXT_TOKENS,
+    DrafterEntry,
+    Role,
+)
+from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, warp_row
+from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut
+from specexport.runtime.model import Model
+
+if TYPE_CHECKING:
+    from specexport.runtime.api import Pipeline
 
 CATCHUP_ROLES = frozenset({Role.CATCHUP, Role.PREFILL})
 STEP_ROLES = frozenset({Role.STEP})
 
 
 class ChainDrafter:
-    needs: tuple[str, ...] = (AUX_HIDDEN_STATES,)
+    needs = (AUX_HIDDEN_STATES,)
 
-    def __init__(self, name: str, catchup: ModelRunner, step: ModelRunner):
+    def __init__(self, name: str, catchup: Model, step: Model, cost_ms: PartCosts):
         self.name = name
-        self.catchup, self.step = catchup, step  # two runners over one cache
-        self._pending: list[np.ndarray] = []  # [n, F] target features of committed positions not yet fed
-        self._committed = 0  # cache rows that are committed (the step rows after them are dropped)
+        self.catchup, self.step = catchup, step  # two views of one head cache
+        self.cost_ms = cost_ms  # "catchup" | "step" -> tokens -> ms of one batch-1 run
+        self.max_seq_len = catchup.max_seq_len
+        self._committed = [0] * catchup.slots  # committed rows in each slot's cache row
+        self._pending: list[list[np.ndarray]] = [[] for _ in range(catchup.slots)]  # [n, F] not yet fed
 
     @property
     def engine_seconds(self) -> float:
         return self.catchup.seconds + self.step.seconds
 
-    @property
-    def draft_cost(self) -> DraftCost:
-        # a round: one catch-up call (the committed rows; its last row gives the first draft),
-        # then one step per further draft
-        return DraftCost(per_draft=(self.step, 1), per_round=(self.catchup, self.catchup.engine_size(1)), first_drafts=1)
+    def round_cost(self, k: int, costs: PartCosts | None = None) -> float:
+        """One catch-up call of the round's committed rows (the catch-up graph), then k-1
+        steps; skipping costs nothing now (the next catch-up takes the rows)."""
+        if k <= 0:
+            return 0.0
+        costs = costs or self.cost_ms
+        step = costs.get("step", {}).get(1, 0.0)
+        catchup = costs.get("catchup", {})
+        return (min(catchup.values()) if catchup else step) / 1e3 + (k - 1) * step / 1e3
 
-    def reset(self, prompt: np.ndarray, target_out: TargetOut) -> None:
-        self.catchup.rewind(0)
-        self._committed = 0
+    def cost_graphs(self) -> dict[str, tuple[object, list[int]]]:
+        catchup = self.catchup.runners[0]
+        return {"catchup": (catchup, catchup.decoding_sizes[:1]), "step": (self.step.runners[0], [1])}
+
+    def join(self, slot: int, prompt: np.ndarray, target_out: TargetOut) -> None:
+        self._committed[slot] = 0
         rows = target_out.get(AUX_HIDDEN_STATES)
-        self._pending = [] if rows is None or not len(rows) else [np.array(rows, dtype=np.float32)]
+        self._pending[slot] = [] if rows is None or not len(rows) else [np.array(rows, dtype=np.float32)]
 
-    def propose(self, context: np.ndarray, k: int, sampling: Sampling, rng: np.random.Generator) -> Draft:
-        self.catchup.rewind(self._committed)
-        features = np.concatenate(self._pending) if self._pending else None  # [n, F]
-        if k <= 0 or features is None:
-            return EMPTY_DRAFT
-        start = self._committed
-        tokens = context[start + 1 : start + 1 + len(features)]  # row p: token x_{p+1}
-        greedy = sampling.greedy
-        out = self.catchup.forward(tokens, want_logits=not greedy, inputs={DRAFT_FEATURES: features}, want=(HIDDEN_OUT,))
-        self._committed += len(features)
-        self._pending = []
-        drafts = np.empty(k, dtype=np.int64)  # [k]
-        probs: list[Kept] = []
-        k = min(k, self.step.cache.free + 1)
-        for j in range(k):
-            if greedy:
-                drafts[j] = out.next_tokens[-1]
-            else:
-                probs.append(warp_row(out.logits[-1], sampling))  # over target ids (-inf outside the draft vocabulary)
-                drafts[j] = probs[-1].draw(rng)
-            if j < k - 1:
-                hidden = out.extras[HIDDEN_OUT][-1:]  # [1, H] the head's own hidden of this row
-                out = self.step.forward(drafts[j : j + 1], want_logits=not greedy, inputs={DRAFT_FEATURES: hidden},
-                                        want=(HIDDEN_OUT,))
-        return Draft(drafts[:k], None if greedy else probs, self.name)
-
-    def accept(self, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
-        self.catchup.rewind(self._committed)  # drop the step rows
+    def accept(self, slot: int, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
         rows = target_out.get(AUX_HIDDEN_STATES)
         if rows is not None and len(rows):
-            self._pending.append(np.array(rows, dtype=np.float32))  # copied: valid during the call only
+            self._pending[slot].append(np.array(rows, dtype=np.float32))  # copied: valid during the call only
+
+    def move(self, src: int, dst: int) -> None:
+        self.catchup.move(src, dst, self._committed[src])
+        self._committed[dst], self._pending[dst] = self._committed[src], self._pending[src]
+        self._pending[src] = []
+
+    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
+        n = len(rows)
+        active = [r for r in range(n) if ks[r] > 0 and self._pending[r]]  # asked to, with rows to feed
+        drafts = [EMPTY_DRAFT] * n
+        if not active:
+            return drafts
+        sampled = any(not rows[r].sampling.greedy for r in active)
+        feed = {r: self._catch_up(n, r, rows[r].context) for r in active}  # slot -> (length, tokens, inputs)
+        out = self.catchup.run(n, feed, sampled, (HIDDEN_OUT,))
+        at = {r: len(feed[r][1]) - 1 for r in active}  # each row's last fed row: its first draft
+        depth = {r: min(ks[r], self.max_seq_len - self._committed[r] + 1) for r in active}  # step rows fit
+        tokens = np.zeros((n, max(depth.values())), dtype=np.int64)  # [n, k_max]
+        probs: dict[int, list[Kept]] = {r: [] for r in active}
+        for j in range(tokens.shape[1]):
+            for r in (r for r in active if j < depth[r]):
+                tokens[r, j] = self._draw(out, r, at[r], rows[r], probs[r])
+            stepping = [r for r in active if depth[r] > j + 1]  # rows that want draft j+2
+            if not stepping:
+                break
+            out = self.step.run(n, {r: (self._committed[r] + j, tokens[r, j : j + 1],
+                                        {DRAFT_FEATURES: out[HIDDEN_OUT][r, at[r] : at[r] + 1]}) for r in stepping},
+                                sampled, (HIDDEN_OUT,))
+            at = dict.fromkeys(stepping, 0)
+        for r in active:
+            drafts[r] = Draft(tokens[r, : depth[r]].copy(), None if rows[r].sampling.greedy else probs[r], self.name)
+        return drafts
+
+    def _catch_up(self, n: int, slot: int, context: np.ndarray) -> tuple[int, np.ndarray, dict[str, np.ndarray]]:
+        """The slot's pending rows as its row of the catch-up call; what the call cannot take goes
+        first, alone, through the slot's runner. The rows count as committed from here on."""
+        features = np.concatenate(self._pending[slot])  # [m, F]
+        self._pending[slot] = []
+        start = self._committed[slot]
+        tokens = context[start + 1 : start + 1 + len(features)]  # row p: token x_{p+1}
+        extra = len(features) - self.catchup.holds(n, len(features))
+        if extra > 0:  # the prompt after a join, a row back from rounds at depth 0
+            runner = self.catchup.runners[slot]
+            runner.cache.set_length(start)
+            runner.forward(tokens[:extra], inputs={DRAFT_FEATURES: features[:extra]})
+            start, tokens, features = start + extra, tokens[extra:], features[extra:]
+        self._committed[slot] = start + len(tokens)
+        return start, tokens, {DRAFT_FEATURES: features}
+
+    @staticmethod
+    def _draw(out: dict[str, np.ndarray], r: int, at: int, row: DraftRow, probs: list[Kept]) -> int:
+        """Row r's draft from its output at ``at``: the argmax, or drawn with the row's rng from
+        the warped head distribution (kept for rejection sampling)."""
+        if row.sampling.greedy:
+            return int(out[NEXT_TOKENS][r, at])
+        probs.append(warp_row(out[LOGITS][r, at], row.sampling))  # over target ids (-inf outside the draft vocabulary)
+        return int(probs[-1].draw(row.rng))
 
 
-def make(entry: DrafterEntry, pipe) -> ChainDrafter:
+def make(pipe: Pipeline, entry: DrafterEntry, slots: int) -> ChainDrafter:
     model = entry.model or entry.name
-    return ChainDrafter(entry.name, pipe.runner(model, CATCHUP_ROLES), pipe.runner(model, STEP_ROLES))
+    costs = pipe.costs_by_role(model)
+    return ChainDrafter(entry.name, pipe.model(model, CATCHUP_ROLES, slots), pipe.model(model, STEP_ROLES, slots),
+                        {"catchup": costs.get(Role.CATCHUP, {}), "step": costs.get(Role.STEP, {})})

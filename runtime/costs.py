@@ -154,20 +154,3 @@ def costs_in_use(engine_dir: str | Path) -> dict:
     return {"engine_dir": str(engine_dir), "plan": manifest.plan,
             "costs": tuned.label if tuned is not None else "build",
             "costs_file": str(tuned.path) if tuned is not None else None, "engines": rows}
-
-
-def render_costs(result: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    def ms(value: float | None) -> str:
-        return "–" if value is None else f"{value:.2f}"
-
-    table = Table(title=f"{result['engine_dir']}: D = {result['plan']['draft_len']}; costs: {result['costs']}")
-    for column in ("engine", "backend", "role", "tokens", "build ms", "tuned ms"):
-        table.add_column(column, justify="right" if column in ("tokens", "build ms", "tuned ms") else "left",
-                         no_wrap=column == "engine")
-    for row in result["engines"]:
-        table.add_row(row["engine"], row["backend"], row["role"], str(row["tokens"]), ms(row["build_ms"]),
-                      ms(row["tuned_ms"]))
-    Console().print(table)

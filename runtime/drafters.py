@@ -1,119 +1,130 @@
-"""Drafters: propose k tokens after a context; only the target decides what is kept.
+"""Drafters: propose tokens after each running sequence's context; only the target decides.
 
-Every drafter has ``propose(context, k, sampling, rng) -> Draft`` and ``accept(n, next_token,
-target_out)`` (told how many drafts the target kept, so it can resync its own state), and
-``reset(prompt, target_out)``. A drafter that reads the target's hidden states names the target
-outputs it needs (``needs``); the decode loop asks the target's graphs for them and hands the
-drafter the rows of the positions just committed (runtime/api.py DRAFTER_FACTORIES maps a
-manifest drafter kind to its factory).
+One protocol, over the rows of a batch (a lone request is one row, in slot 0). Per-sequence
+state (a cache row) lives in slots that follow the target's: a sequence ``join``s a slot,
+every round ``propose`` drafts for all running rows at once, ``accept`` tells a slot what the
+target kept, and when a row leaves, the last row's state ``move``s into its slot. A drafter
+that reads the target's hidden states names them in ``needs``; the loop asks the target's
+graphs for them and hands each slot the rows of the positions it committed.
+
+Here: the target alone (``NoDrafter``), prompt lookup (``NgramDrafter``) and a model of its
+own (``ModelDrafter``: a draft model or the int4 copy of the target). The hidden-state heads
+live in runtime/chain_drafter.py (EAGLE-3, MTP) and runtime/block_drafter.py (DFlash, DSpark).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from specexport.contract import LOGITS, NEXT_TOKENS
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
-from specexport.runtime.runner import ModelRunner
+from specexport.runtime.model import Model
 
 TargetOut = Mapping[str, np.ndarray]  # target output name -> [n, ...] rows of committed positions
+PartCosts = Mapping[str, Mapping[int, float]]  # a drafter's graph part ("step", "catchup", "block") -> tokens -> ms
+_NOTHING = np.zeros(0, dtype=np.int64)  # an idle row's tokens
 
 
 @dataclass(frozen=True)
-class DraftCost:
-    """Which graphs a round that drafts k > 0 tokens runs, for the bench's prediction: the
-    ``per_round`` graph once (a chain head's catch-up, a block head's block), which already
-    gives ``first_drafts`` drafts, then the ``per_draft`` graph for each further draft.
-    Each part is (runner, engine size); None: no such graph."""
+class DraftRow:
+    """What a drafter sees of one running sequence (row r of a round is slot r)."""
 
-    per_draft: tuple[Any, int] | None = None
-    per_round: tuple[Any, int] | None = None
-    first_drafts: int = 0
-
-    def seconds(self, k: int, draft_s: float, round_s: float) -> float:
-        """Engine time of drafting ``k`` tokens, given one run of each part."""
-        if k <= 0:
-            return 0.0
-        further = max(k - self.first_drafts, 0) if self.per_draft else 0
-        return (round_s if self.per_round else 0.0) + further * draft_s
-
-
-NO_COST = DraftCost()
+    context: np.ndarray  # [n] committed tokens: prompt + output so far
+    sampling: Sampling
+    rng: np.random.Generator  # the sequence's own stream (drafts drawn from it, then its rejection)
 
 
 class Drafter(Protocol):
     name: str
-    # target outputs this drafter reads (e.g. AUX_HIDDEN_STATES); empty for most drafters
-    needs: tuple[str, ...]
+    needs: tuple[str, ...]  # target outputs it reads (a head's aux_hidden_states); empty for most
 
     @property
     def engine_seconds(self) -> float:
         """Seconds inside the drafter's engines so far (0 without any): the rest is host work."""
 
-    @property
-    def draft_cost(self) -> DraftCost:
-        """The graphs a round of drafting runs (NO_COST for drafters without engines)."""
+    def round_cost(self, k: int, costs: PartCosts | None = None) -> float:
+        """Seconds of engine time a round drafting ``k`` tokens costs this drafter for one
+        sequence (k = 0: what skipping a round costs it, a catch-up later), from its graphs'
+        costs (``costs``: measured ones, by part; default the build's or tune's): the one cost
+        model adaptive depth, the schedule and the bench's prediction read."""
 
-    def reset(self, prompt: np.ndarray, target_out: TargetOut) -> None:
-        """Start a new sequence (neural drafters prefill the prompt here). ``target_out``: the
-        needed outputs of the target's prefill, rows for prompt[:-1] (the last prompt token
-        opens round one). Arrays are valid during the call only: copy what you keep."""
+    def cost_graphs(self) -> dict[str, tuple[object, list[int]]]:
+        """part -> (a batch-1 runner with ``time_run(size)``, the sizes ``round_cost`` reads):
+        what the bench times to predict with measured costs."""
 
-    def propose(self, context: np.ndarray, k: int, sampling: Sampling, rng: np.random.Generator) -> Draft: ...
+    def join(self, slot: int, prompt: np.ndarray, target_out: TargetOut) -> None:
+        """A sequence starts in ``slot``; the target has just prefilled prompt[:-1] there
+        (``target_out``: the outputs named by ``needs``, a row per prefilled position; arrays
+        are valid during the call only: copy what you keep)."""
 
-    def accept(self, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
-        """The target kept ``n_accepted`` drafts and chose ``next_token`` after them.
-        ``target_out``: the needed outputs of the verify pass for the committed positions only,
-        1 + n_accepted rows (the round's first token and the accepted drafts), never a
-        rejected one."""
+    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
+        """A draft for every running row (row r in slot r) of at most ``ks[r]`` tokens; ks[r] = 0:
+        EMPTY_DRAFT, and the row's state stays a valid prefix of its context. Sampled rows give
+        the distributions their tokens were drawn from, drawn with the row's own rng."""
+
+    def accept(self, slot: int, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
+        """The target kept ``n_accepted`` of the slot's drafts and chose ``next_token`` after them;
+        ``target_out``: the row's outputs named by ``needs`` for its 1 + n_accepted committed
+        positions, never a rejected one."""
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot ``dst`` takes over slot ``src``'s sequence."""
 
 
-class NoDrafter:
-    """The target alone: every round verifies one token. The baseline, through the same engines."""
+class Stateless:
+    """A drafter without engines or per-sequence state: each row drafts from its context alone."""
 
     name = "none"
     needs: tuple[str, ...] = ()
     engine_seconds = 0.0
-    draft_cost = NO_COST
 
-    def reset(self, prompt: np.ndarray, target_out: TargetOut) -> None:
+    def round_cost(self, k: int, costs: PartCosts | None = None) -> float:
+        return 0.0
+
+    def cost_graphs(self) -> dict[str, tuple[object, list[int]]]:
+        return {}
+
+    def join(self, slot: int, prompt: np.ndarray, target_out: TargetOut) -> None:
         pass
 
-    def propose(self, context, k, sampling, rng) -> Draft:
+    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
+        return [self.propose_one(row.context, k) if k > 0 else EMPTY_DRAFT for row, k in zip(rows, ks)]
+
+    def propose_one(self, context: np.ndarray, k: int) -> Draft:
         return EMPTY_DRAFT
 
-    def accept(self, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
+    def accept(self, slot: int, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
+        pass
+
+    def move(self, src: int, dst: int) -> None:
         pass
 
 
-class NgramDrafter:
+class NoDrafter(Stateless):
+    """The target alone: every round verifies one token. The baseline, through the same engines."""
+
+
+class NgramDrafter(Stateless):
     """Prompt lookup: find the context's last n tokens earlier in the context (longest n
     first, latest occurrence that still has k tokens after it) and propose what followed."""
-
-    needs: tuple[str, ...] = ()
-    engine_seconds = 0.0
-    draft_cost = NO_COST
 
     def __init__(self, name: str = "ngram", max_ngram: int = 3, min_ngram: int = 1):
         self.name = name
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def reset(self, prompt: np.ndarray, target_out: TargetOut) -> None:
-        pass
-
-    def propose(self, context: np.ndarray, k: int, sampling, rng) -> Draft:
+    def propose_one(self, context: np.ndarray, k: int) -> Draft:
         size = len(context)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if size <= n or k <= 0:
+            if size <= n:
                 continue
             suffix = context[size - n :]  # [n]
-            # window i is context[i:i+n]; windows end before the last token, so each has a
-            # continuation
+            # window i is context[i:i+n]; windows end before the last token, so each has a continuation
             windows = sliding_window_view(context[: size - 1], n)  # [size-n, n]
             hits = np.flatnonzero((windows == suffix).all(axis=1))
             if hits.size == 0:
@@ -123,60 +134,108 @@ class NgramDrafter:
             return Draft(np.array(context[start : start + k], dtype=np.int64), tag=f"{self.name}/n{n}")
         return EMPTY_DRAFT
 
-    def accept(self, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
-        pass
-
 
 class ModelDrafter:
-    """A neural drafter (external draft model or the int4 copy of the target) with its own
-    KV cache, kept in step with what the target accepted."""
+    """A draft model (or the int4 copy of the target) with its own cache, whose row r follows
+    the target's slot r. A round: one step feeds every drafting row what its row lacks (the
+    last committed token, plus the last draft after a fully accepted round, or more after
+    rounds at depth 0), then k-1 single-token steps; a row that drafts fewer sits out the later
+    steps. On accept a row goes back to base + min(n_accepted, k-1). A gap wider than the
+    batched graphs is fed first through the slot's own runner."""
 
     needs: tuple[str, ...] = ()
 
-    def __init__(self, name: str, runner: ModelRunner):
+    def __init__(self, name: str, model: Model, cost_ms: dict[int, float]):
         self.name = name
-        self.runner = runner
-        self._base = 0  # context length at the last proposal
-        self._k = 0
+        self.model = model
+        self.cost_ms = cost_ms  # tokens -> ms of one batch-1 run
+        slots = model.slots
+        self._length = [0] * slots  # positions each slot's row holds: its context's first ones
+        self._base = [0] * slots  # context length at the slot's last proposal
+        self._k = [0] * slots  # drafts of that proposal (0: none since the last accept)
 
     @property
     def engine_seconds(self) -> float:
-        return self.runner.seconds
+        return self.model.seconds
 
-    @property
-    def draft_cost(self) -> DraftCost:
-        return DraftCost(per_draft=(self.runner, self.runner.engine_size(1)))  # one step per draft
+    def round_cost(self, k: int, costs: PartCosts | None = None) -> float:
+        """k one-token steps (the first one feeds the row's gap too); skipping costs the
+        skipped token's catch-up later, two tokens at a time."""
+        ms = (costs or {"step": self.cost_ms})["step"]
+        step = ms.get(1, 0.0) / 1e3
+        return k * step if k > 0 else ms.get(2, 2e3 * step) / 2e3
 
-    def reset(self, prompt: np.ndarray, target_out: TargetOut) -> None:
-        self.runner.rewind(0)
-        self.runner.forward(prompt[:-1])  # as the target: all but the last token
-        self._base = self._k = 0
+    def cost_graphs(self) -> dict[str, tuple[object, list[int]]]:
+        runner = self.model.runners[0]
+        return {"step": (runner, [t for t in (1, 2) if t in runner.decoding_sizes])}
 
-    def propose(self, context: np.ndarray, k: int, sampling: Sampling, rng: np.random.Generator) -> Draft:
-        if k <= 0:
-            self._k = 0
-            return EMPTY_DRAFT
-        want_logits = not sampling.greedy
-        # Tokens the cache lacks: the last committed token, plus the last draft when every
-        # draft was accepted, or the whole prompt at the start.
-        out = self.runner.forward(context[self.runner.length :], want_logits)
-        tokens = np.empty(k, dtype=np.int64)  # [k]
-        probs: list[Kept] = []  # k rows: q for each draft, only the tokens it keeps (never [k, V])
-        for j in range(k):
-            if want_logits:
-                probs.append(warp_row(out.logits[-1], sampling))
-                tokens[j] = probs[-1].draw(rng)
-            else:
-                tokens[j] = out.next_tokens[-1]
-            if j < k - 1:
-                out = self.runner.forward(tokens[j : j + 1], want_logits)
-        self._base, self._k = len(context), k
-        return Draft(tokens, probs if want_logits else None, self.name)
+    def join(self, slot: int, prompt: np.ndarray, target_out: TargetOut) -> None:
+        runner = self.model.runners[slot]
+        runner.cache.set_length(0)
+        if len(prompt) <= self.model.max_seq_len:  # else the row never drafts (propose caps its depth)
+            runner.forward(prompt[:-1])  # as the target: all but the last token
+        self._length[slot], self._k[slot] = runner.length, 0
 
-    def accept(self, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
-        # The cache holds the context and drafts 1..k-1; keep those the target accepted.
-        if self._k == 0:
-            return  # nothing was drafted since the last accept: the cache is still a prefix
-        self.runner.rewind(self._base + min(n_accepted, self._k - 1))
-        self._k = 0
+    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
+        n = len(rows)
+        # within the draft cache too: the context, then k-1 drafts
+        ks = [max(0, min(k, self.model.max_seq_len - len(row.context))) for row, k in zip(rows, ks)]
+        active = [r for r in range(n) if ks[r] > 0]
+        drafts = [EMPTY_DRAFT] * n
+        self._k[:n] = [0] * n
+        if not active:
+            return drafts
+        sampled = any(not rows[r].sampling.greedy for r in active)
+        widest = self.model.widths(n)[-1] if n > 1 else None
+        feed = {}
+        for r in active:
+            context = rows[r].context
+            # always feed the last token (its output is the first draft)
+            self._length[r] = min(self._length[r], len(context) - 1)
+            if widest is not None and len(context) - self._length[r] > widest:  # after rounds at depth 0
+                self._forward_alone(r, context[self._length[r] : len(context) - widest])
+            feed[r] = context[self._length[r] :]
+        out = self._run(n, feed, sampled)
+        at = {r: len(tokens) - 1 for r, tokens in feed.items()}  # each row's last fed token: its first draft
+        tokens = np.zeros((n, max(ks)), dtype=np.int64)  # [n, k_max]
+        probs: dict[int, list[Kept]] = {r: [] for r in active}  # q of each draft of a sampled row
+        for j in range(tokens.shape[1]):
+            for r in (r for r in active if j < ks[r]):
+                row = rows[r]
+                if row.sampling.greedy:
+                    tokens[r, j] = out[NEXT_TOKENS][r, at[r]]
+                else:
+                    probs[r].append(warp_row(out[LOGITS][r, at[r]], row.sampling))
+                    tokens[r, j] = probs[r][-1].draw(row.rng)
+            stepping = [r for r in active if ks[r] > j + 1]  # rows that want draft j+2
+            if not stepping:
+                break
+            out = self._run(n, {r: tokens[r, j : j + 1] for r in stepping}, sampled)
+            at = dict.fromkeys(stepping, 0)
+        for r in active:
+            self._base[r], self._k[r] = len(rows[r].context), ks[r]
+            drafts[r] = Draft(tokens[r, : ks[r]].copy(), None if rows[r].sampling.greedy else probs[r], self.name)
+        return drafts
 
+    def accept(self, slot: int, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
+        # The row holds the context and drafts 1..k-1; keep those the target accepted.
+        if self._k[slot]:
+            self._length[slot] = self._base[slot] + min(n_accepted, self._k[slot] - 1)
+            self._k[slot] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        self.model.move(src, dst, self._length[src])
+        self._length[dst], self._base[dst], self._k[dst] = self._length[src], self._base[src], self._k[src]
+
+    def _run(self, n: int, feed: dict[int, np.ndarray], want_logits: bool) -> dict[str, np.ndarray]:
+        """One step over the first ``n`` slots, each fed row at its own length; lengths advance."""
+        out = self.model.run(n, {r: (self._length[r], tokens, {}) for r, tokens in feed.items()}, want_logits)
+        for r, tokens in feed.items():
+            self._length[r] += len(tokens)
+        return out
+
+    def _forward_alone(self, slot: int, tokens: np.ndarray) -> None:
+        runner = self.model.runners[slot]
+        runner.cache.set_length(self._length[slot])
+        runner.forward(tokens)
+        self._length[slot] = runner.length

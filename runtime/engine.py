@@ -14,9 +14,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from specexport.contract import EngineEntry, ModelEntry, TensorSpec
 from specexport.errors import BadInput
 from specexport.runtime.kv_cache import KVCache, open_host_cache
-from specexport.runtime.manifest import EngineEntry, ModelEntry, TensorSpec
 
 
 @dataclass(frozen=True)

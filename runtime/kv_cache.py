@@ -50,6 +50,10 @@ class CacheLength(ABC):
         else:
             self.write(outputs, count)
 
+    def set_length(self, length: int) -> None:
+        """The cache holds ``length`` positions from now on (only ever fewer than it was written)."""
+        self.rewind(length)
+
     def rewind(self, length: int) -> None:
         """Forget every position at or after ``length``."""
         if not 0 <= length <= self.length:
@@ -75,10 +79,7 @@ class KVCache(CacheLength):
         """Append the first ``count`` new positions of each present.* output at ``length``."""
         if count > self.free:
             raise ValueError(f"KV cache overflow: {count} tokens with {self.free} slots free")
-        at = self.length
-        for past_name, present_name in self._present_names.items():
-            new = presents[present_name]  # [B, n_kv, T, hd]
-            self._tensors[past_name][:, :, at : at + count] = new[:, :, :count]
+        append_rows(self._tensors, presents, [(0, self.length, count)])
         self.advance(count)
 
     def in_place_outputs(self) -> dict[str, np.ndarray]:
@@ -153,3 +154,12 @@ def open_host_cache(num_layers: int, batch: int, num_kv_heads: int, max_seq_len:
     if state is None:
         return KVCache(num_layers, batch, num_kv_heads, max_seq_len, head_dim, dtype)
     return RecurrentCache(num_layers, batch, num_kv_heads, max_seq_len, head_dim, state, dtype, keep)
+
+
+def append_rows(cache: dict[str, np.ndarray], out: dict[str, np.ndarray], written: list[tuple[int, int, int]]) -> None:
+    """Write what an append graph computed for each fed row, ``written``: (row, cache length,
+    count), from its present.* [B, n_kv, T, hd] into the cache; padding and idle rows never."""
+    for past, array in cache.items():
+        new = out[present_of(past)]  # [B, n_kv, T, hd]
+        for row, length, count in written:
+            array[row, :, length : length + count] = new[row, :, :count]

@@ -41,9 +41,9 @@ from pathlib import Path
 
 import numpy as np
 
+from specexport.contract import EngineEntry, TensorSpec
 from specexport.errors import BadInput, MissingDependency, missing_extra
 from specexport.runtime.engine import EngineOptions, SharedGraphs, check_feeds
-from specexport.runtime.manifest import EngineEntry, TensorSpec
 
 # onnxruntime-gpu installs the same module as the CPU onnxruntime every extra brings: a swap, not an extra
 ONNXRUNTIME_GPU_SWAP = "pip uninstall -y onnxruntime && pip install 'onnxruntime-gpu>=1.20'"

@@ -108,8 +108,9 @@ class ModelRunner:
         return self._by_size[size].name
 
     def engine_size(self, tokens: int) -> int:
-        """Token count of the engine that runs ``tokens`` tokens in one call (or the largest)."""
-        return self._pick(tokens)[0]
+        """Token count of the engine that runs ``tokens`` tokens in one call (or the largest),
+        whatever the cache holds now."""
+        return self._plan(tokens)[0]
 
     def time_engines(self, sizes: Sequence[int], rounds: int, want_logits: bool = False) -> dict[int, float]:
         """Median seconds of one run of each engine, the sizes taken in turn round after round
@@ -133,9 +134,6 @@ class ModelRunner:
         if any(self._by_size[size].name in self._in_place for size in sizes):
             self.cache.rewind(0)
 
-    def time_engine(self, size: int, repeats: int) -> float:
-        return self.time_engines([size], repeats)[size]
-
     def rewind(self, length: int) -> None:
         self.cache.rewind(length)
 
@@ -152,12 +150,15 @@ class ModelRunner:
             total[r], first[r] = min((cost_ms[t] + total[max(r - t, 0)], t) for t in sizes)
         return first
 
-    def _pick(self, remaining: int) -> tuple[int, Engine]:
+    def _plan(self, remaining: int) -> tuple[int, Engine]:
+        """The engine to run first for ``remaining`` tokens: cheapest by cost, else the fit rule."""
         if self._first_piece is not None:
             size = self._first_piece[min(remaining, len(self._first_piece) - 1)]
-            choice = size, self._by_size[size]
-        else:
-            choice = next(((t, e) for t, e in self._engines if t >= remaining), self._engines[-1])
+            return size, self._by_size[size]
+        return next(((t, e) for t, e in self._engines if t >= remaining), self._engines[-1])
+
+    def _pick(self, remaining: int) -> tuple[int, Engine]:
+        choice = self._plan(remaining)
         if choice[1].name in self._in_place and choice[0] > self.cache.free:
             # an in-place (GroupQueryAttention) graph checks the padded length against the cache: take one that fits
             choice = max(((t, e) for t, e in self._engines if t <= self.cache.free), key=lambda te: te[0])

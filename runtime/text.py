@@ -42,10 +42,6 @@ class TextCodec:
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string((root / info["chat_template"]).read_text())
 
-    @property
-    def has_chat_template(self) -> bool:
-        return self._template is not None
-
     def encode(self, text: str) -> list[int]:
         """A plain prompt, with the special tokens the tokenizer adds (BOS where it uses one)."""
         return self.tokenizer.encode(text, add_special_tokens=True).ids

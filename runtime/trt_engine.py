@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from specexport import contract
+from specexport.contract import EngineEntry, ModelEntry, TensorSpec
 from specexport.errors import BadInput, SpecexportError, missing_extra
 from specexport.runtime.engine import EngineOptions
 from specexport.runtime.kv_cache import CacheLength
-from specexport.runtime.manifest import EngineEntry, ModelEntry, TensorSpec
 
 if TYPE_CHECKING:  # for annotations only: the package is imported lazily
     import tensorrt as trt
@@ -377,7 +377,7 @@ class TrtEngine:
         else:
             self._enqueue(feeds)
         if self._bound is not None:
-            self._append_presents(np.asarray(feeds["cache_length"]).reshape(-1).tolist())
+            self._append_presents(np.asarray(feeds[contract.CACHE_LENGTH]).reshape(-1).tolist())
         names = list(outputs) if outputs is not None else list(self.outputs)
         if self._bound is not None:  # the present outputs are in the bound cache already
             names = [n for n in names if not n.startswith(PRESENT)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -101,6 +101,26 @@ def present_of(past: str) -> str:
     return PRESENT + past[len(PAST):]
 
 
+def is_past(name: str) -> bool:
+    """A KV cache input: past_key_values.{i}.{kind}."""
+    return name.startswith(PAST + ".")
+
+
+def is_present(name: str) -> bool:
+    """A KV cache output: present.{i}.{kind} (not present_state.*)."""
+    return name.startswith(PRESENT + ".")
+
+
+def is_kv(name: str) -> bool:
+    """A KV cache tensor, input or output."""
+    return is_past(name) or is_present(name)
+
+
+def is_state(name: str) -> bool:
+    """A recurrent-state tensor, input (past_state.*) or output (present_state.*)."""
+    return name.startswith((STATE_PAST + ".", STATE_PRESENT + "."))
+
+
 def graph_inputs(num_layers: int, valid_tokens: bool = False, state_layers: int = 0) -> list[str]:
     """``valid_tokens``: the graph takes VALID_TOKENS (ort-gqa graphs); ``num_layers``: the
     attention layers (KV cache); ``state_layers``: the linear-attention layers (recurrent state)."""
@@ -144,6 +164,122 @@ BATCHED_ROLES = frozenset({Role.DECODE, Role.CATCHUP, Role.VERIFY})
 def engine_name(model: str, role: Role, batch: int, tokens: int) -> str:
     """target.verify.b1.t8"""
     return f"{model}.{Role(role).value}.b{batch}.t{tokens}"
+
+
+# -- drafter kinds ----------------------------------------------------------------------------
+
+
+class DrafterKind(str, Enum):
+    """A drafter's kind: the recipe's ``kind`` and DrafterEntry.kind. A str, so
+    ``entry.kind == "ngram"`` holds and manifests read and write the plain string."""
+
+    NGRAM = "ngram"  # prompt lookup: no graphs
+    MODEL = "model"  # a smaller draft model with its own decoder graphs and cache
+    QUANTIZED_SELF = "quantized-self"  # an int4 copy of the target: the same graphs
+    EAGLE3 = "eagle3"  # chain head over the target's taps
+    MTP = "mtp"  # chain head (multi-token prediction)
+    DFLASH = "dflash"  # block head over the target's taps
+    DSPARK = "dspark"  # block head + Markov and confidence heads (reads BLOCK_HIDDEN)
+
+    def __str__(self) -> str:  # f"{kind}" is the value, as in the manifest
+        return self.value
+
+
+class DrafterFamily(str, Enum):
+    """How a kind drafts, which decides its graphs and the runtime class that runs it."""
+
+    LOOKUP = "lookup"  # no graphs, no model
+    MODEL = "model"  # a decoder of its own: the target's graph signature
+    CHAIN = "chain"  # one token per step, fed its own hidden state (STEP graph)
+    BLOCK = "block"  # one call drafts a whole block from the target's features (BLOCK graph)
+
+
+@dataclass(frozen=True)
+class KindSignature:
+    """One drafter kind's graphs. ``inputs``/``outputs`` name every graph tensor in graph order;
+    PAST and PRESENT stand for the KV cache tensors (past_key_values.* / present.*, 2 per layer),
+    and VALID_TOKENS is taken by ort-gqa graphs only (``graph_inputs(valid_tokens=True)``)."""
+
+    kind: DrafterKind
+    family: DrafterFamily
+    roles: tuple[Role, ...]  # the roles of its graphs (none: it has no graphs)
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    reads_taps: bool = False  # the target's graphs output AUX_HIDDEN_STATES for it
+    # DrafterEntry.params a manifest must give (checked when the manifest is read)
+    required_params: tuple[str, ...] = ()
+
+    @property
+    def runs_model(self) -> bool:
+        """Does DrafterEntry.model name a ModelEntry with graphs of its own?"""
+        return self.family is not DrafterFamily.LOOKUP
+
+    @property
+    def block_hidden(self) -> bool:
+        """Does its block graph output BLOCK_HIDDEN (DSpark's heads read it)?"""
+        return BLOCK_HIDDEN in self.outputs
+
+    def graph_inputs(self, num_layers: int, valid_tokens: bool = False) -> list[str]:
+        names: list[str] = []
+        for name in self.inputs:
+            if name == PAST:
+                names += past_names(num_layers)
+            elif name != VALID_TOKENS or valid_tokens:
+                names.append(name)
+        return names
+
+    def graph_outputs(self, num_layers: int) -> list[str]:
+        names: list[str] = []
+        for name in self.outputs:
+            names += present_names(num_layers) if name == PRESENT else [name]
+        return names
+
+
+_MODEL_ROLES = (Role.DECODE, Role.CATCHUP, Role.PREFILL)
+_DECODER_INPUTS = (INPUT_IDS, CACHE_LENGTH, VALID_TOKENS, PAST)  # the target's own signature
+_CHAIN_ROLES = (Role.STEP, Role.CATCHUP, Role.PREFILL)
+_CHAIN_INPUTS = (INPUT_IDS, DRAFT_FEATURES, CACHE_LENGTH, PAST)
+_CHAIN_OUTPUTS = (LOGITS, NEXT_TOKENS, PRESENT, HIDDEN_OUT)
+_BLOCK_INPUTS = (INPUT_IDS, CONTEXT_FEATURES, CONTEXT_VALID, CACHE_LENGTH, PAST)
+
+# The registry: every drafter kind the recipe accepts and a manifest may name, with its graphs.
+DRAFTER_KINDS: dict[DrafterKind, KindSignature] = {
+    DrafterKind.NGRAM: KindSignature(DrafterKind.NGRAM, DrafterFamily.LOOKUP, roles=()),
+    DrafterKind.MODEL: KindSignature(
+        DrafterKind.MODEL, DrafterFamily.MODEL, roles=_MODEL_ROLES,
+        inputs=_DECODER_INPUTS, outputs=(LOGITS, NEXT_TOKENS, PRESENT)),
+    DrafterKind.QUANTIZED_SELF: KindSignature(
+        DrafterKind.QUANTIZED_SELF, DrafterFamily.MODEL, roles=_MODEL_ROLES,
+        inputs=_DECODER_INPUTS, outputs=(LOGITS, NEXT_TOKENS, PRESENT)),
+    DrafterKind.EAGLE3: KindSignature(
+        DrafterKind.EAGLE3, DrafterFamily.CHAIN, roles=_CHAIN_ROLES,
+        inputs=_CHAIN_INPUTS, outputs=_CHAIN_OUTPUTS, reads_taps=True),
+    DrafterKind.MTP: KindSignature(
+        DrafterKind.MTP, DrafterFamily.CHAIN, roles=_CHAIN_ROLES,
+        inputs=_CHAIN_INPUTS, outputs=_CHAIN_OUTPUTS, reads_taps=True),
+    DrafterKind.DFLASH: KindSignature(
+        DrafterKind.DFLASH, DrafterFamily.BLOCK, roles=(Role.BLOCK,),
+        inputs=_BLOCK_INPUTS, outputs=(LOGITS, NEXT_TOKENS, PRESENT), reads_taps=True, required_params=("drafts",)),
+    DrafterKind.DSPARK: KindSignature(
+        DrafterKind.DSPARK, DrafterFamily.BLOCK, roles=(Role.BLOCK,),
+        inputs=_BLOCK_INPUTS, outputs=(LOGITS, NEXT_TOKENS, PRESENT, BLOCK_HIDDEN), reads_taps=True,
+        required_params=("drafts",)),
+}
+
+
+def drafter_kinds(family: DrafterFamily | None = None, reads_taps: bool | None = None) -> tuple[DrafterKind, ...]:
+    """The kinds of ``family`` (None: any) that read the target's taps or not (None: either)."""
+    return tuple(k for k, sig in DRAFTER_KINDS.items()
+                 if family in (None, sig.family) and reads_taps in (None, sig.reads_taps))
+
+
+def drafter_kind(kind: str) -> DrafterKind:
+    """``kind`` as a DrafterKind; ValueError naming the valid kinds."""
+    try:
+        return DrafterKind(kind)
+    except ValueError:
+        raise ValueError(f"unknown drafter kind {kind!r} (valid kinds: {', '.join(k.value for k in DrafterKind)})") \
+            from None
 
 
 # -- draft depth by batch size ----------------------------------------------------------------
@@ -322,11 +458,70 @@ class ModelEntry:
 
 
 @dataclass(frozen=True)
+class DrafterParams:
+    """DrafterEntry.params, typed. The defaults are what a reader assumes when a manifest
+    leaves the field out (or writes null); each kind writes only its own fields."""
+
+    # ngram
+    max_ngram: int = 3
+    min_ngram: int = 1
+    # quantized-self (block_size also: block heads' block)
+    bits: int | None = None
+    block_size: int | None = None
+    symmetric: bool | None = None
+    accuracy_level: int | None = None
+    quantize_head: bool | None = None
+    # hidden-state heads: the checkpoint's layout
+    layout: str | None = None
+    # block heads (DFlash, DSpark)
+    drafts: int | None = None  # tokens one block call drafts
+    from_anchor: bool | None = None  # the anchor's slot drafts too
+    heads_file: str | None = None  # the numpy heads (.npz) beside the graphs
+    markov: str | None = None  # DSpark's Markov head type (vanilla | gated | rnn), None: none
+    confidence_with_markov: bool = False
+    confidence_threshold: float = 0.0  # cut a draft below this running confidence (0: off)
+
+    @classmethod
+    def parse(cls, params: dict, owner: str = "drafter") -> DrafterParams:
+        """Check the type of every known field; TypeError naming ``owner`` and the field.
+        Unknown keys are left to ``DrafterEntry.params``."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            value = params.get(f.name)
+            if value is None:
+                continue
+            want = _PARAM_TYPES[f.name]
+            ok = (isinstance(value, (int, float)) if want is float else isinstance(value, want)) \
+                and (want is bool or not isinstance(value, bool))
+            if not ok:
+                raise TypeError(f"{owner}: params.{f.name} must be {_TYPE_WORDS[want]} (got {value!r})")
+            values[f.name] = float(value) if want is float else value
+        return cls(**values)
+
+
+_PARAM_TYPES: dict[str, type] = {
+    "max_ngram": int, "min_ngram": int, "bits": int, "block_size": int, "symmetric": bool, "accuracy_level": int,
+    "quantize_head": bool, "layout": str, "drafts": int, "from_anchor": bool, "heads_file": str, "markov": str,
+    "confidence_with_markov": bool, "confidence_threshold": float,
+}
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+@dataclass(frozen=True)
 class DrafterEntry:
     name: str
-    kind: str  # ngram | quantized-self | model | eagle3 | mtp | dflash | dspark
+    kind: DrafterKind  # a str given here is checked and converted (ValueError naming the valid kinds)
     model: str | None  # the ModelEntry it runs, if any
-    params: dict = field(default_factory=dict)
+    params: dict = field(default_factory=dict)  # as written; read them typed through ``settings``
+    settings: DrafterParams = field(init=False, repr=False, compare=False)  # params, typed
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", drafter_kind(self.kind))
+        object.__setattr__(self, "settings", DrafterParams.parse(self.params, f"drafter {self.name!r}"))
+
+    @property
+    def signature(self) -> KindSignature:
+        return DRAFTER_KINDS[self.kind]
 
 
 @dataclass(frozen=True)
@@ -353,6 +548,24 @@ class Manifest:
     def raw(self) -> dict:
         """The manifest as JSON data (what ``write_manifest`` writes)."""
         return manifest_to_json(self)
+
+    @property
+    def recipe_root(self) -> Path:
+        """Where the recipe's relative model paths point (recipe_dir; "." when it was not written)."""
+        return Path(self.recipe_dir or ".")
+
+    @property
+    def target_source(self) -> dict:
+        """The recipe's ``target`` (its model source, as written); BadInput when the manifest
+        carries no recipe."""
+        if not self.recipe or not isinstance(self.recipe.get("target"), dict):
+            raise BadInput(f"{self.root / MANIFEST}: the manifest has no recipe target; rebuild it with specexport build")
+        return self.recipe["target"]
+
+    @property
+    def device(self) -> str | None:
+        """The device the build ran on (toolchain's ``device``), None when not written."""
+        return self.toolchain.get("device")
 
     @property
     def draft_len(self) -> int:
@@ -423,7 +636,7 @@ def model_to_json(m: ModelEntry) -> dict:
 
 
 def drafter_to_json(d: DrafterEntry) -> dict:
-    return {"name": d.name, "kind": d.kind, "model": d.model, "params": dict(d.params)}
+    return {"name": d.name, "kind": DrafterKind(d.kind).value, "model": d.model, "params": dict(d.params)}
 
 
 def manifest_to_json(m: Manifest) -> dict:
@@ -496,7 +709,19 @@ def model_from_json(name: str, m: dict) -> ModelEntry:
 
 
 def drafter_from_json(d: dict) -> DrafterEntry:
-    return DrafterEntry(d["name"], d["kind"], d.get("model"), dict(d.get("params", {})))
+    """TypeError/ValueError naming the drafter on an unknown kind, a wrong-typed or missing param."""
+    name = d["name"]
+    try:
+        kind = drafter_kind(d["kind"])
+    except ValueError as err:
+        raise ValueError(f"drafter {name!r}: {err}") from None
+    params = d.get("params") or {}
+    if not isinstance(params, dict):
+        raise TypeError(f"drafter {name!r}: params must be a mapping (got {params!r})")
+    missing = [p for p in DRAFTER_KINDS[kind].required_params if params.get(p) is None]
+    if missing:
+        raise ValueError(f"drafter {name!r} ({kind.value}): params.{missing[0]} is missing")
+    return DrafterEntry(name, kind, d.get("model"), dict(params))
 
 
 def manifest_from_json(raw: dict, root: Path) -> Manifest:

@@ -130,7 +130,7 @@ class TinyEngines:
             with FileLock(self.root / f"{name}.lock"):
                 if not (out / "manifest.json").exists():  # build() swaps a whole directory in
                     from specexport.exporter.builder import build
-                    from specexport.exporter.progress import Reporter
+                    from specexport.progress import Reporter
 
                     tiny_recipe(recipe, arch, name=name,
                                 drafters=[d for d in ALL_DRAFTERS if drafter_name(d) in names], **shape)
@@ -196,7 +196,7 @@ def near_copy_engines(tmp_path_factory, worker_id) -> Path:
     with FileLock(root / "build.lock"):
         if not (root / "engines" / "manifest.json").exists():  # build() swaps a whole directory in
             from specexport.exporter.builder import build
-            from specexport.exporter.progress import Reporter
+            from specexport.progress import Reporter
 
             recipe = tiny_recipe(root / "r.yaml", "llama", name="near-copy", drafters=[NEAR_COPY], max_seq_len=64,
                                  prefill_chunk=16, max_draft=4, attention="ort-gqa")

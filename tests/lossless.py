@@ -203,14 +203,13 @@ def each_with_one_control(subjects: list[str], wrong) -> list:
 
 
 def use_rule(monkeypatch, rule) -> None:
-    """Make every decode loop accept drafts by ``rule`` (a wrong one, for a failing control; None:
+    """Make the decode loop accept drafts by ``rule`` (a wrong one, for a failing control; None:
     the right one, nothing patched): each loaded runtime module that imported ``rejection`` by
     name gets ``rule`` in its place."""
     if rule is None:
         return
     import specexport.runtime.acceptance as acceptance
-    import specexport.runtime.batch_decode  # noqa: F401  the loops, loaded so that they are found
-    import specexport.runtime.decode  # noqa: F401
+    import specexport.runtime.loop  # noqa: F401  the loop, loaded so that it is found
 
     loops = [module for name, module in list(sys.modules.items())
              if name.startswith("specexport.") and module is not acceptance

@@ -4,20 +4,33 @@ the naming and layout conventions, and older manifests still load."""
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import shutil
+import tokenize
+import typing
+from pathlib import Path
 
 import pytest
+import yaml
 
+from specexport import contract
 from specexport.contract import (
+    DRAFTER_KINDS,
     KV_UPDATE_OF_ATTENTION,
     MANIFEST,
+    DrafterEntry,
+    DrafterFamily,
+    DrafterKind,
+    DrafterParams,
     KVLayout,
     KVUpdate,
     Manifest,
     ModelEntry,
     Role,
     StateLayout,
+    drafter_kinds,
     dumps,
     engine_name,
     graph_inputs,
@@ -157,3 +170,162 @@ def test_a_recurrent_state_layout_reads_back_and_names_its_tensors():
     assert inputs[-6:] == [f"past_state.{j}.{k}" for j in range(3) for k in ("conv", "recurrent")]
     assert outputs[-6:] == [f"present_state.{j}.{k}" for j in range(3) for k in ("conv", "recurrent")]
     assert graph_inputs(2) == graph_inputs(2, state_layers=0)  # attention-only graphs unchanged
+
+
+# -- the drafter-kind registry ----------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def recipe_kinds() -> set[str]:
+    """The `kind` tags the recipe's drafter union accepts (one Literal per drafter class)."""
+    from specexport.exporter.recipe import DrafterSpec
+
+    union = typing.get_args(DrafterSpec)[0]
+    return {tag for cls in typing.get_args(union) for tag in typing.get_args(cls.model_fields["kind"].annotation)}
+
+
+def test_the_kind_registry_covers_every_kind_the_recipe_accepts():
+    import importlib.util
+
+    from specexport.exporter.heads import HEAD_MODULES
+    from specexport.exporter.recipe import HIDDEN_STATE_KINDS, parse_recipe
+
+    assert recipe_kinds() == {k.value for k in DrafterKind} == set(DRAFTER_KINDS)
+    assert set(HIDDEN_STATE_KINDS) == set(HEAD_MODULES) == set(drafter_kinds(reads_taps=True))
+    assert all(importlib.util.find_spec(module) for module in HEAD_MODULES.values())
+    for kind, sig in DRAFTER_KINDS.items():
+        assert sig.kind is kind
+        assert bool(sig.roles) == sig.runs_model == (sig.family is not DrafterFamily.LOOKUP)
+        assert sig.reads_taps == (sig.family in (DrafterFamily.CHAIN, DrafterFamily.BLOCK))
+        assert sig.block_hidden == (kind is DrafterKind.DSPARK)
+    # an unknown kind: one line listing the registry's kinds
+    with pytest.raises(BadInput) as err:
+        parse_recipe({"name": "x", "target": {"source": "tiny"}, "drafters": [{"kind": "medusa"}]}, "r.yaml")
+    assert str(err.value) == ("r.yaml: drafters.0: unknown drafter kind 'medusa' (valid kinds: "
+                              f"{', '.join(k.value for k in DrafterKind)})")
+
+
+def test_every_kind_a_shipped_recipe_or_manifest_names_is_registered(tiny_engines):
+    kinds = {d["kind"] for path in sorted((REPO / "recipes").rglob("*.yaml"))
+             for d in (yaml.safe_load(path.read_text()).get("drafters") or [])}
+    manifests = [tiny_engines.get("llama", **TINY_SHAPE) / MANIFEST, *sorted((REPO / "engines").glob(f"*/{MANIFEST}"))]
+    for path in manifests:
+        kinds |= {d["kind"] for d in json.loads(path.read_text())["drafters"]}
+    assert kinds >= {"ngram", "quantized-self", "model", "eagle3", "mtp", "dflash", "dspark"}
+    assert kinds <= set(DRAFTER_KINDS)
+
+
+def test_drafter_models_follow_their_kinds_signature(built):
+    manifest = read_manifest(built)
+    gqa = manifest.models["target"].attention == "ort-gqa"
+    for entry in manifest.drafters.values():
+        assert isinstance(entry.kind, DrafterKind) and entry.signature is DRAFTER_KINDS[entry.kind]
+        if not entry.signature.runs_model:
+            assert entry.model is None and entry.kind not in {m.kind for m in manifest.models.values()}
+            continue
+        model = manifest.models[entry.model]
+        for e in manifest.engines_of(entry.model, "onnxruntime", None):
+            assert e.role in entry.signature.roles
+            assert list(e.inputs) == entry.signature.graph_inputs(model.num_layers, valid_tokens=gqa)
+            assert list(e.outputs) == entry.signature.graph_outputs(model.num_layers)
+    assert manifest.target_source["source"] == "tiny" and manifest.recipe_root == Path(manifest.recipe_dir or ".")
+    assert manifest.device == manifest.toolchain.get("device")
+
+
+def test_head_params_are_typed_when_read(tiny_engines, tmp_path):
+    assert set(contract._PARAM_TYPES) == set(DrafterParams.__dataclass_fields__)  # every field type-checked
+    manifest = read_manifest(tiny_engines.get("llama", **TINY_SHAPE))
+    ngram = manifest.drafters["ngram"]
+    assert (ngram.settings.max_ngram, ngram.settings.min_ngram) == (ngram.params["max_ngram"], ngram.params["min_ngram"])
+    assert manifest.drafters["quantized-self"].settings.bits == 4
+    block = DrafterEntry("d", "dspark", "d", {"drafts": 4, "heads_file": None, "confidence_threshold": 0,
+                                              "markov": "gated", "from_anchor": True})
+    assert block.settings == DrafterParams(drafts=4, markov="gated", from_anchor=True, confidence_threshold=0.0)
+    assert DrafterEntry("n", "ngram", None).settings == DrafterParams()  # the reader's defaults
+
+
+def _edited_manifest(tiny_engines, tmp_path, edit) -> Path:
+    dst = tmp_path / "edited"
+    shutil.copytree(tiny_engines.get("llama", **TINY_SHAPE), dst)
+    raw = json.loads((dst / MANIFEST).read_text())
+    edit(raw)
+    (dst / MANIFEST).write_text(json.dumps(raw))
+    return dst
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda raw: raw["drafters"][0]["params"].update(max_ngram="3"),
+     "drafter 'ngram': params.max_ngram must be an integer (got '3')"),
+    (lambda raw: raw["drafters"][0]["params"].update(min_ngram=True),
+     "drafter 'ngram': params.min_ngram must be an integer (got True)"),
+    (lambda raw: raw["drafters"][1]["params"].update(quantize_head="yes"),
+     "drafter 'quantized-self': params.quantize_head must be true or false (got 'yes')"),
+    (lambda raw: raw["drafters"].append({"name": "d", "kind": "dflash", "model": "d", "params": {"drafts": 4.0}}),
+     "drafter 'd': params.drafts must be an integer (got 4.0)"),
+    (lambda raw: raw["drafters"].append({"name": "d", "kind": "dflash", "model": "d", "params": {}}),
+     "drafter 'd' (dflash): params.drafts is missing"),
+    (lambda raw: raw["drafters"].append({"name": "m", "kind": "medusa", "model": None}),
+     "drafter 'm': unknown drafter kind 'medusa' (valid kinds: ngram,"),
+], ids=["str-int", "bool-int", "str-bool", "float-int", "missing", "unknown-kind"])
+def test_a_wrong_drafter_entry_is_one_line_naming_the_field(tiny_engines, tmp_path, edit, words):
+    dst = _edited_manifest(tiny_engines, tmp_path, edit)
+    with pytest.raises(BadInput) as err:
+        read_manifest(dst)
+    message = str(err.value)
+    assert str(dst / MANIFEST) in message and words in message and "\n" not in message
+
+
+# -- no tensor-name literal outside the contract ----------------------------------------------
+
+TENSOR_NAMES = {contract.INPUT_IDS, contract.CACHE_LENGTH, contract.VALID_TOKENS, contract.PAST, contract.PRESENT,
+                contract.LOGITS, contract.NEXT_TOKENS, contract.AUX_HIDDEN_STATES, contract.DRAFT_FEATURES,
+                contract.HIDDEN_OUT, contract.CONTEXT_FEATURES, contract.CONTEXT_VALID, contract.BLOCK_HIDDEN,
+                contract.STATE_PAST, contract.STATE_PRESENT}
+SCANNED = ("exporter", "specexport", "scripts", "runtime")
+# Strings spelled like a tensor name that are not one: (file, literal).
+NOT_TENSOR_NAMES = {
+    ("exporter/validate.py", "input_ids"),  # transformers' tokenizer output key
+    ("specexport/bench/harness.py", "logits"),  # the bench's costs flag: were logits copied out
+    ("specexport/bench/summary.py", "logits"),  # the same key, copied into the summary
+    ("specexport/bench/report.py", "logits"),  # the same key, read in an f-string (a STRING token from 3.12)
+}
+_PREFIX = re.compile(r"^[rRbBuUfF]*")
+
+
+def _named(text: str) -> str | None:
+    return next((n for n in TENSOR_NAMES if text == n or text.startswith((f"{n}.", f"{n}{{"))), None)
+
+
+def tensor_name_literals(path: Path) -> list[tuple[int, str]]:
+    """(line, name) of each string literal (not a triple-quoted docstring) that is a tensor name
+    or starts one (``"present."``, ``f"past_key_values.{i}"``)."""
+    hits, previous = [], None
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        text = None
+        if tok.type == tokenize.STRING:
+            body = _PREFIX.sub("", tok.string)
+            if body[:3] not in ('"""', "\'\'\'"):
+                text = body[1:-1]
+        elif tok.type == getattr(tokenize, "FSTRING_MIDDLE", None) and previous == tokenize.FSTRING_START:
+            text = tok.string  # Python 3.12+: an f-string's leading text
+        if text is not None and (name := _named(text)):
+            hits.append((tok.start[0], name))
+        previous = tok.type
+    return hits
+
+
+def test_no_tensor_name_literal_outside_the_contract():
+    found, used = [], set()
+    for root in SCANNED:
+        for path in sorted((REPO / root).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if rel == "specexport/contract.py":
+                continue
+            for line, name in tensor_name_literals(path):
+                if (rel, name) in NOT_TENSOR_NAMES:
+                    used.add((rel, name))
+                else:
+                    found.append(f"{rel}:{line}: {name!r} (use the constant or helper of specexport/contract.py)")
+    assert not found, "\n".join(found)
+    assert not (NOT_TENSOR_NAMES - used), f"stale entries: {NOT_TENSOR_NAMES - used}"

@@ -34,7 +34,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # The modules that call TensorRT or CUDA.
 CHECKED = ["runtime/trt_engine.py", "exporter/trt_build.py", "exporter/trt_parity.py", "exporter/trt_from_onnx.py",
-           "exporter/lint.py", "specexport/cli_trt.py", "specexport/atomic.py"]
+           "exporter/lint.py", "specexport/cli/trt.py", "specexport/atomic.py"]
 STUB_PACKAGES = ("tensorrt", "tensorrt_bindings")
 
 # Wrong on purpose, one error per line; the test expects exactly these lines to be reported.
@@ -103,6 +103,7 @@ def prepare(work: Path) -> tuple[Path, Path, list[str]]:
     pkg.mkdir(parents=True)
     for f in (REPO / "specexport").glob("*.py"):
         (pkg / f.name).symlink_to(f)
+    (pkg / "cli").symlink_to(REPO / "specexport" / "cli", target_is_directory=True)  # cli/trt.py
     (pkg / "exporter").symlink_to(REPO / "exporter", target_is_directory=True)
     (pkg / "runtime").symlink_to(REPO / "runtime", target_is_directory=True)
     return stubs, src, repaired

@@ -321,18 +321,35 @@ def _block_head(kind: str, s: dict, cfg, taps, draft_ids, d: int, longest: int, 
 
 def _run(opts, inputs, init: checkpoint.InitHead | None, recipe, base, device, cache: Path, rep: Reporter,
          on_event) -> dict:
+    """The run after its inputs are checked: target, data, head, then the training loop."""
     import torch
 
-    from specexport import __version__
-    from specexport.exporter.distill import dflash_model
-    from specexport.exporter.distill.eagle3_train import learning_rate, make_batches
-    from specexport.exporter.distill.teacher import Teacher
-    from specexport.exporter.heads.eagle3 import default_taps
     from specexport.exporter.plan import plan_recipe_draft
-    from specexport.exporter.sources import fingerprint, load_source
 
     t_start = time.time()
     state = checkpoint.read(opts.out) if opts.resume else None
+    s = _settings(opts, state, init, rep)
+    torch.manual_seed(s["seed"] + (state.info["step"] if state else 0))
+    target, origin = _load_target(opts, recipe, base, device, state, rep)
+    cfg = target.model.config
+    heads = cfg.num_attention_heads
+    d = plan_recipe_draft(recipe, base, heads, getattr(cfg, "num_key_value_heads", None) or heads).draft_len
+    taps = _choose_taps(opts, state, init, cfg)
+    seqs, draft_ids, data_record = _training_data(opts, inputs, state, init, target, device, rep, s)
+    rep.note(f"data: {seqs.stats()}; draft vocabulary {len(draft_ids)} "
+             f"(covers {data_record['vocabulary']['response_coverage']:.1%} of response tokens); D = {d}")
+    trained, opt = _build_head(opts, s, cfg, taps, draft_ids, d, target, seqs, device, cache, state, init)
+    if trained.facts:
+        rep.note(f"{opts.drafter}: {trained.facts}, taps {list(taps)}")
+    info = _start_record(opts, state, s, taps, origin, data_record, trained)
+    training = _Training(opts, s, info, trained, opt, seqs, draft_ids, cfg.vocab_size, d, rep, on_event, t_start)
+    return training.run()
+
+
+def _settings(opts: DistillOptions, state: checkpoint.TrainState | None, init: checkpoint.InitHead | None,
+              rep: Reporter) -> dict:
+    """The run's settings: the options, with a resumed run's data-defining ones from its first
+    run and an --init head's draft vocabulary size."""
     settings = asdict(opts)
     if state is not None:  # the first run's data-defining settings
         if state.info.get("drafter", "eagle3") != opts.drafter:
@@ -343,8 +360,13 @@ def _run(opts, inputs, init: checkpoint.InitHead | None, recipe, base, device, c
             rep.warn("--resume continues with the first run's data: --prompts/--data are ignored")
     if init is not None:  # the head fixes the draft vocabulary
         settings["draft_vocab"] = len(init.draft_ids)
-    s = settings
-    torch.manual_seed(s["seed"] + (state.info["step"] if state else 0))
+    return settings
+
+
+def _load_target(opts: DistillOptions, recipe, base, device, state: checkpoint.TrainState | None,
+                 rep: Reporter) -> tuple[Any, dict]:
+    """The recipe's target on ``device`` and its origin record (a resumed run's must match)."""
+    from specexport.exporter.sources import fingerprint, load_source
 
     with rep.step("load", "target") as st:
         target = load_source(recipe.target, base, "target")
@@ -355,38 +377,58 @@ def _run(opts, inputs, init: checkpoint.InitHead | None, recipe, base, device, c
               "fingerprint": fingerprint(recipe.target, base, "target")}
     if state is not None and state.info["target"]["fingerprint"] != origin["fingerprint"]:
         raise BadInput(f"--resume: {opts.out} was trained for another target than {opts.recipe}'s; start over with --force")
-    heads = cfg.num_attention_heads
-    d = plan_recipe_draft(recipe, base, heads, getattr(cfg, "num_key_value_heads", None) or heads).draft_len
+    return target, origin
+
+
+def _choose_taps(opts: DistillOptions, state: checkpoint.TrainState | None, init: checkpoint.InitHead | None,
+                 cfg) -> tuple[int, ...]:
+    """The target layers the head reads: a resumed run's, an --init head's, --layers, or the kind's default."""
+    from specexport.exporter.distill import dflash_model
+    from specexport.exporter.heads.eagle3 import default_taps
+
     n_layers = cfg.num_hidden_layers
     if state is not None:
-        taps = tuple(state.info["taps"])
-    elif init is not None:
+        return tuple(state.info["taps"])
+    if init is not None:
         taps = tuple(init.taps or default_taps(n_layers))
         if opts.layers is not None and tuple(opts.layers) != taps:
             raise BadInput(f"--layers {opts.layers}: the --init head reads layers {list(taps)}; leave --layers out")
         if int(init.draft_ids[-1]) >= cfg.vocab_size:
             raise BadInput(f"--init {opts.init}: its draft vocabulary names token {int(init.draft_ids[-1])}, "
                            f"past the target's {cfg.vocab_size}; it was trained for another target")
-    else:
-        defaults = default_taps if opts.drafter == "eagle3" else dflash_model.default_taps  # dspark: DFlash's
-        taps = tuple(opts.layers) if opts.layers is not None else tuple(defaults(n_layers))
-        if not all(0 <= i < n_layers for i in taps):
-            raise BadInput(f"--layers: {list(taps)} must be target layers in 0..{n_layers - 1}")
+        return taps
+    defaults = default_taps if opts.drafter == "eagle3" else dflash_model.default_taps  # dspark: DFlash's
+    taps = tuple(opts.layers) if opts.layers is not None else tuple(defaults(n_layers))
+    if not all(0 <= i < n_layers for i in taps):
+        raise BadInput(f"--layers: {list(taps)} must be target layers in 0..{n_layers - 1}")
+    return taps
 
-    rng = random.Random(s["seed"])
-    if state is None:
-        _note_bench_prompts(opts.prompts, rep)
-        seqs, data_record = build_data(opts, inputs, target, device, rep, rng)
-        if init is not None:  # the head's own vocabulary, and how much of the new data it covers
-            draft_ids, coverage = init.draft_ids, vocab_coverage(seqs, cfg.vocab_size, init.draft_ids)
-            data_record["init"] = {"path": str(opts.init), "sha256": file_sha256(opts.init / "model.safetensors")}
-        else:
-            draft_ids, coverage = choose_vocab(seqs, cfg.vocab_size, s["draft_vocab"])
-        data_record["vocabulary"] = coverage
+
+def _training_data(opts: DistillOptions, inputs: dict, state: checkpoint.TrainState | None,
+                   init: checkpoint.InitHead | None, target, device, rep: Reporter,
+                   s: dict) -> tuple[Sequences, np.ndarray, dict]:
+    """(sequences, draft vocabulary, data record): built from the inputs, or a resumed run's."""
+    if state is not None:
+        return state.sequences, state.draft_ids, state.info["data"]
+    vocab = target.model.config.vocab_size
+    _note_bench_prompts(opts.prompts, rep)
+    seqs, data_record = build_data(opts, inputs, target, device, rep, random.Random(s["seed"]))
+    if init is not None:  # the head's own vocabulary, and how much of the new data it covers
+        draft_ids, coverage = init.draft_ids, vocab_coverage(seqs, vocab, init.draft_ids)
+        data_record["init"] = {"path": str(opts.init), "sha256": file_sha256(opts.init / "model.safetensors")}
     else:
-        seqs, draft_ids, data_record = state.sequences, state.draft_ids, state.info["data"]
-    rep.note(f"data: {seqs.stats()}; draft vocabulary {len(draft_ids)} "
-             f"(covers {data_record['vocabulary']['response_coverage']:.1%} of response tokens); D = {d}")
+        draft_ids, coverage = choose_vocab(seqs, vocab, s["draft_vocab"])
+    data_record["vocabulary"] = coverage
+    return seqs, draft_ids, data_record
+
+
+def _build_head(opts: DistillOptions, s: dict, cfg, taps, draft_ids: np.ndarray, d: int, target, seqs: Sequences,
+                device, cache: Path, state: checkpoint.TrainState | None, init: checkpoint.InitHead | None):
+    """The head being trained on ``device`` (with a resumed run's or an --init head's weights),
+    its teacher, and its optimizer (a resumed run's moments)."""
+    import torch
+
+    from specexport.exporter.distill.teacher import Teacher
 
     longest = max(len(x) for x in seqs.ids)
     draft_t = torch.from_numpy(draft_ids).to(device)
@@ -399,114 +441,142 @@ def _run(opts, inputs, init: checkpoint.InitHead | None, recipe, base, device, c
         trained = _eagle3_head(*parts)
     else:
         trained = _block_head(opts.drafter, *parts, state.info.get("head") if state is not None else None)
-    head = trained.module
     if state is not None:
-        load_weights(head, state.weights, f"--resume: {opts.out}/state/head.safetensors",
-                      "start over with --force")
+        load_weights(trained.module, state.weights, f"--resume: {opts.out}/state/head.safetensors",
+                     "start over with --force")
     elif init is not None:
-        load_weights(head, init.weights, f"--init: {opts.init}/model.safetensors",
-                      "it must be an EAGLE-3 head of this target's hidden size")
+        load_weights(trained.module, init.weights, f"--init: {opts.init}/model.safetensors",
+                     "it must be an EAGLE-3 head of this target's hidden size")
     opt = torch.optim.AdamW(trained.params, lr=s["lr"], betas=(0.9, 0.95), weight_decay=0.0)
     if state is not None:
         opt.load_state_dict(state.optimizer)
     trained.step.opt = opt
-    if trained.facts:
-        rep.note(f"{opts.drafter}: {trained.facts}, taps {list(taps)}")
+    return trained, opt
 
-    train_members = seqs.members(holdout=False)
-    eval_all = seqs.members(holdout=True)
-    eval_some = eval_all[:EVAL_SEQUENCES]
-    lengths = [len(x) for x in seqs.ids]
-    score = trained.score
 
-    info = state.info if state is not None else {
+def _start_record(opts: DistillOptions, state: checkpoint.TrainState | None, s: dict, taps, origin: dict,
+                  data_record: dict, trained: _Head) -> dict:
+    """The run's record (a resumed run's, continued), with this run appended to its runs."""
+    info: dict = state.info if state is not None else {
         "step": 0, "epoch": 0, "train_seconds": 0.0, "wall_seconds": 0.0, "curve": [], "runs": []}
     info.update(settings={k: (str(v) if isinstance(v, Path) else v) for k, v in s.items()
                           if k not in ("prompts", "data", "cache_dir", "out", "recipe")},
                 taps=list(taps), target=origin, data=data_record, drafter=opts.drafter)
     if trained.facts:
         info["head"] = trained.facts
-    run = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": opts.device, "minutes": opts.minutes,
-           "from_step": info["step"]}
-    info["runs"].append(run)
-    wall_before, train_before = info["wall_seconds"], info["train_seconds"]
-    written = {"step": None}
+    info["runs"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": opts.device,
+                         "minutes": opts.minutes, "from_step": info["step"]})
+    return info
 
-    def save(final: dict | None) -> dict:
-        info["wall_seconds"] = round(wall_before + time.time() - t_start, 1)
-        run["to_step"] = info["step"]
-        provenance = {"specexport": __version__, "drafter": opts.drafter, "layout": trained.layout, "draft_len": d,
-                      "target": origin, "taps": list(taps), "data": data_record, "steps": info["step"],
-                      "epochs": info["epoch"], "train_seconds": round(info["train_seconds"], 1),
+
+class _Training:
+    """The training loop of one run: steps until ``--minutes`` or ``--max-steps``, the held-out
+    score and a checkpoint every ``--eval-minutes``, then the final score and checkpoint."""
+
+    def __init__(self, opts: DistillOptions, s: dict, info: dict, trained: _Head, opt, seqs: Sequences,
+                 draft_ids: np.ndarray, vocab: int, d: int, rep: Reporter, on_event, t_start: float):
+        self.opts, self.s, self.info, self.trained, self.opt = opts, s, info, trained, opt
+        self.seqs, self.draft_ids, self.vocab, self.d, self.rep, self.on_event = seqs, draft_ids, vocab, d, rep, on_event
+        self.t_start = t_start
+        self.run_record = info["runs"][-1]
+        self.wall_before, self.train_before = info["wall_seconds"], info["train_seconds"]
+        self.written: int | None = None  # the step of the last checkpoint written
+
+    def save(self, final: dict | None) -> dict:
+        """Write the checkpoint (the head, its provenance, the training state); returns the provenance."""
+        from specexport import __version__
+
+        info, trained = self.info, self.trained
+        info["wall_seconds"] = round(self.wall_before + time.time() - self.t_start, 1)
+        self.run_record["to_step"] = info["step"]
+        provenance = {"specexport": __version__, "drafter": self.opts.drafter, "layout": trained.layout,
+                      "draft_len": self.d, "target": info["target"], "taps": info["taps"], "data": info["data"],
+                      "steps": info["step"], "epochs": info["epoch"], "train_seconds": round(info["train_seconds"], 1),
                       "wall_seconds": info["wall_seconds"], "runs": info["runs"], "settings": info["settings"],
                       "curve": info["curve"], "final": final}
         if trained.facts:
             provenance["head"] = trained.facts
-        weights = {k: v.detach().float().cpu() for k, v in head.checkpoint_names().items()}
-        train_state = checkpoint.TrainState(weights, opt.state_dict(), seqs, draft_ids, info)
-        checkpoint.write(opts.out, trained.config, weights, draft_ids, cfg.vocab_size, provenance, train_state)
-        written["step"] = info["step"]
-        on_event("checkpoint", info["step"])
+        weights = {k: v.detach().float().cpu() for k, v in trained.module.checkpoint_names().items()}
+        train_state = checkpoint.TrainState(weights, self.opt.state_dict(), self.seqs, self.draft_ids, info)
+        checkpoint.write(self.opts.out, trained.config, weights, self.draft_ids, self.vocab, provenance, train_state)
+        self.written = info["step"]
+        self.on_event("checkpoint", info["step"])
         return provenance
 
-    def record(result: dict) -> None:
+    def record(self, result: dict) -> None:
+        """Add a held-out score to the curve and say it."""
+        info = self.info
         if info["curve"] and info["curve"][-1]["step"] == info["step"]:
             info["curve"].pop()  # the final score replaces a periodic one of the same step
         info["curve"].append({"step": info["step"], "train_minutes": round(info["train_seconds"] / 60, 3), **result})
         accept = result["acceptance"]
-        rep.note(f"held-out at step {info['step']}: loss {result['loss']:.4f}"
-                 + (f", acceptance per position {accept}, E[L] {result['expected_length']} at D={d}" if accept else "")
-                 + _confidence_note(result))
+        self.rep.note(f"held-out at step {info['step']}: loss {result['loss']:.4f}"
+                      + (f", acceptance per position {accept}, E[L] {result['expected_length']} at D={self.d}"
+                         if accept else "")
+                      + _confidence_note(result))
 
-    budget = opts.minutes * 60.0
-    total_budget = train_before + budget
-    max_steps = opts.max_steps
-    with StopRequests() as stops:
-        try:
-            if not info["curve"]:
-                with rep.step("score", "untrained head (held-out)"):
-                    record(score(eval_some))
-            t_train = time.time()
-            next_eval = t_train + opts.eval_minutes * 60
-            with _progress(rep) as bar:
-                task = bar.add_task("train", total=1000, loss=float("nan"), step=info["step"])
-                done = max_steps is not None and info["step"] >= max_steps
-                while not done:
-                    info["epoch"] += 1
-                    epoch_rng = random.Random(s["seed"] * 1_000_003 + info["epoch"])
-                    for members in make_batches(train_members, lengths, s["batch_tokens"], epoch_rng):
-                        spent = time.time() - t_train
-                        frac = max((train_before + spent) / total_budget,
-                                   info["step"] / max_steps if max_steps else 0.0)
-                        if spent >= budget or (max_steps is not None and info["step"] >= max_steps):
-                            done = True
-                            break
-                        lr = learning_rate(s["lr"], info["step"], s["warmup"], frac)
-                        loss = trained.step(members, lr)
-                        info["step"] += 1
-                        info["train_seconds"] = train_before + time.time() - t_train
-                        bar.update(task, completed=int(1000 * min(frac, 1.0)), loss=loss, step=info["step"])
-                        on_event("step", info["step"])
-                        stops.check()
-                        if time.time() >= next_eval:
-                            record(score(eval_some))
-                            save(None)
-                            next_eval = time.time() + opts.eval_minutes * 60
-                            stops.check()
-                    if not train_members:
+    def run(self) -> dict:
+        """Score the untrained head (a new run), train, score and write the final checkpoint;
+        Ctrl-C keeps the last checkpoint."""
+        info, eval_all = self.info, self.seqs.members(holdout=True)
+        with StopRequests() as stops:
+            try:
+                if not info["curve"]:
+                    with self.rep.step("score", "untrained head (held-out)"):
+                        self.record(self.trained.score(eval_all[:EVAL_SEQUENCES]))
+                t_train = time.time()
+                self.train(stops, t_train, eval_all[:EVAL_SEQUENCES])
+                info["train_seconds"] = self.train_before + time.time() - t_train
+                with self.rep.step("score", f"final, {len(eval_all)} held-out sequences"):
+                    final = self.trained.score(eval_all)
+                self.record(final)
+                with self.rep.step("write", str(self.opts.out)):
+                    return self.save(final)
+            except KeyboardInterrupt:
+                where = (f"{self.opts.out} holds the checkpoint of step {self.written}; continue with --resume"
+                         if self.written is not None else "no checkpoint was written")
+                raise Interrupted(f"interrupted at step {info['step']}; {where}") from None
+
+    def train(self, stops: StopRequests, t_train: float, eval_some: list[int]) -> None:
+        """Optimizer steps over shuffled epochs until the time budget or --max-steps; the
+        learning rate warms up, then follows a cosine over the run's progress."""
+        from specexport.exporter.distill.eagle3_train import learning_rate, make_batches
+
+        info, s, opts = self.info, self.s, self.opts
+        budget = opts.minutes * 60.0
+        total_budget = self.train_before + budget
+        max_steps = opts.max_steps
+        train_members = self.seqs.members(holdout=False)
+        lengths = [len(x) for x in self.seqs.ids]
+        next_eval = t_train + opts.eval_minutes * 60
+        with _progress(self.rep) as bar:
+            task = bar.add_task("train", total=1000, loss=float("nan"), step=info["step"])
+            done = max_steps is not None and info["step"] >= max_steps
+            while not done:
+                info["epoch"] += 1
+                epoch_rng = random.Random(s["seed"] * 1_000_003 + info["epoch"])
+                for members in make_batches(train_members, lengths, s["batch_tokens"], epoch_rng):
+                    spent = time.time() - t_train
+                    frac = max((self.train_before + spent) / total_budget,
+                               info["step"] / max_steps if max_steps else 0.0)
+                    if spent >= budget or (max_steps is not None and info["step"] >= max_steps):
+                        done = True
                         break
-                bar.update(task, completed=1000)
-            info["train_seconds"] = train_before + time.time() - t_train
-            with rep.step("score", f"final, {len(eval_all)} held-out sequences"):
-                final = score(eval_all)
-            record(final)
-            with rep.step("write", str(opts.out)):
-                provenance = save(final)
-        except KeyboardInterrupt:
-            where = (f"{opts.out} holds the checkpoint of step {written['step']}; continue with --resume"
-                     if written["step"] is not None else "no checkpoint was written")
-            raise Interrupted(f"interrupted at step {info['step']}; {where}") from None
-    return provenance
+                    lr = learning_rate(s["lr"], info["step"], s["warmup"], frac)
+                    loss = self.trained.step(members, lr)
+                    info["step"] += 1
+                    info["train_seconds"] = self.train_before + time.time() - t_train
+                    bar.update(task, completed=int(1000 * min(frac, 1.0)), loss=loss, step=info["step"])
+                    self.on_event("step", info["step"])
+                    stops.check()
+                    if time.time() >= next_eval:
+                        self.record(self.trained.score(eval_some))
+                        self.save(None)
+                        next_eval = time.time() + opts.eval_minutes * 60
+                        stops.check()
+                if not train_members:
+                    break
+            bar.update(task, completed=1000)
 
 
 class StopRequests:

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import importlib
 
+from specexport.contract import DrafterKind, drafter_kinds
 from specexport.exporter.heads.base import HeadContext, LoadedHead, merged_taps
 
-# recipe drafter kind -> the module that loads and exports it
-HEAD_MODULES = {
-    "eagle3": "specexport.exporter.heads.eagle3",
-    "mtp": "specexport.exporter.heads.mtp",
-    "dflash": "specexport.exporter.heads.dflash",
-    "dspark": "specexport.exporter.heads.dspark",
-}
+# drafter kind -> the module that loads and exports it: one per kind that reads the target's
+# hidden states (contract.DRAFTER_KINDS), named after the kind
+HEAD_MODULES: dict[DrafterKind, str] = {kind: f"specexport.exporter.heads.{kind.value}"
+                                        for kind in drafter_kinds(reads_taps=True)}
 
 
 def load_head(spec, target, base, origin: str) -> LoadedHead:

@@ -76,7 +76,7 @@ class HeadContext:
 
     @property
     def batch(self) -> int:
-        return 1  # heads run at batch 1 (recipe shapes.batch sizes above 1 are the target's and drafter models')
+        return 1  # a head's reference graphs and checks run at batch 1; its batched entries: ``batches``
 
     @property
     def batches(self) -> list[int]:

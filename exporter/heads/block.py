@@ -44,19 +44,18 @@ import torch
 from torch import nn
 
 from specexport.contract import (
-    BLOCK_HIDDEN,
     CACHE_LENGTH,
     CONTEXT_FEATURES,
     CONTEXT_VALID,
+    DRAFTER_KINDS,
     INPUT_IDS,
-    LOGITS,
-    NEXT_TOKENS,
     DrafterEntry,
     KVLayout,
     ModelEntry,
     Role,
+    drafter_kind,
+    is_present,
     past_names,
-    present_names,
 )
 from specexport.errors import BadInput
 from specexport.exporter.archs import LayerWeights
@@ -305,7 +304,7 @@ class BlockGraph(nn.Module):
         self.act = ACTIVATIONS[d.activation]
         self.block, self.first = spec.block_size, spec.block_size - spec.drafts
         self.max_seq_len = max_seq_len
-        self.with_hidden = spec.kind == "dspark"
+        self.with_hidden = DRAFTER_KINDS[drafter_kind(spec.kind)].block_hidden  # DSpark's heads read BLOCK_HIDDEN
         self.register_buffer("columns", torch.tensor(columns, dtype=torch.int64), persistent=False)  # [n_taps·H_t]
         self.fc_w = _p(spec.fc.T)  # [n_taps·H_t, H]
         self.hidden_norm, self.final_norm = _p(spec.hidden_norm), _p(spec.final_norm)
@@ -411,10 +410,9 @@ class BlockGraph(nn.Module):
 
 
 def graph_io(spec: BlockSpec) -> tuple[list[str], list[str]]:
-    n = len(spec.layers)
-    inputs = [INPUT_IDS, CONTEXT_FEATURES, CONTEXT_VALID, CACHE_LENGTH, *past_names(n)]
-    outputs = [LOGITS, NEXT_TOKENS, *present_names(n)] + ([BLOCK_HIDDEN] if spec.kind == "dspark" else [])
-    return inputs, outputs
+    """A block head's graph inputs and outputs (its kind's signature in contract.DRAFTER_KINDS)."""
+    signature = DRAFTER_KINDS[drafter_kind(spec.kind)]
+    return signature.graph_inputs(len(spec.layers)), signature.graph_outputs(len(spec.layers))
 
 
 def example_inputs(graph: BlockGraph, spec: BlockSpec, batch: int, rows: int, width: int) -> tuple[torch.Tensor, ...]:
@@ -428,7 +426,8 @@ def batch_dims(num_layers: int) -> dict:
     """torch.export's dynamic shapes of a block graph whose batch is symbolic (every input's
     axis 0; DYNAMIC, as the chain graphs')."""
     rows = {0: torch.export.Dim.DYNAMIC}
-    return {"input_ids": rows, "context_features": rows, "context_valid": rows, "cache_length": rows,
+    # keyed by forward's argument names (input_ids, context_features, context_valid, cache_length, *past)
+    return {INPUT_IDS: rows, CONTEXT_FEATURES: rows, CONTEXT_VALID: rows, CACHE_LENGTH: rows,
             "past": tuple(rows for _ in range(2 * num_layers))}
 
 
@@ -468,7 +467,7 @@ def validate_block_batched(ctx: HeadContext, spec: BlockSpec, names: dict[int, s
     kv = (1, spec.dense.kv_heads, ctx.max_seq_len, spec.dense.head_dim)
     past = {name: rng.standard_normal(kv).astype(np.float32) for name in past_names(n_layers)}  # [1, n_kv, S_max, hd]
     _, outputs = graph_io(spec)
-    block = tuple(name for name in outputs if not name.startswith("present."))
+    block = tuple(name for name in outputs if not is_present(name))
     with ctx.step("validate", f"{ctx.name} batched block graphs") as s:
         for name, (batch, rows) in batched.items():
             engine = OrtEngine(name, ctx.tmp / f"{names[rows]}.onnx", *ctx.builder.specs[name], options, shared)

@@ -28,16 +28,18 @@ from torch import nn
 from specexport.contract import (
     CACHE_LENGTH,
     DRAFT_FEATURES,
+    DRAFTER_KINDS,
     HIDDEN_OUT,
     INPUT_IDS,
     LOGITS,
     NEXT_TOKENS,
     DrafterEntry,
+    DrafterKind,
     KVLayout,
     ModelEntry,
     Role,
+    drafter_kind,
     engine_name,
-    past_names,
     present_names,
 )
 from specexport.errors import BadInput
@@ -368,9 +370,10 @@ class ChainGraph(nn.Module):
         return out @ layer.o_w, k_new, v_new
 
 
-def graph_io(num_layers: int) -> tuple[list[str], list[str]]:
-    return ([INPUT_IDS, DRAFT_FEATURES, CACHE_LENGTH, *past_names(num_layers)],
-            [LOGITS, NEXT_TOKENS, *present_names(num_layers), HIDDEN_OUT])
+def graph_io(num_layers: int, kind: str = DrafterKind.EAGLE3) -> tuple[list[str], list[str]]:
+    """A chain head's graph inputs and outputs (its kind's signature in contract.DRAFTER_KINDS)."""
+    signature = DRAFTER_KINDS[drafter_kind(kind)]
+    return signature.graph_inputs(num_layers), signature.graph_outputs(num_layers)
 
 
 def export_chain(graph: ChainGraph, batch: int | None, tokens: int | None, width: int, opset: int):
@@ -385,14 +388,15 @@ def export_chain(graph: ChainGraph, batch: int | None, tokens: int | None, width
                torch.zeros(b, dtype=torch.int64),
                *[torch.zeros(b, spec.kv_heads, graph.s_max, spec.head_dim) for _ in range(2 * len(spec.layers))])
     if tokens is not None and batch is not None:
-        return export_module(graph, example, *graph_io(len(spec.layers)), opset)
+        return export_module(graph, example, *graph_io(len(spec.layers), spec.kind), opset)
     # DYNAMIC (not a named range): the mask's guards (min(S+T, T·(S+T)) == S+T) hold for
     # every T >= 1, but torch.export cannot prove them and would refuse a named range
     t = {1: torch.export.Dim.DYNAMIC} if tokens is None else {}
     rows_dim = {0: torch.export.Dim.DYNAMIC} if batch is None else {}
-    dims = {"input_ids": {**rows_dim, **t} or None, "features": {**rows_dim, **t} or None,
-            "cache_length": rows_dim or None, "past": tuple(rows_dim or None for _ in range(2 * len(spec.layers)))}
-    return export_module(graph, example, *graph_io(len(spec.layers)), opset, dims)
+    # keyed by forward's argument names (input_ids, features, cache_length, *past)
+    dims = {INPUT_IDS: {**rows_dim, **t} or None, "features": {**rows_dim, **t} or None,
+            CACHE_LENGTH: rows_dim or None, "past": tuple(rows_dim or None for _ in range(2 * len(spec.layers)))}
+    return export_module(graph, example, *graph_io(len(spec.layers), spec.kind), opset, dims)
 
 
 # -- the reference side ---------------------------------------------------------------------

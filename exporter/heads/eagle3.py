@@ -16,6 +16,7 @@ before layers 2, L//2 and L-3, the default when a config names none.
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -110,14 +111,23 @@ def rope_table(cfg, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cos[0].float(), sin[0].float()  # [S, rot]
 
 
-def load(spec, target, base: Path, origin: str) -> ChainHead:
-    folder = spec.path if spec.path.is_absolute() else base / spec.path
-    files = safetensors_files(folder, origin)
-    config = read_config(folder, origin)
-    tensors = Tensors(files, origin)
-    layout = detect_layout(config, tensors) if spec.layout == "auto" else spec.layout
-    names = LAYOUTS[layout]
-    fields = layer_config(config, layout, origin)
+@dataclass(frozen=True)
+class _Shape:
+    """The head's sizes, read from its config (``where`` names the part of config.json they came from)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    n_layers: int
+    act: str
+    eps: float
+    where: str
+
+
+def _read_shape(fields: dict, layout: str, origin: str) -> _Shape:
+    """The decoder layers' sizes and activation, checked."""
     where = "config.json" + (": transformer_layer_config" if layout == "speculators" else "")
     hidden = config_int(fields, "hidden_size", origin, where)
     heads = config_int(fields, "num_attention_heads", origin, where)
@@ -128,55 +138,63 @@ def load(spec, target, base: Path, origin: str) -> ChainHead:
     act = fields.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise BadInput(f"{origin}: {where}: hidden_act '{act}' is not supported ({', '.join(ACTIVATIONS)})")
-    eps = float(fields.get("rms_norm_eps", 1e-6))
-    t_cfg = target.model.config
-    t_hidden, t_layers = t_cfg.hidden_size, t_cfg.num_hidden_layers
-    target_embed = target.model.get_input_embeddings().weight.detach().float()
-    t_vocab = target_embed.shape[0]
-    f_hidden = config.get("target_hidden_size") or fields.get("target_hidden_size") or hidden
-    if f_hidden != t_hidden:
-        raise BadInput(f"{origin}: config.json: target_hidden_size {f_hidden} differs from the target's hidden size {t_hidden}")
-    draft_vocab = config_int(config, "draft_vocab_size", origin) if "draft_vocab_size" in config else t_vocab
+    return _Shape(hidden, heads, kv_heads, head_dim, inter, n_layers, act, float(fields.get("rms_norm_eps", 1e-6)),
+                  where)
 
-    # target layers read, converted to transformers' hidden_states indices
+
+def _read_taps(spec, config: dict, layout: str, t_layers: int, origin: str) -> tuple[int, ...]:
+    """The target layers read (the recipe's ids, else the config's, else EAGLE-3's default), as
+    transformers' hidden_states indices."""
     ids = spec.layer_ids if spec.layer_ids is not None else config.get("eagle_aux_hidden_state_layer_ids")
     ids = default_taps(t_layers) if ids is None else ids
     if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and 0 <= i < t_layers for i in ids):
         raise BadInput(f"{origin}: EAGLE-3 layer ids {ids!r} must be three target layers in 0..{t_layers - 1}")
-    taps = tuple(CONVENTIONS[layout](i) for i in ids)
+    return tuple(CONVENTIONS[layout](i) for i in ids)
 
-    def layer(i: int, first: bool) -> tuple[ChainLayer, torch.Tensor | None]:
-        prefix = names["layer"].format(i=i)
-        width = 2 * hidden if first else hidden
 
-        def get(field: str, shape):
-            return tensors.get(prefix + LAYER_NAMES[field], shape)
+def _read_layer(tensors: Tensors, prefix: str, shape: _Shape, first: bool,
+                origin: str) -> tuple[ChainLayer, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Decoder layer ``prefix``'s weights; the first layer reads [embedding, features] (2H wide)
+    and also returns its two input norms (input_layernorm, hidden_norm) for the stem."""
+    hidden, head_dim = shape.hidden, shape.head_dim
+    width = 2 * hidden if first else hidden
 
-        def maybe(field: str, shape):
-            return get(field, shape) if tensors.has(prefix + LAYER_NAMES[field]) else None
+    def get(field: str, dims):
+        return tensors.get(prefix + LAYER_NAMES[field], dims)
 
-        q, kv = heads * head_dim, kv_heads * head_dim
-        w = ChainLayer(
-            attn_norm=None if first else get("attn_norm", (hidden,)),
-            q_w=get("q_w", (q, width)), k_w=get("k_w", (kv, width)), v_w=get("v_w", (kv, width)),
-            o_w=get("o_w", (hidden, q)), q_b=maybe("q_b", (q,)), k_b=maybe("k_b", (kv,)), v_b=maybe("v_b", (kv,)),
-            q_norm=maybe("q_norm", (head_dim,)), k_norm=maybe("k_norm", (head_dim,)),
-            mlp_norm=get("mlp_norm", (hidden,)), gate_w=get("gate_w", (inter, hidden)),
-            up_w=get("up_w", (inter, hidden)), down_w=get("down_w", (hidden, inter)),
-        )
-        if (w.q_b is None) != (w.k_b is None) or (w.q_norm is None) != (w.k_norm is None):
-            raise BadInput(f"{origin}: {prefix}self_attn: q and k must both have (or both lack) biases and norms")
-        return w, (get("attn_norm", (hidden,)), get("hidden_norm", (hidden,))) if first else None
+    def maybe(field: str, dims):
+        return get(field, dims) if tensors.has(prefix + LAYER_NAMES[field]) else None
 
-    first, norms = layer(0, True)
-    layers = [first] + [layer(i, False)[0] for i in range(1, n_layers)]
+    q, kv, inter = shape.heads * head_dim, shape.kv_heads * head_dim, shape.inter
+    w = ChainLayer(
+        attn_norm=None if first else get("attn_norm", (hidden,)),
+        q_w=get("q_w", (q, width)), k_w=get("k_w", (kv, width)), v_w=get("v_w", (kv, width)),
+        o_w=get("o_w", (hidden, q)), q_b=maybe("q_b", (q,)), k_b=maybe("k_b", (kv,)), v_b=maybe("v_b", (kv,)),
+        q_norm=maybe("q_norm", (head_dim,)), k_norm=maybe("k_norm", (head_dim,)),
+        mlp_norm=get("mlp_norm", (hidden,)), gate_w=get("gate_w", (inter, hidden)),
+        up_w=get("up_w", (inter, hidden)), down_w=get("down_w", (hidden, inter)),
+    )
+    if (w.q_b is None) != (w.k_b is None) or (w.q_norm is None) != (w.k_norm is None):
+        raise BadInput(f"{origin}: {prefix}self_attn: q and k must both have (or both lack) biases and norms")
+    return w, (get("attn_norm", (hidden,)), get("hidden_norm", (hidden,))) if first else None
+
+
+def _read_layers(tensors: Tensors, names: dict, config: dict, shape: _Shape,
+                 t_hidden: int, origin: str) -> tuple[Eagle3Stem, list[ChainLayer]]:
+    """The stem (fc over the taps, the first layer's two input norms) and the decoder layers."""
+    first, norms = _read_layer(tensors, names["layer"].format(i=0), shape, True, origin)
+    layers = [first] + [_read_layer(tensors, names["layer"].format(i=i), shape, False, origin)[0]
+                        for i in range(1, shape.n_layers)]
     fc_norm = tensors.get(names["fc_norm"], (3 * t_hidden,)) if config.get("norm_before_fc") else None
-    stem = Eagle3Stem(fc=tensors.get(names["fc"], (hidden, 3 * t_hidden)), input_norm=norms[0],
+    stem = Eagle3Stem(fc=tensors.get(names["fc"], (shape.hidden, 3 * t_hidden)), input_norm=norms[0],
                       hidden_norm=norms[1], norm_before_residual=bool(config.get("norm_before_residual", False)),
                       fc_norm=fc_norm)
-    embed = tensors.get(names["embed"], (t_vocab, hidden)) if tensors.has(names["embed"]) else target_embed
-    if embed.shape[1] != hidden:
-        raise BadInput(f"{origin}: the head has no embed_tokens.weight and its hidden size {hidden} differs from the target's {t_hidden}")
+    return stem, layers
+
+
+def _read_vocab_map(tensors: Tensors, names: dict, draft_vocab: int, t_vocab: int, origin: str) -> torch.Tensor | None:
+    """d2t (target id = i + d2t[i]; None when the head drafts the whole target vocabulary),
+    checked against t2d when the checkpoint has one."""
     d2t = None
     if tensors.has(names["d2t"]) or draft_vocab != t_vocab:
         d2t = tensors.get(names["d2t"], (draft_vocab,), dtype="int")
@@ -189,13 +207,43 @@ def load(spec, target, base: Path, origin: str) -> ChainHead:
         if int(t2d.bool().sum()) != draft_vocab:
             raise BadInput(f"{origin}: tensor '{names['t2d']}' marks {int(t2d.bool().sum())} target ids, "
                            f"expected draft_vocab_size {draft_vocab}")
+    return d2t
+
+
+def load(spec, target, base: Path, origin: str) -> ChainHead:
+    """An EAGLE-3 checkpoint (either layout) for ``target``: its weights checked against the
+    config and the target, as the chain graphs' spec, with the independent reference beside it."""
+    folder = spec.path if spec.path.is_absolute() else base / spec.path
+    files = safetensors_files(folder, origin)
+    config = read_config(folder, origin)
+    tensors = Tensors(files, origin)
+    layout = detect_layout(config, tensors) if spec.layout == "auto" else spec.layout
+    names = LAYOUTS[layout]
+    fields = layer_config(config, layout, origin)
+    shape = _read_shape(fields, layout, origin)
+    hidden = shape.hidden
+    t_cfg = target.model.config
+    t_hidden, t_layers = t_cfg.hidden_size, t_cfg.num_hidden_layers
+    target_embed = target.model.get_input_embeddings().weight.detach().float()
+    t_vocab = target_embed.shape[0]
+    f_hidden = config.get("target_hidden_size") or fields.get("target_hidden_size") or hidden
+    if f_hidden != t_hidden:
+        raise BadInput(f"{origin}: config.json: target_hidden_size {f_hidden} differs from the target's hidden size {t_hidden}")
+    draft_vocab = config_int(config, "draft_vocab_size", origin) if "draft_vocab_size" in config else t_vocab
+    taps = _read_taps(spec, config, layout, t_layers, origin)
+    stem, layers = _read_layers(tensors, names, config, shape, t_hidden, origin)
+    embed = tensors.get(names["embed"], (t_vocab, hidden)) if tensors.has(names["embed"]) else target_embed
+    if embed.shape[1] != hidden:
+        raise BadInput(f"{origin}: the head has no embed_tokens.weight and its hidden size {hidden} differs from the target's {t_hidden}")
+    d2t = _read_vocab_map(tensors, names, draft_vocab, t_vocab, origin)
     cfg = hf_config(fields, origin)
     spec_out = ChainSpec(
-        kind="eagle3", hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=eps,
-        activation=ACTIVATIONS[act], attn_scale=head_dim**-0.5, embed=embed, stem=stem, layers=layers,
-        out_norm=tensors.get(names["norm"], (hidden,)), lm_head=tensors.get(names["lm_head"], (draft_vocab, hidden)),
-        hidden_out_normed=False, rope=rope_table(cfg, target.model.config.max_position_embeddings),
-        target_vocab=t_vocab, taps=taps, target_hidden=t_hidden, d2t=d2t, info={"layout": layout},
+        kind="eagle3", hidden=hidden, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+        eps=shape.eps, activation=ACTIVATIONS[shape.act], attn_scale=shape.head_dim**-0.5, embed=embed, stem=stem,
+        layers=layers, out_norm=tensors.get(names["norm"], (hidden,)),
+        lm_head=tensors.get(names["lm_head"], (draft_vocab, hidden)), hidden_out_normed=False,
+        rope=rope_table(cfg, target.model.config.max_position_embeddings), target_vocab=t_vocab, taps=taps,
+        target_hidden=t_hidden, d2t=d2t, info={"layout": layout},
     )
     return ChainHead(spec_out, Eagle3Reference(folder, files, config, target, origin), {"layout": layout})
 

@@ -30,7 +30,7 @@ import numpy as np
 from specexport.atomic import atomic_path, write_text
 from specexport.bench.harness import load_prompts
 from specexport.errors import BadInput
-from specexport.runtime.batch_drafter import batched_refusal
+from specexport.runtime.api import batched_refusal
 
 
 def parse_batches(text: str) -> list[int]:
@@ -48,26 +48,71 @@ def run_batched(pipe, prompts_path: Path, batches: list[int], drafters: list[str
     """``peers``: made by bench/peers.make_peers (those without ``run_batch`` are reported in
     ``peers_skipped``, as are the ones that could not be made); they run once, after our rows
     at each B in the first repeat. ``repeats``: runs of every mode, interleaved (the median)."""
-    built = pipe.manifest.batch_sizes("target")
+    built = _check_batches(pipe.manifest, batches)
+    _check_drafters(pipe.manifest, drafters, max(batches))
+    records = load_prompts(prompts_path)
+    modes = _modes(pipe.manifest, drafters)
+    batch_peers, peers_skipped = _split_peers(peers, peers_skipped)
+    prompt_ids = [pipe.prompt_ids(r.get("prompt"), messages=r.get("messages")) for r in records]
+    # Every mode runs once per repeat, the modes of a loop and batch size in turn, so a drift of
+    # the machine hits them alike; a row reports its median run (runs of the same computation on
+    # this VM differ by up to ~10%). Repeats stay within a batch size: switching B rebuilds the
+    # batched target (its [B] cache), which the first run after a switch would pay for.
+    # (loop, batch, drafter, depth, rule) -> [(wall seconds, results)], one per repeat
+    runs = _run_single_loop(pipe, records, modes, max_new_tokens, reporter, repeats)
+    alone = [g.token_ids for g in runs[("single", 1, "none", 0, "fixed")][0][1]]
+    peer_rows: dict[int, list[dict]] = {}
+    for batch in batches:
+        _warm_up(pipe, records, modes, batch, reporter)
+        runs.update(_run_batched_loop(pipe, records, modes, batch, max_new_tokens, reporter, repeats))
+        peer_rows[batch] = _run_peers(batch_peers, batch, prompt_ids, max_new_tokens, alone, reporter)
+    rows = _rows(runs, modes[-1], peer_rows)
+    _add_speedups(rows)
+    return {"engines": str(pipe.manifest.root), "prompts": str(prompts_path), "prompt_count": len(records),
+            "max_new_tokens": max_new_tokens, "repeats": repeats, "batches": batches, "built_batches": built,
+            "schedule": pipe.manifest.plan.get("schedule"), "rows": rows,
+            "peers": [{"peer": p.name, "threads": p.threads, "settings": p.settings} for p in batch_peers],
+            "peers_skipped": peers_skipped,
+            "measured_schedule": {name: measured_schedule(rows, name) for name in drafters}}
+
+
+def _check_batches(manifest, batches: list[int]) -> list[int]:
+    """The batch sizes the target's engines are built for; refuses a size above them all."""
+    built = manifest.batch_sizes("target")
     missing = [b for b in batches if b > max(built)]
     if missing:
         raise BadInput(f"--batch {missing[0]}: the engines are built for batch sizes {built}; "
                        "rebuild with shapes.batch listing it")
-    for name in drafters:  # before any run: a drafter the batched loop cannot run, in one line
-        entry = pipe.manifest.drafters.get(name)
+    return built
+
+
+def _check_drafters(manifest, drafters: list[str], max_batch: int) -> None:
+    """Before any run: a drafter unknown or that the batched loop cannot run, in one line."""
+    for name in drafters:
+        entry = manifest.drafters.get(name)
         if entry is None:
             raise BadInput(f"--drafters: unknown drafter '{name}'; this engine directory has: "
-                           f"{', '.join(pipe.manifest.drafters)}")
-        reason = batched_refusal(pipe.manifest, name, max(batches))
+                           f"{', '.join(manifest.drafters)}")
+        reason = batched_refusal(manifest, name, max_batch)
         if reason is not None:
             raise BadInput(f"--drafters: '{name}' ({entry.kind}) cannot run batched: {reason}")
-    records = load_prompts(prompts_path)
-    depth = pipe.manifest.draft_len
-    modes = [("none", 0, "fixed")]  # (drafter, depth, depth rule)
+
+
+def _modes(manifest, drafters: list[str]) -> list[tuple[str, int, str]]:
+    """(drafter, depth, depth rule) of every mode: the target alone first, then per drafter the
+    manifest's depth, depth 1, per-sequence depth and (with a manifest schedule) the schedule."""
+    depth = manifest.draft_len
+    modes = [("none", 0, "fixed")]
     for name in drafters:
         modes += [(name, depth, "fixed"), (name, 1, "fixed"), (name, depth, "per-sequence")]
-        if pipe.manifest.draft_schedule is not None:
+        if manifest.draft_schedule is not None:
             modes.append((name, depth, "schedule"))
+    return modes
+
+
+def _split_peers(peers, peers_skipped) -> tuple[list, list[dict]]:
+    """(the batched peers to run, every skipped peer: ``peers_skipped`` and those that run one
+    sequence at a time)."""
     peers_skipped = list(peers_skipped)
     batch_peers = []
     for peer in peers:
@@ -75,15 +120,17 @@ def run_batched(pipe, prompts_path: Path, batches: list[int], drafters: list[str
             batch_peers.append(peer)
         else:
             peers_skipped.append({"peer": peer.name, "skipped": "runs one sequence at a time (not a batched peer)"})
-    prompt_ids = [pipe.prompt_ids(r.get("prompt"), messages=r.get("messages")) for r in records]
-    # Every mode runs once per repeat, the modes of a loop and batch size in turn, so a drift of
-    # the machine hits them alike; a row reports its median run (runs of the same computation on
-    # this VM differ by up to ~10%). Repeats stay within a batch size: switching B rebuilds the
-    # batched target (its [B] cache), which the first run after a switch would pay for.
+    return batch_peers, peers_skipped
+
+
+def _run_single_loop(pipe, records: list[dict], modes, max_new_tokens: int, reporter,
+                     repeats: int) -> dict[tuple, list[tuple[float, list]]]:
+    """Today's single-sequence loop (``Pipeline.generate``, prompt after prompt), the batch-1
+    comparison, for the fixed-depth modes: ("single", 1, drafter, depth, rule) -> [(wall
+    seconds, results)] per repeat."""
     runs: dict[tuple, list[tuple[float, list]]] = {}
-    peer_rows: dict[int, list[dict]] = {}
     for repeat in range(repeats):
-        for drafter, k, rule in modes:  # today's single-sequence loop, for the batch-1 comparison
+        for drafter, k, rule in modes:
             if rule != "fixed":  # the schedule and per-sequence depth exist in the batched loop only
                 continue
             with reporter.step("bench", f"repeat {repeat + 1}: single-sequence loop, {drafter} d={k}") as step:
@@ -93,50 +140,73 @@ def run_batched(pipe, prompts_path: Path, batches: list[int], drafters: list[str
                 wall = time.perf_counter() - start
                 step.detail = f"{sum(g.stats.tokens for g in single) / wall:.1f} tok/s"
             runs.setdefault(("single", 1, drafter, k, rule), []).append((wall, single))
-    alone = [g.token_ids for g in runs[("single", 1, "none", 0, "fixed")][0][1]]
-    for batch in batches:
-        with reporter.step("bench", f"batch {batch}, warm-up"):
-            # untimed: the first mode at a batch size must not pay for the sessions' first runs at
-            # its shapes (every width T the modes use), which the later modes would not
-            for drafter, k, _ in modes:
-                pipe.generate_batch(records[:batch], drafter=drafter, max_new_tokens=4, draft_len=k,
-                                    max_batch=batch, schedule=False, adaptive=False)
-        for repeat in range(repeats):
-            for drafter, k, rule in modes:
-                with reporter.step("bench", f"repeat {repeat + 1}: batch {batch}, {drafter} d={k} {rule}") as step:
-                    start = time.perf_counter()
-                    results = pipe.generate_batch(records, drafter=drafter, max_new_tokens=max_new_tokens,
-                                                  draft_len=k, max_batch=batch, schedule=rule == "schedule",
-                                                  per_sequence=rule == "per-sequence", adaptive=rule == "schedule")
-                    wall = time.perf_counter() - start
-                    step.detail = f"{sum(r.stats.tokens for r in results) / wall:.1f} tok/s"
-                runs.setdefault(("batched", batch, drafter, k, rule), []).append((wall, results))
-        for peer in batch_peers:  # the same B, right after ours (once: peers are slow)
-            with reporter.step("bench", f"batch {batch}, peer {peer.name}") as step:
-                row = _peer_row(peer, batch, prompt_ids, max_new_tokens, alone)
-                step.detail = f"{row['aggregate_tokens_per_s']:.1f} tok/s"
-            peer_rows.setdefault(batch, []).append(row)
+    return runs
+
+
+def _warm_up(pipe, records: list[dict], modes, batch: int, reporter) -> None:
+    """Untimed: the first mode at a batch size must not pay for the sessions' first runs at its
+    shapes (every width T the modes use), which the later modes would not."""
+    with reporter.step("bench", f"batch {batch}, warm-up"):
+        for drafter, k, _ in modes:
+            pipe.generate_batch(records[:batch], drafter=drafter, max_new_tokens=4, draft_len=k,
+                                max_batch=batch, schedule=False, adaptive=False)
+
+
+def _run_batched_loop(pipe, records: list[dict], modes, batch: int, max_new_tokens: int, reporter,
+                      repeats: int) -> dict[tuple, list[tuple[float, list]]]:
+    """Every mode through ``Pipeline.generate_batch(max_batch=batch)``, the modes in turn per
+    repeat: ("batched", batch, drafter, depth, rule) -> [(wall seconds, results)] per repeat."""
+    runs: dict[tuple, list[tuple[float, list]]] = {}
+    for repeat in range(repeats):
+        for drafter, k, rule in modes:
+            with reporter.step("bench", f"repeat {repeat + 1}: batch {batch}, {drafter} d={k} {rule}") as step:
+                start = time.perf_counter()
+                results = pipe.generate_batch(records, drafter=drafter, max_new_tokens=max_new_tokens,
+                                              draft_len=k, max_batch=batch, schedule=rule == "schedule",
+                                              per_sequence=rule == "per-sequence", adaptive=rule == "schedule")
+                wall = time.perf_counter() - start
+                step.detail = f"{sum(r.stats.tokens for r in results) / wall:.1f} tok/s"
+            runs.setdefault(("batched", batch, drafter, k, rule), []).append((wall, results))
+    return runs
+
+
+def _run_peers(batch_peers, batch: int, prompt_ids: list[list[int]], max_new_tokens: int, alone: list[list[int]],
+               reporter) -> list[dict]:
+    """The peers' rows at ``batch``, run right after ours (once: peers are slow); ``alone``: our
+    single-sequence target alone's tokens per prompt."""
+    rows = []
+    for peer in batch_peers:
+        with reporter.step("bench", f"batch {batch}, peer {peer.name}") as step:
+            row = _peer_row(peer, batch, prompt_ids, max_new_tokens, alone)
+            step.detail = f"{row['aggregate_tokens_per_s']:.1f} tok/s"
+        rows.append(row)
+    return rows
+
+
+def _rows(runs: dict[tuple, list[tuple[float, list]]], last_mode: tuple[str, int, str],
+          peer_rows: dict[int, list[dict]]) -> list[dict]:
+    """A row per run key from its median run, lossless when every repeat's greedy tokens equal
+    the mode's first run (the single-sequence loop's or, scheduled, the smallest batch's); a
+    batch size's peer rows after its ``last_mode`` row."""
     rows, outputs = [], {}
     for (loop, batch, drafter, k, rule), done in runs.items():
         wall, results = sorted(done, key=lambda run: run[0])[len(done) // 2]
         key = (drafter, k, rule)
-        # greedy: the same tokens as the single-sequence loop (or, scheduled, the smallest batch),
-        # in every repeat
         outputs.setdefault(key, [r.token_ids for r in done[0][1]])
         lossless = all([r.token_ids for r in results_] == outputs[key] for _, results_ in done)
         rows.append(_row(batch, drafter, k, rule, results, wall, loop, lossless))
-        if loop == "batched" and (drafter, k, rule) == modes[-1]:
+        if loop == "batched" and (drafter, k, rule) == last_mode:
             rows += peer_rows.get(batch, [])
-    for row in rows:  # against the target alone at the same batch size and loop (peers: batched), same run
+    return rows
+
+
+def _add_speedups(rows: list[dict]) -> None:
+    """Each row's ``speedup``: its aggregate tokens/s over the target alone's at the same batch
+    size and loop (peers: batched), in the same run."""
+    for row in rows:
         loop = "batched" if row["loop"] == "peer" else row["loop"]
         alone = next(r for r in rows if r["batch"] == row["batch"] and r["drafter"] == "none" and r["loop"] == loop)
         row["speedup"] = round(row["aggregate_tokens_per_s"] / alone["aggregate_tokens_per_s"], 3)
-    return {"engines": str(pipe.manifest.root), "prompts": str(prompts_path), "prompt_count": len(records),
-            "max_new_tokens": max_new_tokens, "repeats": repeats, "batches": batches, "built_batches": built,
-            "schedule": pipe.manifest.plan.get("schedule"), "rows": rows,
-            "peers": [{"peer": p.name, "threads": p.threads, "settings": p.settings} for p in batch_peers],
-            "peers_skipped": peers_skipped,
-            "measured_schedule": {name: measured_schedule(rows, name) for name in drafters}}
 
 
 def measured_schedule(rows: list[dict], drafter: str) -> list[list[int]]:

@@ -24,7 +24,6 @@ import datetime as _dt
 import json
 import math
 import socket
-import time
 from pathlib import Path
 
 import numpy as np
@@ -52,8 +51,9 @@ def calibration_recipe(recipe, depth: int):
     return recipe.model_copy(update={"draft": draft, "name": f"{recipe.name}-calibration"})
 
 
-def predict(curve: dict[int, float], profiles: dict, draft_costs: dict[str, float], depth: int) -> list[dict]:
-    """One row per D: predicted speedup per drafter and category, and their geometric mean."""
+def predict(curve: dict[int, float], profiles: dict, draft_ms: dict[str, list[float]], depth: int) -> list[dict]:
+    """One row per D: predicted speedup per drafter and category, and their geometric mean.
+    ``draft_ms``: drafter -> its round's ms at k = 0..depth (Drafter.round_cost, measured parts)."""
     base = curve[1]
     rows = []
     for d in range(1, depth + 1):
@@ -61,7 +61,8 @@ def predict(curve: dict[int, float], profiles: dict, draft_costs: dict[str, floa
         cells = {}
         for (drafter, category), cum in profiles.items():
             expected = 1.0 + float(np.sum(cum[:d]))
-            cells[f"{drafter}/{category}"] = expected * base / (verify + d * draft_costs.get(drafter, 0.0))
+            draft = draft_ms[drafter][d] / 1e3 if drafter in draft_ms else 0.0
+            cells[f"{drafter}/{category}"] = expected * base / (verify + draft)
         geo = float(np.exp(np.mean(np.log(list(cells.values()))))) if cells else 0.0
         rows.append({"draft_len": d, "verify_ms": round(verify * 1e3, 2), "geomean_speedup": round(geo, 3),
                      **{k: round(v, 3) for k, v in cells.items()}})
@@ -82,7 +83,7 @@ def choose(rows: list[dict], tolerance: float = 0.01) -> dict:
 
 
 def calibrate(recipe_path: Path, prompts_path: Path, max_new_tokens: int, threads: int, reporter) -> dict:
-    from specexport.bench.harness import load_prompts
+    from specexport.bench.harness import load_prompts, measure_costs
     from specexport.exporter.builder import build_recipe
     from specexport.exporter.plan import plan_draft_len
     from specexport.exporter.recipe import load_recipe
@@ -100,13 +101,11 @@ def calibrate(recipe_path: Path, prompts_path: Path, max_new_tokens: int, thread
 
     pipe = load(out, threads=threads)
     prompts = load_prompts(prompts_path)
-    with reporter.step("calibrate", "verify cost curve") as step:
-        curve = pipe.target.time_engines(pipe.target.sizes, 9)
+    with reporter.step("calibrate", "verify cost curve and the drafters' rounds") as step:
+        costs = measure_costs(pipe, list(pipe.manifest.drafters), 9, False, depth)
+        curve = {point["tokens"]: point["ms"] / 1e3 for point in costs["curve"]}
         step.detail = ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in sorted(curve.items()))
-    draft_costs = {}
-    for name, entry in pipe.manifest.drafters.items():
-        if entry.model is not None:
-            draft_costs[name] = pipe.runner(entry.model).time_engine(1, 7)
+    draft_ms = costs["draft_ms"]
 
     profiles: dict[tuple[str, str], np.ndarray] = {}
     for name in pipe.manifest.drafters:
@@ -123,7 +122,7 @@ def calibrate(recipe_path: Path, prompts_path: Path, max_new_tokens: int, thread
             for cat in kept:
                 profiles[(name, cat)] = kept[cat] / max(rounds[cat], 1)  # c_i: rounds keeping the first i drafts
 
-    table = predict(curve, profiles, draft_costs, depth)
+    table = predict(curve, profiles, draft_ms, depth)
     best = choose(table)
     fixed = max(table, key=lambda row: row["geomean_speedup"])
     choice = {
@@ -134,12 +133,12 @@ def calibrate(recipe_path: Path, prompts_path: Path, max_new_tokens: int, thread
                 f"D={depth} gives {table[-1]['geomean_speedup']:.2f}x"),
         "tile_draft_len": depth,
         "cost_curve_ms": {str(k): round(v * 1e3, 3) for k, v in sorted(curve.items())},
-        "draft_cost_ms": {k: round(v * 1e3, 3) for k, v in draft_costs.items()},
+        "draft_round_ms": draft_ms,
         "table": table,
         "prompts": str(prompts_path),
         "max_new_tokens": max_new_tokens,
         "threads": threads,
-        "device": pipe.manifest.raw.get("toolchain", {}).get("device"),
+        "device": pipe.manifest.device,
         "host": socket.gethostname(),
         "measured": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         # c_i per drafter/category (single sequence, full depth): E(k) = 1 + sum of the first k
@@ -169,13 +168,13 @@ def _widened(entry, tokens: int):
     inputs and outputs changed. The cache tensors keep their shapes."""
     from dataclasses import replace
 
-    from specexport.contract import Role, TensorSpec, engine_name
+    from specexport.contract import Role, TensorSpec, engine_name, is_kv, is_state
 
     def specs(tensors: dict) -> dict:
         out = {}
         for name, spec in tensors.items():
             shape = list(spec.shape)
-            if not name.startswith(("past_key_values", "present")) and len(shape) >= 2 and shape[1] == entry.tokens:
+            if not (is_kv(name) or is_state(name)) and len(shape) >= 2 and shape[1] == entry.tokens:
                 shape[1] = tokens
             out[name] = TensorSpec(spec.dtype, tuple(shape))
         return out
@@ -185,71 +184,65 @@ def _widened(entry, tokens: int):
                    cost_ms=None, sha256=None)
 
 
-def _batched_calls(pipe, model: str, batches: list[int], widths: list[int]):
-    """A BatchedModel of ``model`` over ``batches``, with a call at every (B, T) of ``widths``:
-    the built ones, the others as sizes of the same shared graph (_widened)."""
-    from specexport.runtime.batched_model import BatchedCall, BatchedModel
+def _batched_model(pipe, model: str, batches: list[int], widths: list[int]):
+    """A Model of ``model`` over a cache of its own, with a call at every (B, T) of ``batches``
+    and ``widths``: the built ones, the others as sizes of the same shared graph (_widened)."""
+    from specexport.contract import BATCHED_ROLES, KVUpdate
     from specexport.runtime.engine import LazyEngine
+    from specexport.runtime.model import BatchedCall, open_caches, open_model
 
-    batched = BatchedModel(pipe.manifest, model, "onnxruntime", pipe.options, pipe.sessions, batches)
+    info = pipe.manifest.models[model]
+    caches = open_caches(info, "onnxruntime", pipe.options, max(2, *batches), 1)
+    batched = open_model(pipe.manifest, model, "onnxruntime", pipe.options, pipe.sessions, caches)
     for batch in batches:
         built = [e for e in pipe.manifest.engines_of(model, "onnxruntime", batch=batch)
-                 if (batch, e.tokens) in batched.calls]
+                 if e.role in BATCHED_ROLES and e.kv_update == KVUpdate.IN_PLACE]
         for tokens in widths:
             if (batch, tokens) not in batched.calls:
                 entry = _widened(built[-1], tokens)
                 engine = LazyEngine(entry, pipe.manifest.root, pipe.options, None, pipe.sessions)
-                batched.calls[(batch, tokens)] = BatchedCall(engine, batch, tokens, batched.cache)
+                batched.calls[(batch, tokens)] = BatchedCall(engine, batch, tokens, caches.tensors, in_place=True)
     return batched
 
 
-def _time_calls(calls: dict, keys: list[tuple[int, int]], middle: int, rounds: int) -> dict[tuple[int, int], float]:
-    """Median seconds of each call, all rows full at cache length ``middle``, taken in turn
-    round after round (round 0 opens the sessions and warms up)."""
-    from specexport.runtime.runner import PAD_ID
+def _time_calls(batched, keys: list[tuple[int, int]], rounds: int) -> dict[tuple[int, int], float]:
+    """Median seconds of each (B, T) call, all rows full, interleaved (runner.time_interleaved)."""
+    from specexport.runtime.runner import time_interleaved
 
-    times: dict[tuple[int, int], list[float]] = {key: [] for key in keys}
-    for round_ in range(rounds + 1):
-        for batch, tokens in keys:
-            rows = [(middle, np.full(tokens, PAD_ID, dtype=np.int64))] * batch
-            start = time.perf_counter()
-            calls[(batch, tokens)].run(rows, want_logits=False)
-            if round_:
-                times[(batch, tokens)].append(time.perf_counter() - start)
-    return {key: float(np.median(v)) for key, v in times.items()}
+    return time_interleaved({batched.name: (batched, keys)}, rounds)[batched.name]
 
 
 def measure_surface(pipe, batches: list[int], depth: int, rounds: int = 5) -> dict[tuple[int, int], float]:
     """t(B, T) in seconds: the target's batched verify call at each of ``batches`` and every
     width T = 1 .. 1 + ``depth``, interleaved."""
     widths = list(range(1, depth + 2))
-    batched = _batched_calls(pipe, "target", batches, widths)
-    keys = [(b, t) for b in batches for t in widths]
-    middle = min(batched.max_seq_len // 2, batched.max_seq_len - depth - 2)
-    return _time_calls(batched.calls, keys, middle, rounds)
+    return _time_calls(_batched_model(pipe, "target", batches, widths), [(b, t) for b in batches for t in widths],
+                       rounds)
 
 
-def measure_draft_steps(pipe, drafters: list[str], batches: list[int], rounds: int = 5) -> dict[str, dict[int, float]]:
-    """Seconds of one batched draft step (the drafter model's decode call at B) per drafter
-    that has a model and runs batched; drafters without engines cost nothing per draft."""
-    from specexport.runtime.batch_drafter import HEAD_KINDS, batched_refusal
+def measure_draft_rounds(pipe, drafters: list[str], batches: list[int], depth: int,
+                         rounds: int = 5) -> dict[str, dict[int, list[float]]]:
+    """Seconds of each drafter's round of k = 0..``depth`` drafts at every batch size, from its
+    own cost model (Drafter.round_cost) over its batched step measured at B, for the drafters
+    with a model that run batched; drafters without engines cost nothing."""
+    from specexport.runtime.api import HEAD_KINDS, batched_refusal
 
-    steps: dict[str, dict[int, float]] = {}
-    timed: dict[str, dict[int, float]] = {}
+    costs: dict[str, dict[int, list[float]]] = {}
+    timed: dict[str, dict[tuple[int, int], float]] = {}
     for name in drafters:
         entry = pipe.manifest.drafters[name]
         if entry.model is None or entry.kind in HEAD_KINDS or batched_refusal(pipe.manifest, name, max(batches)) is not None:
-            continue  # a head's model has no decode step (its batched costs are not measured here yet)
+            continue  # a head's batched graphs are not measured here yet
         if entry.model not in timed:
-            batched = _batched_calls(pipe, entry.model, batches, [1])
-            keys = [(b, 1) for b in batches]
-            measured = _time_calls(batched.calls, keys, batched.max_seq_len // 2, rounds)
-            timed[entry.model] = {b: measured[(b, 1)] for b in batches}
-        steps[name] = timed[entry.model]
-    return steps
+            timed[entry.model] = _time_calls(_batched_model(pipe, entry.model, batches, [1]),
+                                             [(b, 1) for b in batches], rounds)
+        drafter = pipe.drafter(name)
+        costs[name] = {b: [drafter.round_cost(k, {"step": {1: timed[entry.model][(b, 1)] * 1e3}})
+                           for k in range(depth + 1)] for b in batches}
+    return costs
 
 
-def schedule_table(surface: dict[tuple[int, int], float], profiles: dict, draft_steps: dict[str, dict[int, float]],
+def schedule_table(surface: dict[tuple[int, int], float], profiles: dict, draft_rounds: dict[str, dict[int, list[float]]],
                    depth: int, batches: list[int], runnable: dict[int, set[str]] | None = None) -> list[dict]:
     """One row per batch size: K(B), the rate it predicts against the target alone, and the
     same for every depth 0..``depth``. ``profiles``: (drafter, category) -> c_i (rounds keeping
@@ -264,7 +257,7 @@ def schedule_table(surface: dict[tuple[int, int], float], profiles: dict, draft_
             ratios = []
             for (drafter, category), cum in cells.items():
                 expected = 1.0 + float(np.sum(cum[:k]))
-                seconds = surface[(batch, 1 + k)] + k * draft_steps.get(drafter, {}).get(batch, 0.0)
+                seconds = surface[(batch, 1 + k)] + (draft_rounds[drafter][batch][k] if drafter in draft_rounds else 0.0)
                 ratio = batch * expected / seconds / alone
                 per_cell[f"{drafter}/{category}"].append(ratio)
                 ratios.append(ratio)
@@ -303,7 +296,7 @@ def schedule_steps(table: list[dict]) -> list[list[int]]:
 def calibrate_schedule(pipe, profiles: dict, depth: int, reporter, rounds: int = 5) -> dict:
     """Measure t(B, T) (and the draft models' batched steps) over the batch sizes built, and
     choose K(B) up to ``depth``; {} with a ``schedule_skipped`` reason when nothing is batched."""
-    from specexport.runtime.batch_drafter import HEAD_KINDS, batched_refusal
+    from specexport.runtime.api import HEAD_KINDS, batched_refusal
 
     manifest = pipe.manifest
     batches = manifest.batch_sizes("target")
@@ -319,15 +312,16 @@ def calibrate_schedule(pipe, profiles: dict, depth: int, reporter, rounds: int =
         surface = measure_surface(pipe, batches, depth, rounds)
         step.detail = ", ".join(f"B={b}: {surface[(b, 1)] * 1e3:.1f}-{surface[(b, depth + 1)] * 1e3:.1f} ms"
                                 for b in batches)
-    draft_steps = measure_draft_steps(pipe, drafters, batches, rounds)
-    table = schedule_table(surface, profiles, draft_steps, depth, batches, runnable)
+    draft_rounds = measure_draft_rounds(pipe, drafters, batches, depth, rounds)
+    table = schedule_table(surface, profiles, draft_rounds, depth, batches, runnable)
     return {
         "schedule": schedule_steps(table),
         "schedule_table": table,
         "schedule_drafters": {str(b): sorted(runnable[b]) for b in batches},
         "cost_surface_ms": {str(b): {str(t): round(surface[(b, t)] * 1e3, 4) for t in range(1, depth + 2)}
                             for b in batches},
-        "draft_step_ms": {d: {str(b): round(s * 1e3, 4) for b, s in by_b.items()} for d, by_b in draft_steps.items()},
+        "draft_round_ms_by_batch": {d: {str(b): [round(s * 1e3, 4) for s in by_k] for b, by_k in by_b.items()}
+                                    for d, by_b in draft_rounds.items()},
     }
 
 

@@ -8,12 +8,11 @@ Speedups are ratios within this run; absolute times are reported, never compared
 from __future__ import annotations
 
 import json
-import statistics
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from specexport.errors import BadInput
+from specexport.runtime.runner import time_interleaved
 
 
 @dataclass
@@ -64,39 +63,28 @@ def cost_curve(pipe, repeats: int) -> list[dict]:
 
 def measure_costs(pipe, drafters: list[str], repeats: int, want_logits: bool, draft_len: int) -> dict:
     """What the prediction is made of, measured apart from the decode runs: the target's pass
-    at every engine size (the cost curve) and the graphs each drafter's round runs (a draft
-    step; a chain head's catch-up or a block head's block once per round: Drafter.draft_cost),
-    all taken in turn round after round, so a drift of the machine hits them alike; medians."""
-    parts = {("target", size): (pipe.target, size) for size in pipe.target.sizes}
-    shapes = {}
+    at every engine size (the cost curve) and the graphs each drafter's round cost reads
+    (``Drafter.cost_graphs``), all taken in turn round after round (runner.time_interleaved),
+    so a drift of the machine hits them alike; then each drafter's own ``round_cost`` of
+    k = 0..D over those measured parts."""
+    timed = {"target": (pipe.target, pipe.target.sizes)}
     for name in drafters:
-        cost = pipe.drafter(name).draft_cost
-        for part in ("per_draft", "per_round"):
-            if getattr(cost, part) is not None:
-                parts[(name, part)] = getattr(cost, part)
-        shapes[name] = cost
-    samples: dict[tuple, list[float]] = defaultdict(list)
-    for _ in range(repeats):
-        for key, (runner, size) in parts.items():
-            samples[key].append(runner.time_run(size, want_logits))
-    for runner, size in parts.values():
-        runner.end_timing([size])
-    median = {key: statistics.median(v) for key, v in samples.items()}
-    target = {size: median[("target", size)] for size in pipe.target.sizes}
-
-    def ms(name: str, part: str) -> float:
-        return round(median.get((name, part), 0.0) * 1e3, 3)
-
+        for part, (runner, sizes) in pipe.drafter(name).cost_graphs().items():
+            timed[f"{name}/{part}"] = (runner, sizes)
+    median = time_interleaved(timed, repeats, want_logits)
+    target = median["target"]
+    parts = {name: {part: {t: s * 1e3 for t, s in median[f"{name}/{part}"].items()}
+                    for part in pipe.drafter(name).cost_graphs()} for name in drafters}
     return {
         "curve": _curve(target),
         # the pass a round with k drafts runs (the engine that holds 1+k tokens), k = 0..D
         "verify_ms": [round(target[pipe.target.engine_size(1 + k)] * 1e3, 3) for k in range(draft_len + 1)],
-        # per drafter with engines: the ms of drafting k = 0..D tokens in one round
-        "draft_ms": {name: [round(cost.seconds(k, ms(name, "per_draft"), ms(name, "per_round")), 3)
-                            for k in range(draft_len + 1)]
-                     for name, cost in shapes.items() if cost.per_draft or cost.per_round},
-        "draft_step_ms": {name: ms(name, "per_draft") for name, cost in shapes.items() if cost.per_draft},
-        "draft_round_ms": {name: ms(name, "per_round") for name, cost in shapes.items() if cost.per_round},
+        # per drafter with engines: the ms of its round of k = 0..D drafts, from its own cost model
+        "draft_ms": {name: [round(pipe.drafter(name).round_cost(k, parts[name]) * 1e3, 3) for k in range(draft_len + 1)]
+                     for name in drafters if parts[name]},
+        # the graphs behind it: drafter -> part (step, catchup, block) -> tokens -> ms
+        "draft_parts_ms": {name: {part: {str(t): round(ms, 3) for t, ms in by_tokens.items()}
+                                  for part, by_tokens in by_part.items()} for name, by_part in parts.items() if by_part},
         "repeats": repeats,
         "logits": want_logits,
     }
@@ -180,8 +168,8 @@ def run_bench(engine_dir: Path, options: BenchOptions, reporter) -> dict:
     if options.peers:  # each in a process of its own (bench/peer_process.py says why)
         from specexport.bench.peer_process import start_peers
 
-        target = pipe.manifest.raw["recipe"]["target"]
-        peers, skipped = start_peers(target, Path(pipe.manifest.raw.get("recipe_dir", ".")), options.peers,
+        target = pipe.manifest.target_source
+        peers, skipped = start_peers(target, pipe.manifest.recipe_root, options.peers,
                                      options.threads, engine_dir.parent / f".{engine_dir.name}.peers")
     try:
         return _run(pipe, options, reporter, prompts, drafters, ids, peers, skipped)

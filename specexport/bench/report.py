@@ -63,12 +63,15 @@ def markdown(result: dict) -> str:
     costs = result.get("costs")
     if costs:
         verify = ", ".join(f"k={k}: {ms:.2f}" for k, ms in enumerate(costs["verify_ms"]))
-        steps = ", ".join(f"{name}: {ms:.2f}" for name, ms in costs["draft_step_ms"].items()) or "none"
-        rounds = ", ".join(f"{name}: {ms:.2f}" for name, ms in costs.get("draft_round_ms", {}).items()) or "none"
+        parts = "; ".join(f"{name}: " + ", ".join(f"{part} T={t} {ms:.2f}" for part, by_t in by_part.items()
+                                                    for t, ms in by_t.items())
+                          for name, by_part in costs.get("draft_parts_ms", {}).items()) or "none"
+        rounds = "; ".join(f"{name}: " + ", ".join(f"{ms:.2f}" for ms in by_k)
+                           for name, by_k in costs["draft_ms"].items()) or "none"
         lines += ["", f"## Costs behind the prediction (ms, medians of {costs['repeats']} round-robin timings"
                   f"{', logits copied out' if costs['logits'] else ''})", "",
-                  f"- verify pass with k drafts: {verify}", f"- one draft step: {steps}",
-                  f"- once per round (a head's catch-up or block): {rounds}"]
+                  f"- verify pass with k drafts: {verify}", f"- the drafters' graphs: {parts}",
+                  f"- a drafter's round of k = 0, 1, ... drafts (its own cost model): {rounds}"]
     if result["peers"] or result["peers_skipped"]:
         lines += ["", "## Peers (same model, fp32)", "", "| peer | threads | prompt | tok/s | vs our baseline | same greedy output |",
                   "|---|---|---|---|---|---|"]

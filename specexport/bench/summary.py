@@ -177,7 +177,7 @@ def summarize(pipe, options, prompts, drafters, records, peer_records, skipped, 
     return {
         "engine_dir": str(pipe.manifest.root),
         "name": pipe.manifest.name,
-        "toolchain": pipe.manifest.raw.get("toolchain", {}),
+        "toolchain": dict(pipe.manifest.toolchain),
         "settings": {
             "threads": options.threads,
             "max_new_tokens": options.max_new_tokens,
@@ -193,7 +193,7 @@ def summarize(pipe, options, prompts, drafters, records, peer_records, skipped, 
         "categories": _by_category(results),
         "cost_curve": curve,
         # what predicted_speedup is made of, measured apart from the runs
-        "costs": {k: costs[k] for k in ("verify_ms", "draft_ms", "draft_step_ms", "draft_round_ms", "repeats", "logits")},
+        "costs": {k: costs[k] for k in ("verify_ms", "draft_ms", "draft_parts_ms", "repeats", "logits")},
         "tile_point": {"tokens": tile_tokens, "group_size": plan["group_size"],
                        "measured": any(c["tokens"] == tile_tokens for c in curve)},
         "peers": _peers(peer_records, baseline),

@@ -1,4 +1,4 @@
-"""The engine thread: one BatchLoop (runtime/batch_decode.py) stepping every request.
+"""The engine thread: one BatchLoop (runtime/loop.py) stepping every request.
 
 Request handlers (on the asyncio event loop) hand a Job to ``EngineThread.submit``; the thread
 takes new jobs and cancellations between rounds, runs one round over every running sequence,
@@ -19,7 +19,7 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from specexport.runtime.batch_decode import BatchLoop, Finished, RoundReport
+from specexport.runtime.loop import BatchLoop, Finished, RoundReport
 from specexport.serve.metrics import ServerMetrics
 from specexport.serve.protocol import finish_reason
 

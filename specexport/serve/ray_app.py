@@ -75,7 +75,7 @@ class SpecexportReplica:
 def _driver_manifest(config: ServeConfig):
     """The engine directory's Manifest as this driver reads it; None when it cannot (the
     replicas, which load it, report why)."""
-    from specexport.runtime.manifest import Manifest
+    from specexport.contract import Manifest
 
     try:
         return Manifest.load(config.engine_dir)

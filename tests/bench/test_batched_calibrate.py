@@ -1,4 +1,4 @@
-"""`plan --calibrate`'s depth by batch size: K(B) = argmax_k B·E(k) / (t(B, 1+k) + k·t_draft(B)),
+"""`plan --calibrate`'s depth by batch size: K(B) = argmax_k B·E(k) / (t(B, 1+k) + t_draft(B, k)),
 written into the calibration file and read back by the plan (the recipe's own schedule first)."""
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ def _surface(ms_of) -> dict[tuple[int, int], float]:
     return {(b, t): ms_of(b, t) / 1e3 for b in (1, 2, 4) for t in range(1, 7)}
 
 
-def _brute_force(surface, profiles, steps, depth, batch) -> int:
-    """The argmax, spelled out: the geometric mean over cells of B·E(k) / t against B / t(B, 1)."""
+def _brute_force(surface, profiles, rounds, depth, batch) -> int:
+    """The argmax, spelled out: the geometric mean over cells of B·E(k) / t against B / t(B, 1);
+    ``rounds``: drafter -> batch -> its round's seconds at k = 0..depth."""
     best, best_value = 0, -1.0
     for k in range(depth + 1):
-        ratios = [(1 + cum[:k].sum()) * surface[(batch, 1)] / (surface[(batch, 1 + k)] + k * steps.get(d, {}).get(batch, 0))
+        ratios = [(1 + cum[:k].sum()) * surface[(batch, 1)] / (surface[(batch, 1 + k)] + (rounds[d][batch][k] if d in rounds else 0))
                   for (d, _), cum in profiles.items()]
         value = float(np.exp(np.mean(np.log(ratios))))
         if value > best_value + 1e-12:
@@ -52,7 +53,7 @@ def test_depth_by_batch_size_is_the_argmax_of_the_injected_costs():
 
     # a draft model's step cost at B counts per draft: 12 ms a draft at batch 1 is more than a
     # kept draft saves (1 token per 10 ms alone against 2 per 22.5 ms), free at batch 2
-    steps = {"model": {1: 0.012, 2: 0.0, 4: 0.0}}
+    steps = {"model": {1: [0.012 * k for k in range(6)], 2: [0.0] * 6, 4: [0.0] * 6}}  # the drafter's round at k
     costly = schedule_table(surface, {("model", "code"): KEEP_THREE}, steps, depth=5, batches=[1, 2, 4])
     assert [row["depth"] for row in costly] == [0, 1, 0]
     assert costly[0]["depth"] == _brute_force(surface, {("model", "code"): KEEP_THREE}, steps, 5, 1)
@@ -132,12 +133,13 @@ def test_a_real_tiny_calibration_writes_the_schedule_and_the_plan_reads_it(tmp_p
     assert [row["batch"] for row in table] == [1, 2, 4]
     assert set(written["cost_surface_ms"]) == {"1", "2", "4"}
     assert all(list(by_t) == [str(t) for t in range(1, depth + 2)] for by_t in written["cost_surface_ms"].values())
-    assert set(written["draft_step_ms"]) == {"quantized-self"}
+    assert set(written["draft_round_ms_by_batch"]) == {"quantized-self"}
     # the table follows the formula from what the file records (rounded costs: the same argmax
     # unless two depths are within the rounding)
     surface = {(int(b), int(t)): ms / 1e3 for b, by_t in written["cost_surface_ms"].items() for t, ms in by_t.items()}
     profiles = {tuple(key.split("/")): np.array(cum) for key, cum in written["acceptance"].items()}
-    steps = {d: {int(b): ms / 1e3 for b, ms in by_b.items()} for d, by_b in written["draft_step_ms"].items()}
+    steps = {d: {int(b): [ms / 1e3 for ms in by_k] for b, by_k in by_b.items()}
+             for d, by_b in written["draft_round_ms_by_batch"].items()}
     again = schedule_table(surface, profiles, steps, depth, [1, 2, 4])
     for row, recomputed in zip(table, again):
         assert len(row["speedup_by_depth"]) == depth + 1

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from specexport.bench.batched import run_batched, write_batched
 from specexport.bench.peers import BatchPeerRun, _cut
-from specexport.exporter.progress import Reporter
+from specexport.progress import Reporter
 from tests.bench.short_prompts import short_prompts
 
 
@@ -86,7 +85,7 @@ def test_transformers_batched_greedy_equals_its_single_runs(batched_engines, tmp
     from specexport.runtime import load
 
     pipe = load(batched_engines, threads=1)
-    peers, skipped = make_peers(pipe.manifest.raw["recipe"]["target"], Path(pipe.manifest.raw.get("recipe_dir", ".")),
+    peers, skipped = make_peers(pipe.manifest.target_source, pipe.manifest.recipe_root,
                                 ["transformers-greedy"], 1, tmp_path / "peers")
     assert not skipped, skipped
     peer = peers[0]

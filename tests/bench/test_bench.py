@@ -52,7 +52,7 @@ def test_bench_json_schema(bench_result):
     assert result["peers"] == [] and result["settings"]["threads"] == 2
     costs = result["costs"]  # what the prediction is made of, timed apart from the runs
     assert len(costs["verify_ms"]) == result["settings"]["draft_len"] + 1 and all(ms > 0 for ms in costs["verify_ms"])
-    assert set(costs["draft_step_ms"]) == {"quantized-self", "draft-model"}
+    assert set(costs["draft_parts_ms"]) == set(costs["draft_ms"]) == {"quantized-self", "draft-model"}
     assert {r["predicted_speedup"] for r in result["results"] if r["drafter"] == "none"} == {1.0}
 
 
@@ -192,7 +192,7 @@ def test_prediction_comes_from_costs_measured_apart_not_from_the_run():
     options = SimpleNamespace(threads=2, max_new_tokens=12, repeats=1, temperature=0.0, adaptive=True, draft_len=2,
                               prompts="p.jsonl")
     costs = {"curve": [{"tokens": 1, "ms": 10.0, "relative": 1.0}], "verify_ms": [10.0, 11.0, 12.0],
-             "draft_ms": {"m": [0.0, 2.0, 4.0]}, "draft_step_ms": {"m": 2.0}, "draft_round_ms": {},
+             "draft_ms": {"m": [0.0, 2.0, 4.0]}, "draft_parts_ms": {"m": {"step": {"1": 2.0}}},
              "repeats": 3, "logits": False}
 
     def predicted(draft_s, verify_s):

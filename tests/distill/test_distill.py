@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import run_cli
+from tests.conftest import check_one_line, run_cli
 from tests.heads.common import SHAPES, build, check_greedy_lossless, check_parity
 
 # small init spread: a target whose next token a one-layer head can learn in seconds
@@ -293,6 +293,43 @@ def test_bad_input_is_one_line_and_exit_2(work, tmp_path, args, message):
     lines = [line for line in err.strip().splitlines() if not line.startswith("✓")]  # steps done before it
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_cuda(), reason="torch sees a CUDA device here")
+def test_device_cuda_without_cuda_is_one_line_and_exit_2(work, tmp_path):
+    """--device cuda where torch has no CUDA: refused in one line before anything is loaded or
+    written (no output folder, nothing in the teacher's cache folder)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    code, _, err = run_cli("distill", work / "recipe.yaml", "-o", tmp_path / "out", "--prompts",
+                           work / "prompts.jsonl", "--device", "cuda", "--cache-dir", cache)
+    check_one_line(code, err, "--device cuda: no CUDA device is available", "--device cpu", alone=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"] and not any(cache.iterdir())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device torch can use")
+def test_a_two_step_distill_runs_on_cuda(work, tmp_path):
+    """The same trainer on the GPU (target forward, teacher rows and head there): two steps and
+    a checkpoint the loader reads on the CPU."""
+    from specexport.exporter.distill.command import distill
+    from specexport.exporter.heads.eagle3 import load
+    from specexport.exporter.recipe import Eagle3Drafter, TinySource
+    from specexport.exporter.sources import load_source
+
+    out = tmp_path / "head"
+    record = distill(options(work, out, device="cuda", max_steps=2))
+    assert record["steps"] == 2 and record["runs"][-1]["device"] == "cuda"
+    assert record["final"]["anchors"] > 0 and record["final"]["loss"] > 0
+    target = load_source(TinySource(**TARGET), work, "target")
+    head = load(Eagle3Drafter(kind="eagle3", path=out), target, work, "drafters.0")
+    assert head.spec.taps == tuple(record["taps"])
 
 
 def test_the_training_unroll_is_the_chain_the_loader_builds(trained, work):

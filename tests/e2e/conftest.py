@@ -13,7 +13,7 @@ def engines(tmp_path_factory, worker_id) -> Path:
     $SPECEXPORT_TEST_ENGINES, default engines/smollm2-135m, is reused in seconds). Under a lock
     that every pytest-xdist worker of the run shares: one builds, the others wait and reuse."""
     from specexport.exporter.builder import build
-    from specexport.exporter.progress import Reporter
+    from specexport.progress import Reporter
 
     out = Path(os.environ.get("SPECEXPORT_TEST_ENGINES", REPO / "engines" / "smollm2-135m"))
     with FileLock(shared_root(tmp_path_factory, worker_id, "locks") / "smollm2-engines.lock"):

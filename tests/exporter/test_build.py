@@ -11,9 +11,9 @@ import time
 import onnx
 import pytest
 
+from specexport.contract import Manifest, sha256_of
 from specexport.runtime.costs import COSTS
 from specexport.runtime.integrity import RECORD
-from specexport.runtime.manifest import Manifest, sha256_of
 from tests.conftest import ALL_DRAFTERS, TINY_SHAPE, run_cli, tiny_recipe
 
 

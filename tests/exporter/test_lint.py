@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper
 
-from specexport.cli_trt import lint as lint_command
+from specexport.cli.trt import lint as lint_command
 from specexport.exporter.lint import lint_model, lint_tensorrt
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from specexport.contract import Manifest
 from specexport.errors import SpecexportError
 from specexport.exporter.trt_parity import check, compare, onnx_runner, parity_feeds, parity_record
 from specexport.exporter.validate import TOLERANCES, cache_lengths
-from specexport.runtime.manifest import Manifest
 from tests.conftest import TINY_SHAPE
 
 

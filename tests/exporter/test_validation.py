@@ -138,8 +138,8 @@ def test_broken_exported_graph_of_a_real_model_fails_its_validation(target_hf, t
     """Export a local transformers model step by step, corrupt one weight of the exported
     graphs (as a wrong export would), and validate: the step must fail naming the graph."""
     from specexport.exporter.builder import Builder, target_graphs
-    from specexport.exporter.progress import Reporter
     from specexport.exporter.recipe import load_recipe
+    from specexport.progress import Reporter
 
     (tmp_path / "target-hf").symlink_to(target_hf)
     recipe, base = load_recipe(_hf_recipe(tmp_path))

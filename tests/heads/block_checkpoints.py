@@ -190,8 +190,8 @@ def recipe(*drafters: dict, max_draft: int = 3) -> dict:
 def build(raw: dict, base: Path, out: Path) -> Path:
     """A whole engine directory (target + heads), as `specexport build` makes it."""
     from specexport.exporter.builder import build_recipe
-    from specexport.exporter.progress import Reporter
     from specexport.exporter.recipe import parse_recipe
+    from specexport.progress import Reporter
 
     build_recipe(parse_recipe(raw, "recipe"), base, out, False, Reporter(quiet=True))
     return out
@@ -204,11 +204,13 @@ def drafts_by_reference(pipe, drafter: str, prompt: str, new_tokens: int = 12) -
     seen = []
     propose = chosen.propose
 
-    def spy(context, k, sampling, rng):
-        draft = propose(context, k, sampling, rng)
-        products = getattr(chosen, "last_confidence", None)
-        seen.append((np.array(context), np.array(draft.tokens), k, None if products is None else np.array(products)))
-        return draft
+    def spy(rows, ks):  # one slot: generate's
+        drafts = propose(rows, ks)
+        if ks[0] > 0:
+            products = getattr(chosen.slots[0], "last_confidence", None) if hasattr(chosen, "slots") else None
+            seen.append((np.array(rows[0].context), np.array(drafts[0].tokens), ks[0],
+                         None if products is None else np.array(products)))
+        return drafts
 
     chosen.propose = spy
     try:

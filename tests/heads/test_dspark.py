@@ -119,14 +119,15 @@ def test_runtime_drafts_are_the_reference_drafts(pipe, folders, target, drafter)
     for context, drafts, k, _ in seen:
         tokens, confidence = reference_drafts(paths[drafter], HEADS[drafter][0], target, context)
         assert drafts.tolist() == tokens[: len(drafts)].tolist(), (len(context), drafts, tokens)
-        if len(drafts) < min(chosen.drafts, k):  # cut by the confidence product
-            assert chosen.threshold > 0 and np.cumprod(confidence)[len(drafts)] < chosen.threshold
+        slot = chosen.slots[0]  # generate's one slot
+        if len(drafts) < min(slot.drafts, k):  # cut by the confidence product
+            assert slot.threshold > 0 and np.cumprod(confidence)[len(drafts)] < slot.threshold
 
 
 def test_the_confidence_product_cuts_the_draft(pipe):
     """With a threshold, a draft stops before the slot whose running confidence product falls
     below it; greedy output stays the target's."""
-    drafter = pipe.drafter("ds")
+    drafter = pipe.drafter("ds").slots[0]  # generate's one slot
     ids = pipe.prompt_ids(PROMPTS[0])
     base = pipe.generate(prompt_ids=ids, max_new_tokens=16).token_ids
     full = drafts_by_reference(pipe, "ds", PROMPTS[0], 16)

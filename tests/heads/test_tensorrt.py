@@ -240,10 +240,11 @@ ON_FAKE_GPU = textwrap.dedent(f"""
         for h in heads:
             drafter, seen[h] = pipe.drafter(h), []
             propose = drafter.propose
-            def recorded(*a, _propose=propose, _seen=seen[h], **k):
-                draft = _propose(*a, **k)
-                _seen.append([int(t) for t in draft.tokens])
-                return draft
+            def recorded(rows, ks, _propose=propose, _seen=seen[h]):
+                drafts = _propose(rows, ks)
+                if ks[0] > 0:
+                    _seen.append([int(t) for t in drafts[0].tokens])
+                return drafts
             drafter.propose = recorded
             pipe.generate({PROMPT!r}, drafter=h, **args)
         return seen
@@ -260,12 +261,13 @@ ON_FAKE_GPU = textwrap.dedent(f"""
             "proposed": {{d: g.stats.proposed for d, g in gens.items()}},
             "drafts": drafts(pipe),
             "backends": {{d: g.backends for d, g in gens.items()}},
-            "caches": {{h: type(pipe._caches[h]).__name__ for h in ("eagle", "mtp")}},  # the chain runners' one cache
-            "engines": {{h: sorted(type(e._engine).__name__ for r in pipe._runners.values() if r.name == h
-                                   for e in r._by_size.values() if e.opened) for h in ("eagle", "mtp")}},
+            "caches": {{h: type(pipe._caches[(h, 1)].slots[0]).__name__ for h in ("eagle", "mtp")}},  # one head cache
+            "engines": {{h: sorted(type(e._engine).__name__ for m in pipe._models.values() if m.name == h
+                                   for r in m.runners for e in r._by_size.values() if e.opened)
+                         for h in ("eagle", "mtp")}},
         }}
-        for h in ("dflash", "dspark"):  # block drafters keep their engines in their own runner
-            runner = pipe.drafter(h).runner
+        for h in ("dflash", "dspark"):  # block drafters: their slot's runner
+            runner = pipe.drafter(h).slots[0].runner
             out[key]["caches"][h] = type(runner.cache).__name__
             out[key]["engines"][h] = sorted(type(e._engine).__name__ for e in runner._by_size.values() if e.opened)
     print(json.dumps(out))
@@ -309,18 +311,12 @@ def test_the_directory_lint_reports_each_engine_once(engines):
 
 def proposals(pipe, drafter: str) -> list[list[int]]:
     """The drafter's proposals, round by round, over one greedy generate."""
-    seen: list[list[int]] = []
-    chosen = pipe.drafter(drafter)
-    propose = chosen.propose
+    from tests.runtime.fakes import spy_proposals
 
-    def recorded(*args, **kwargs):
-        draft = propose(*args, **kwargs)
-        seen.append([int(t) for t in draft.tokens])
-        return draft
-
-    chosen.propose = recorded
+    recorded: list[tuple] = []
+    spy_proposals(pipe.drafter(drafter), recorded)
     pipe.generate(PROMPT, drafter=drafter, max_new_tokens=16, adaptive=False)
-    return seen
+    return [drafts.tolist() for _, drafts, _ in recorded]
 
 
 @needs_gpu
@@ -328,9 +324,9 @@ def test_gpu_head_engines_build_with_parity_and_draft_as_onnxruntime(engines, tm
     """A real TensorRT build of every head kind (fp32): each head engine within the build-time
     limits against its ONNX graph, the drafts equal onnxruntime's; then --from-onnx in fp16."""
     from specexport.exporter.builder import build_recipe
-    from specexport.exporter.progress import Reporter
     from specexport.exporter.recipe import parse_recipe
     from specexport.exporter.trt_from_onnx import rebuild_from_onnx
+    from specexport.progress import Reporter
     from specexport.runtime import load
 
     raw = read_manifest(engines).recipe

@@ -1,35 +1,53 @@
 """Engine-free stand-ins for the decode loop: a first-order Markov "model".
 
-``MarkovRunner`` has the ModelRunner surface the loop uses (forward, rewind, cache, seconds).
-Its next-token logits depend only on the current token, so the exact distribution of any
-generated sequence is a product of table rows: what the statistical tests compare against.
+``MarkovRunner`` has the ModelRunner surface a Model uses (forward, cache, seconds); ``markov``
+makes the one-slot Model over it that the loop runs. Its next-token logits depend only on the
+current token, so the exact distribution of any generated sequence is a product of table rows:
+what the statistical tests compare against. ``decode`` runs one request through the loop.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 
+from specexport.runtime.acceptance import Draft, Sampling
+from specexport.runtime.drafters import Stateless
+from specexport.runtime.loop import BatchLoop, Request
+from specexport.runtime.model import Model, SlotCaches
 from specexport.runtime.runner import StepOutput
+from specexport.runtime.stats import DecodeStats
+
+
+class _Length:
+    """The cache's bookkeeping: a length that only ever moves back (a rewind) or by what is fed."""
+
+    def __init__(self, runner: MarkovRunner, max_seq_len: int):
+        self.runner, self.max_seq_len, self.length = runner, max_seq_len, 0
+
+    def set_length(self, length: int) -> None:
+        assert 0 <= length <= self.length, f"cannot rewind a cache of length {self.length} to {length}"
+        del self.runner.fed[length:]
+        self.length = length
 
 
 class MarkovRunner:
     def __init__(self, table: np.ndarray, max_seq_len: int = 256):
         self.table = np.asarray(table, dtype=np.float32)  # [V, V] logits of next | current
-        self.cache = SimpleNamespace(max_seq_len=max_seq_len, length=0)
+        self.cache = _Length(self, max_seq_len)
         self.seconds = 0.0
         self.calls = 0
         self.fed: list[int] = []  # tokens whose "KV" is in the cache
+        self.decoding_sizes = [1]
 
     @property
     def length(self) -> int:
         return self.cache.length
 
+    def engine_size(self, tokens: int) -> int:
+        return tokens
+
     def rewind(self, length: int) -> None:
-        assert 0 <= length <= self.cache.length
-        del self.fed[length:]
-        self.cache.length = length
+        self.cache.set_length(length)
 
     def forward(self, tokens, want_logits: bool = False, inputs=None, want=()) -> StepOutput:
         """As ModelRunner.forward: a ValueError past the cache; no input runs nothing (no call
@@ -49,51 +67,64 @@ def random_table(vocab: int, seed: int, spread: float = 2.0) -> np.ndarray:
     return np.random.default_rng(seed).normal(0, spread, size=(vocab, vocab)).astype(np.float32)
 
 
-class OracleDrafter:
+def markov(table: np.ndarray, max_seq_len: int = 256, runner_class: type = MarkovRunner) -> Model:
+    """A one-slot Model over a MarkovRunner (its runner: ``model.runners[0]``)."""
+    runner = runner_class(table, max_seq_len)
+    return Model("markov", [runner], {}, SlotCaches([runner.cache], None), max_seq_len)  # type: ignore[list-item]
+
+
+def decode(target: Model, drafter, prompt, *, draft_len: int, max_new_tokens: int, sampling: Sampling,
+           eos_ids=frozenset(), rng=None, stop=None, policy=None) -> tuple[list[int], DecodeStats]:
+    """One request through the decode loop (a batch of one): its tokens and stats."""
+    out: list[int] = []
+    loop = BatchLoop(target, drafter, draft_len=draft_len, eos_ids=frozenset(eos_ids),
+                     on_token=lambda key, token: out.append(token),
+                     adaptive=None if policy is None else (lambda: policy))
+    loop.submit(0, Request(np.asarray(prompt, dtype=np.int64), max_new_tokens, sampling,
+                           rng if rng is not None else np.random.default_rng(0), stop))
+    finished = []
+    while loop.busy:
+        finished += loop.step()
+    return out, finished[0][1].stats
+
+
+class OracleDrafter(Stateless):
     """Proposes exactly the target's greedy continuation: every draft is accepted."""
 
     name = "oracle"
-    engine_seconds = 0.0  # no engines: all its time is host work
 
     def __init__(self, table: np.ndarray):
         self.table = table
 
-    needs: tuple[str, ...] = ()
-
-    def reset(self, prompt, target_out=None) -> None:
-        pass
-
-    def propose(self, context, k, sampling, rng):
-        from specexport.runtime.acceptance import Draft
-
+    def propose_one(self, context, k):
         tokens, last = [], int(context[-1])
         for _ in range(k):
             last = int(self.table[last].argmax())
             tokens.append(last)
         return Draft(np.array(tokens, dtype=np.int64))
 
-    def accept(self, n, token, target_out=None) -> None:
-        pass
 
-
-class FixedDrafter:
+class FixedDrafter(Stateless):
     """Proposes the same tokens every round (tests of what the loop does with them)."""
 
     name = "fixed"
-    engine_seconds = 0.0  # no engines: all its time is host work
 
     def __init__(self, tokens):
         self.tokens = np.array(tokens, dtype=np.int64)
 
-    needs: tuple[str, ...] = ()
-
-    def reset(self, prompt, target_out=None) -> None:
-        pass
-
-    def propose(self, context, k, sampling, rng):
-        from specexport.runtime.acceptance import Draft
-
+    def propose_one(self, context, k):
         return Draft(self.tokens[:k])
 
-    def accept(self, n, token, target_out=None) -> None:
-        pass
+
+def spy_proposals(drafter, seen: list) -> None:
+    """Record each proposal of a one-slot drafter, in place: (the committed context, the drafts,
+    the depth asked for), for the rounds that asked for drafts."""
+    propose = drafter.propose
+
+    def recorded(rows, ks):
+        drafts = propose(rows, ks)
+        if ks and ks[0] > 0:
+            seen.append((np.array(rows[0].context), np.array(drafts[0].tokens), int(ks[0])))
+        return drafts
+
+    drafter.propose = recorded

@@ -5,7 +5,7 @@ import numpy as np
 from specexport.runtime.acceptance import Draft
 from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.drafters import NgramDrafter
-from tests.runtime.fakes import FixedDrafter, MarkovRunner, OracleDrafter, random_table
+from tests.runtime.fakes import FixedDrafter, OracleDrafter, markov, random_table
 from tests.runtime.test_decode import greedy_reference, run
 
 # a CPU-like cost curve: 8 tokens cost 1.5x one token
@@ -33,8 +33,8 @@ def test_full_depth_when_drafts_are_kept():
 
 
 def test_drafting_cost_shortens_the_draft():
-    cheap = DepthPolicy(verify_cost, draft_cost=0.0)
-    dear = DepthPolicy(verify_cost, draft_cost=0.012)
+    cheap = DepthPolicy(verify_cost, round_cost=lambda k: 0.0)
+    dear = DepthPolicy(verify_cost, round_cost=lambda k: 0.012 * k)
     for policy in (cheap, dear):
         for accepted in [7, 5, 3, 6, 2, 7, 4, 6, 5, 7] * 3:  # about 0.8 per position
             policy.update("m", proposed=7, accepted=accepted)
@@ -55,9 +55,9 @@ def test_adaptive_loop_is_lossless_and_stops_wasting_verifies():
     table = random_table(6, seed=0)
     prompt = [1, 2, 3]
     wrong = FixedDrafter([5, 5, 5, 5, 5, 5, 5])
-    fixed_out, fixed = run(MarkovRunner(table), wrong, prompt, draft_len=7, max_new=60)
+    fixed_out, fixed = run(markov(table), wrong, prompt, draft_len=7, max_new=60)
     policy = DepthPolicy(verify_cost)
-    adaptive_out, adaptive = run(MarkovRunner(table), wrong, prompt, draft_len=7, max_new=60, policy=policy)
+    adaptive_out, adaptive = run(markov(table), wrong, prompt, draft_len=7, max_new=60, policy=policy)
     assert adaptive_out == fixed_out == greedy_reference(table, prompt, 60)
     assert adaptive.proposed < fixed.proposed / 3
 
@@ -65,7 +65,7 @@ def test_adaptive_loop_is_lossless_and_stops_wasting_verifies():
 def test_adaptive_loop_keeps_drafting_when_it_pays():
     table = random_table(6, seed=1)
     policy = DepthPolicy(verify_cost)
-    out, stats = run(MarkovRunner(table), OracleDrafter(table), [0], draft_len=4, max_new=40, policy=policy)
+    out, stats = run(markov(table), OracleDrafter(table), [0], draft_len=4, max_new=40, policy=policy)
     assert out == greedy_reference(table, [0], 40)
     # the prior starts short of full depth; accepted drafts soon make every round draft 4
     assert stats.accepted == stats.proposed and stats.proposed_at[3] >= stats.rounds // 2
@@ -74,5 +74,5 @@ def test_adaptive_loop_keeps_drafting_when_it_pays():
 
 def test_ngram_drafts_are_tagged_by_match_length():
     drafter = NgramDrafter(max_ngram=3)
-    draft = drafter.propose(np.array([1, 2, 3, 9, 1, 2, 3]), 2, None, None)
+    draft = drafter.propose_one(np.array([1, 2, 3, 9, 1, 2, 3]), 2)
     assert draft.tag == "ngram/n3" and draft.tokens.tolist() == [9, 1]

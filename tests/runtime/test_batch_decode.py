@@ -11,7 +11,6 @@ import pytest
 
 from specexport.errors import BadInput
 from specexport.runtime import load
-from specexport.runtime.batched_model import BatchedTarget
 from tests.conftest import TINY_SHAPE, run_cli
 from tests.lossless import (
     assert_sampled_as_target,
@@ -54,12 +53,12 @@ def test_every_request_decodes_as_it_would_alone(batched_engines, drafter):
 def _batched_run(pipe, prompts, budgets, drafter):
     """Like generate_batch, with one budget per request (decode_batch takes each request's own)."""
     from specexport.runtime.acceptance import Sampling
-    from specexport.runtime.batch_decode import Request, decode_batch
+    from specexport.runtime.loop import Request, decode_batch
 
-    target = BatchedTarget(pipe.manifest, pipe.backend, pipe.options, pipe.sessions)
+    target = pipe.batched_target()
     assert target.slots == 4
     requests = [Request(np.asarray(p, dtype=np.int64), n, Sampling()) for p, n in zip(prompts, budgets)]
-    return decode_batch(target, pipe.drafter(drafter), requests, draft_len=pipe.manifest.draft_len,
+    return decode_batch(target, pipe.drafter(drafter, target.slots), requests, draft_len=pipe.manifest.draft_len,
                         eos_ids=pipe.text.eos_ids)
 
 
@@ -87,7 +86,7 @@ def test_a_head_without_its_graphs_is_refused_in_one_line(batched_engines):
     test_batch_heads.py); an entry whose graphs the directory lacks is refused."""
     import dataclasses
 
-    from specexport.runtime.manifest import DrafterEntry
+    from specexport.contract import DrafterEntry
 
     pipe = load(batched_engines)
     pipe.manifest = dataclasses.replace(pipe.manifest, drafters={
@@ -114,10 +113,15 @@ def test_generate_prompts_file_writes_one_json_line_per_prompt(batched_engines, 
         assert line["stats"]["tokens"] == 8
 
 
-def test_a_standard_directory_cannot_decode_batched(tiny_engines):
+def test_a_directory_built_for_batch_one_decodes_its_prompts_in_turn(tiny_engines):
+    """A standard-attention directory built for batch 1: the loop has one slot, and the prompts
+    take it in turn, each decoding as generate does."""
     pipe = load(tiny_engines.get("llama", **TINY_SHAPE))  # the session's shared standard build (tests/conftest.py)
-    with pytest.raises(BadInput, match="attention: ort-gqa"):
-        pipe.generate_batch([[5, 6, 7]])
+    prompts = _prompts(3, seed=4)
+    together = pipe.generate_batch(prompts, drafter="ngram", max_new_tokens=9, adaptive=False)
+    assert pipe.batched_target().slots == 1
+    assert [g.token_ids for g in together] == [pipe.generate(prompt_ids=p, drafter="ngram", max_new_tokens=9,
+                                                             adaptive=False).token_ids for p in prompts]
 
 
 def test_bench_batch_reports_every_batch_size_and_mode_losslessly(batched_engines, tmp_path):

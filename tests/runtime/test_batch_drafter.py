@@ -11,14 +11,13 @@ import json
 import numpy as np
 import pytest
 
-from specexport.contract import DraftSchedule
+from specexport.contract import DrafterEntry, DraftSchedule
 from specexport.errors import BadInput
-from specexport.runtime import batch_drafter as batch_drafter_module
 from specexport.runtime import load
 from specexport.runtime.acceptance import Sampling
-from specexport.runtime.batch_decode import Request, decode_batch
-from specexport.runtime.batch_drafter import HEAD_KINDS, BatchedModelDrafter, batch_drafter, batched_refusal
-from specexport.runtime.manifest import DrafterEntry
+from specexport.runtime.api import HEAD_KINDS, batched_refusal
+from specexport.runtime.drafters import ModelDrafter
+from specexport.runtime.loop import Request, decode_batch
 from tests.conftest import run_cli
 from tests.runtime.test_batch_decode import _prompts
 
@@ -34,7 +33,7 @@ def _together(pipe, drafter: str, prompts, budgets, schedule: DraftSchedule | No
     """decode_batch with each request's own budget, through the pipeline's batched drafter."""
     target = pipe.batched_target()
     requests = [Request(np.asarray(p, dtype=np.int64), n, Sampling()) for p, n in zip(prompts, budgets)]
-    return decode_batch(target, batch_drafter(pipe, drafter, target), requests, draft_len=pipe.manifest.draft_len,
+    return decode_batch(target, pipe.drafter(drafter, target.slots), requests, draft_len=pipe.manifest.draft_len,
                         eos_ids=pipe.text.eos_ids, schedule=schedule)
 
 
@@ -67,13 +66,13 @@ def test_rows_that_skip_drafting_catch_up_when_depth_returns(batched_engines, mo
     draft caches fall behind by a token a round; once rows leave, each catches up (the gap past
     the catch-up graph at batch 1, in its own slot) and drafts what it would have drafted."""
     alone_feeds = []
-    forward_alone = BatchedModelDrafter._forward_alone
+    forward_alone = ModelDrafter._forward_alone
 
     def spy(self, slot, tokens):
         alone_feeds.append(len(tokens))
         return forward_alone(self, slot, tokens)
 
-    monkeypatch.setattr(BatchedModelDrafter, "_forward_alone", spy)
+    monkeypatch.setattr(ModelDrafter, "_forward_alone", spy)
     pipe = load(batched_engines)
     prompts = _prompts(6, seed=2)
     budgets = [30, 25, 8, 40, 11, 28]
@@ -113,7 +112,7 @@ def test_a_drafter_model_without_the_targets_batch_sizes_is_refused(batched_engi
     pipe.manifest = dataclasses.replace(pipe.manifest, engines=[
         e for e in pipe.manifest.engines if not (e.model == "quantized-self" and e.batch == 4)])
     with pytest.raises(BadInput, match=r"'quantized-self' \(quantized-self\) cannot run batched: .*"
-                                       r"batch sizes \[1, 2\], the target runs \[1, 2, 4\]"):
+                                       r"batch sizes \[1, 2\], not \[4\]"):
         pipe.batch_loop(drafter="quantized-self")
     # up to the batch sizes it has, it runs
     assert batched_refusal(pipe.manifest, "quantized-self", max_batch=2) is None
@@ -138,13 +137,6 @@ def test_a_head_without_its_graphs_or_the_targets_taps_is_refused_in_one_line(ba
     assert "output no aux_hidden_states" in batched_refusal(pipe.manifest, "head")
 
 
-def test_a_single_sequence_model_drafter_is_refused_by_the_loop(batched_engines):
-    pipe = load(batched_engines)
-    with pytest.raises(BadInput, match="keeps engine state per sequence"):
-        decode_batch(pipe.batched_target(), pipe.drafter("quantized-self"), [Request(np.arange(3, 9), 4)],
-                     draft_len=2, eos_ids=pipe.text.eos_ids)
-
-
 def test_one_batched_drafter_per_target_and_name(batched_engines):
     pipe = load(batched_engines)
     first = pipe.batch_loop(drafter="quantized-self").drafter
@@ -155,11 +147,11 @@ def test_one_batched_drafter_per_target_and_name(batched_engines):
 
 
 def test_serve_accepts_the_model_drafters(batched_engines):
-    from specexport.cli_serve import check_servable
+    from specexport.cli.serve import check_servable
 
     assert check_servable(batched_engines, "quantized-self", None) == "quantized-self"
     assert check_servable(batched_engines, "draft-model", 2) == "draft-model"
-    assert batch_drafter_module.batched_refusal(load(batched_engines, verify=False).manifest, "ngram") is None
+    assert batched_refusal(load(batched_engines, verify=False).manifest, "ngram") is None
 
 
 def test_generate_prompts_file_with_the_int4_drafter(batched_engines, tmp_path):

@@ -29,12 +29,10 @@ from specexport.errors import SpecexportError
 from specexport.runtime import load
 from specexport.runtime.acceptance import Sampling
 from specexport.runtime.api import Pipeline
-from specexport.runtime.batch_block import BatchedBlockDrafter
-from specexport.runtime.batch_chain import BatchedChainDrafter
-from specexport.runtime.batch_decode import BatchLoop, Request
-from specexport.runtime.batch_drafter import CHAIN_KINDS, PerSlotHead, batch_drafter
-from specexport.runtime.decode import DecodeStats, decode
+from specexport.runtime.block_drafter import BlockDrafter
+from specexport.runtime.chain_drafter import ChainDrafter
 from specexport.runtime.engine import EngineOptions
+from specexport.runtime.loop import BatchLoop, Request
 from specexport.runtime.ort_engine import OrtEngine
 from tests.heads.block_checkpoints import (
     TARGET,
@@ -57,8 +55,8 @@ HEADS = ("eagle3", "mtp", "dflash", "dspark")
 def build_heads(root: Path) -> Path:
     """One tiny ort-gqa build with batch sizes 1, 2 and 4 and one head of every kind."""
     from specexport.exporter.builder import build_recipe
-    from specexport.exporter.progress import Reporter
     from specexport.exporter.recipe import parse_recipe
+    from specexport.progress import Reporter
 
     target = tiny_target()
     write_eagle3(root / "eagle3", target.config, "speculators", layer_ids=[0, 1, 3])
@@ -124,29 +122,6 @@ class RecordingRows:
         self.inner.move(src, dst)
 
 
-class Recording:
-    """A single-sequence drafter, recording its proposals as RecordingRows does."""
-
-    def __init__(self, inner):
-        self.inner, self.name, self.needs, self.draft_cost = inner, inner.name, inner.needs, inner.draft_cost
-        self.seen: list[tuple] = []
-
-    @property
-    def engine_seconds(self) -> float:
-        return self.inner.engine_seconds
-
-    def reset(self, prompt, target_out):
-        self.inner.reset(prompt, target_out)
-
-    def propose(self, context, k, sampling, rng):
-        draft = self.inner.propose(context, k, sampling, rng)
-        self.seen.append((len(context), k, draft.tokens.tolist()))
-        return draft
-
-    def accept(self, n_accepted, next_token, target_out):
-        self.inner.accept(n_accepted, next_token, target_out)
-
-
 class Replay:
     """A depth policy that gives the depths a row had in the batched loop, round by round."""
 
@@ -163,13 +138,15 @@ class Replay:
         pass
 
 
-def _alone(pipe, drafter: str, prompt: list[int], budget: int, depths: list[int]) -> list[tuple]:
-    """The proposals of ``drafter`` decoding ``prompt`` alone (runtime/decode.py) at ``depths``."""
-    recording = Recording(pipe.drafter(drafter))
-    tokens = decode(pipe.target, recording, np.asarray(prompt, dtype=np.int64), draft_len=pipe.manifest.draft_len,
-                    max_new_tokens=budget, sampling=Sampling(), eos_ids=pipe.text.eos_ids,
-                    rng=np.random.default_rng(0), stats=DecodeStats(pipe.manifest.draft_len), policy=Replay(depths))
-    return list(tokens), recording.seen
+def _alone(pipe, drafter: str, prompt: list[int], budget: int, depths: list[int]) -> tuple[list[int], list[tuple]]:
+    """The tokens and drafting rounds of ``drafter`` decoding ``prompt`` alone (a loop of one
+    slot, generate's) at ``depths``."""
+    from tests.runtime.fakes import decode
+
+    recording = RecordingRows(pipe.drafter(drafter))
+    tokens, _ = decode(pipe.model("target"), recording, prompt, draft_len=pipe.manifest.draft_len,
+                       max_new_tokens=budget, sampling=Sampling(), eos_ids=pipe.text.eos_ids, policy=Replay(depths))
+    return tokens, [r for r in recording.seen[0] if r[1] > 0]
 
 
 @pytest.mark.parametrize("kind", HEADS)
@@ -183,8 +160,8 @@ def test_every_head_decodes_and_drafts_in_the_batch_as_alone(pipe, kind):
     drafts at the same position and depth (its head state stayed consistent with its row)."""
     prompts, budgets = _prompts(), [5, 20, 30, 40, 12, 3, 30]
     target = pipe.batched_target()
-    chosen = batch_drafter(pipe, kind, target)
-    assert type(chosen) is (BatchedChainDrafter if kind in CHAIN_KINDS else BatchedBlockDrafter)
+    chosen = pipe.drafter(kind, target.slots)
+    assert type(chosen) is (ChainDrafter if kind in ("eagle3", "mtp") else BlockDrafter)
     recording = RecordingRows(chosen)
     loop = BatchLoop(target, recording, draft_len=pipe.manifest.draft_len, eos_ids=pipe.text.eos_ids,
                      schedule=DraftSchedule(((1, 3), (2, 2), (3, 0), (4, 2))))
@@ -245,12 +222,14 @@ def test_batched_sampled_tokens_follow_the_target(pipe, kind, prompt, sampling, 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dspark"])
 def test_heads_without_batched_graphs_run_per_slot(pipe, kind):
-    """A directory built before batched head graphs (the head has batch-1 graphs only): the
-    head runs per slot on them (PerSlotHead, a head cache per slot), and still decodes as alone."""
+    """A directory built before batched head graphs (the head has batch-1 graphs only): each
+    row's head calls run through its slot's batch-1 graphs in turn (runtime/model.py), and it
+    still decodes as alone."""
     manifest = dataclasses.replace(pipe.manifest, engines=[
         e for e in pipe.manifest.engines if not (e.model == kind and e.batch > 1)])
     old = Pipeline(manifest, pipe.options, pipe.backend)
-    assert isinstance(batch_drafter(old, kind, old.batched_target()), PerSlotHead)
+    head = old.drafter(kind, old.batched_target().slots)
+    assert not (head.catchup.calls if kind == "eagle3" else head.calls)
     prompts = _prompts()[:5]
     together = old.generate_batch(prompts, drafter=kind, max_new_tokens=10, adaptive=False)
     for prompt, got in zip(prompts, together):
@@ -320,7 +299,7 @@ def test_the_build_check_of_batched_head_graphs_fails_on_a_wrong_row(pipe, heads
 def test_serve_and_generate_prompts_file_take_the_heads(pipe, heads_engines, tmp_path):
     """The server's check accepts every head; `generate --prompts-file` decodes with one as
     `generate` does alone."""
-    from specexport.cli_serve import check_servable
+    from specexport.cli.serve import check_servable
     from tests.conftest import run_cli
 
     assert [check_servable(heads_engines, kind, None) for kind in HEADS] == list(HEADS)

@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 
 from specexport.runtime.acceptance import Sampling, as_kept, warp_reference
-from specexport.runtime.decode import DecodeStats, decode
 from specexport.runtime.drafters import ModelDrafter, NgramDrafter, NoDrafter
 from tests.lossless import chi_square_limit, use_rule
-from tests.runtime.fakes import FixedDrafter, MarkovRunner, OracleDrafter, random_table
+from tests.runtime.fakes import FixedDrafter, MarkovRunner, OracleDrafter, decode, markov, random_table
 
 V = 6
 
@@ -17,13 +16,9 @@ V = 6
 GREEDY = Sampling()
 
 
-def run(target, drafter, prompt, *, draft_len=4, max_new=20, sampling=GREEDY, eos=(), seed=0, stop=None,
-        stats=None, policy=None):
-    stats = stats or DecodeStats(draft_len=draft_len)
-    out = list(decode(target, drafter, np.array(prompt, dtype=np.int64), draft_len=draft_len,
-                      max_new_tokens=max_new, sampling=sampling, eos_ids=frozenset(eos),
-                      rng=np.random.default_rng(seed), stop=stop, stats=stats, policy=policy))
-    return out, stats
+def run(target, drafter, prompt, *, draft_len=4, max_new=20, sampling=GREEDY, eos=(), seed=0, stop=None, policy=None):
+    return decode(target, drafter, prompt, draft_len=draft_len, max_new_tokens=max_new, sampling=sampling,
+                  eos_ids=frozenset(eos), rng=np.random.default_rng(seed), stop=stop, policy=policy)
 
 
 def greedy_reference(table, prompt, n):
@@ -43,8 +38,8 @@ def drafters_for(table):
     return {
         "none": NoDrafter(),
         "ngram": NgramDrafter(max_ngram=2),
-        "model": ModelDrafter("model", MarkovRunner(random_table(V, seed=9))),
-        "near-model": ModelDrafter("near", MarkovRunner(table + random_table(V, 4, spread=0.3))),
+        "model": ModelDrafter("model", markov(random_table(V, seed=9)), {}),
+        "near-model": ModelDrafter("near", markov(table + random_table(V, 4, spread=0.3)), {}),
         "oracle": OracleDrafter(table),
     }
 
@@ -53,26 +48,27 @@ def drafters_for(table):
 def test_greedy_equals_target_alone(table, name):
     drafter = drafters_for(table)[name]
     prompt = [1, 2, 3, 1, 2]
-    out, stats = run(MarkovRunner(table), drafter, prompt, max_new=30)
+    out, stats = run(markov(table), drafter, prompt, max_new=30)
     assert out == greedy_reference(table, prompt, 30)
     assert stats.stop_reason == "max_new_tokens" and stats.tokens == 30
 
 
 def test_all_drafts_accepted_every_round(table):
-    target = MarkovRunner(table)
+    target = markov(table)
     out, stats = run(target, OracleDrafter(table), [0], draft_len=4, max_new=20)
     assert out == greedy_reference(table, [0], 20)
     assert stats.rounds == 4 and stats.acceptance_length == 5.0
     assert stats.accepted_at == [4, 4, 4, 4] and stats.proposed_at == [4, 4, 4, 4]
     # target cache: all committed tokens but the last, after the final round
-    assert target.length == 20
+    assert target.runners[0].length == 20
 
 
 def test_model_drafter_cache_stays_in_step_after_full_acceptance(table):
-    draft_runner = MarkovRunner(table)  # the same model: it always agrees
-    drafter = ModelDrafter("same", draft_runner)
+    draft = markov(table)  # the same model: it always agrees
+    draft_runner = draft.runners[0]
+    drafter = ModelDrafter("same", draft, {})
     prompt = [3, 1]
-    out, stats = run(MarkovRunner(table), drafter, prompt, draft_len=3, max_new=13)
+    out, stats = run(markov(table), drafter, prompt, draft_len=3, max_new=13)
     assert out == greedy_reference(table, prompt, 13)
     assert stats.acceptance_length == 13 / 4  # 3 full rounds of 4, then one of 1
     # the drafter fed exactly the committed sequence, in order, never a token twice
@@ -81,7 +77,7 @@ def test_model_drafter_cache_stays_in_step_after_full_acceptance(table):
 
 
 def test_drafter_that_proposes_nothing(table):
-    out, stats = run(MarkovRunner(table), NoDrafter(), [2], max_new=7)
+    out, stats = run(markov(table), NoDrafter(), [2], max_new=7)
     assert out == greedy_reference(table, [2], 7)
     assert stats.rounds == 7 and stats.proposed == 0 and stats.acceptance_length == 1.0
 
@@ -89,7 +85,7 @@ def test_drafter_that_proposes_nothing(table):
 def test_eos_inside_accepted_drafts_stops_exactly_there(table):
     ref = greedy_reference(table, [0], 12)
     eos = ref[2]
-    out, stats = run(MarkovRunner(table), OracleDrafter(table), [0], draft_len=6, max_new=12, eos=[eos])
+    out, stats = run(markov(table), OracleDrafter(table), [0], draft_len=6, max_new=12, eos=[eos])
     assert out == ref[: ref.index(eos) + 1] and out[-1] == eos
     assert stats.stop_reason == "eos"
     # the stats describe what was emitted: the drafts after EOS were accepted but never output
@@ -107,7 +103,7 @@ def test_stop_string_inside_accepted_drafts_counts_only_emitted_drafts(table):
         seen.append(token)
         return len(seen) == 2  # the stop string completes at the second token of round one
 
-    out, stats = run(MarkovRunner(table), OracleDrafter(table), [0], draft_len=5, max_new=20, stop=stop)
+    out, stats = run(markov(table), OracleDrafter(table), [0], draft_len=5, max_new=20, stop=stop)
     assert len(out) == 2 and stats.stop_reason == "stop_string"
     assert (stats.tokens, stats.accepted, stats.proposed) == (2, 2, 2)
     assert sum(stats.accepted_at) == stats.accepted and sum(stats.proposed_at) == stats.proposed
@@ -118,7 +114,7 @@ def test_stats_agree_with_the_output(table, name):
     # every round emits its accepted drafts and the target's token, unless a stop cut it
     for seed in range(20):
         eos = [seed % V]
-        out, stats = run(MarkovRunner(table), drafters_for(table)[name], [1, 2, 1, 2], draft_len=4, max_new=30,
+        out, stats = run(markov(table), drafters_for(table)[name], [1, 2, 1, 2], draft_len=4, max_new=30,
                          sampling=Sampling(1.0), eos=eos, seed=seed)
         assert stats.tokens == len(out)
         assert sum(stats.accepted_at) == stats.accepted <= stats.proposed == sum(stats.proposed_at)
@@ -135,10 +131,10 @@ class _ClockedRunner(MarkovRunner):
 
 
 def test_stats_split_drafter_engine_time_from_host_time(table):
-    draft_runner = _ClockedRunner(table + random_table(V, 4, spread=0.3))
-    target = _ClockedRunner(table)
-    stats = DecodeStats(draft_len=3)
-    out, _ = run(target, ModelDrafter("m", draft_runner), [0, 1, 2], draft_len=3, max_new=12, stats=stats)
+    draft = markov(table + random_table(V, 4, spread=0.3), runner_class=_ClockedRunner)
+    draft_runner = draft.runners[0]
+    target = markov(table, runner_class=_ClockedRunner)
+    out, stats = run(target, ModelDrafter("m", draft, {}), [0, 1, 2], draft_len=3, max_new=12)
     prefill_calls = 1  # the drafter's reset feeds the prompt once; that is prefill, not drafting
     assert stats.draft_engine_s == draft_runner.calls - prefill_calls
     assert stats.verify_s == stats.rounds  # one target forward per round
@@ -150,12 +146,12 @@ def test_stats_split_drafter_engine_time_from_host_time(table):
 def test_rejected_drafts_are_never_emitted(table):
     ref = greedy_reference(table, [0], 10)
     wrong = [(t + 1) % V for t in ref[:4]]
-    out, stats = run(MarkovRunner(table), FixedDrafter(wrong), [0], draft_len=4, max_new=10)
+    out, stats = run(markov(table), FixedDrafter(wrong), [0], draft_len=4, max_new=10)
     assert out == ref and stats.accepted <= stats.proposed
 
 
 def test_kv_full(table):
-    target = MarkovRunner(table, max_seq_len=12)
+    target = markov(table, max_seq_len=12)
     prompt = [1, 2, 3, 4, 5]
     out, stats = run(target, OracleDrafter(table), prompt, draft_len=4, max_new=100)
     # the cache holds 12 positions: 5 prompt + 7 generated, and the token after the last
@@ -164,7 +160,7 @@ def test_kv_full(table):
 
 
 def test_max_new_tokens_is_exact_with_long_drafts(table):
-    out, stats = run(MarkovRunner(table), OracleDrafter(table), [0], draft_len=4, max_new=3)
+    out, stats = run(markov(table), OracleDrafter(table), [0], draft_len=4, max_new=3)
     assert len(out) == 3 and stats.stop_reason == "max_new_tokens"
 
 
@@ -176,7 +172,7 @@ def test_stop_callback_ends_after_that_token(table):
         seen.append(token)
         return len(seen) == 4
 
-    out, stats = run(MarkovRunner(table), OracleDrafter(table), [0], max_new=10, stop=stop)
+    out, stats = run(markov(table), OracleDrafter(table), [0], max_new=10, stop=stop)
     assert out == ref[:4] and stats.stop_reason == "stop_string"
 
 
@@ -202,7 +198,7 @@ def test_sampled_output_follows_the_target_distribution(table, name, sampling):
     prompt, length, draws = [1, 2, 1], 3, 6000
     exact = _sequence_probs(table, prompt[-1], sampling, length)
     counts = dict.fromkeys(exact, 0)
-    target = MarkovRunner(table)
+    target = markov(table)
     drafter = drafters_for(table)[name]
     rng_seed = np.random.SeedSequence(42)
     for child in rng_seed.spawn(draws):
@@ -226,7 +222,7 @@ def test_a_biased_acceptance_rule_would_be_caught(table, monkeypatch):
     counts = dict.fromkeys(exact, 0)
     drafter = drafters_for(table)["model"]
     for seed in range(draws):
-        out, _ = run(MarkovRunner(table), drafter, prompt, draft_len=3, max_new=length, sampling=sampling, seed=seed)
+        out, _ = run(markov(table), drafter, prompt, draft_len=3, max_new=length, sampling=sampling, seed=seed)
         counts[tuple(out)] += 1
     cells = [(counts[s], p * draws) for s, p in exact.items() if p > 0]
     chi2 = sum((c - e) ** 2 / e for c, e in cells)
@@ -237,14 +233,14 @@ def test_a_biased_acceptance_rule_would_be_caught(table, monkeypatch):
 @pytest.mark.parametrize("name", ["none", "ngram", "model"])
 def test_seeded_runs_are_reproducible(table, name):
     sampling = Sampling(1.0, top_k=4)
-    a, _ = run(MarkovRunner(table), drafters_for(table)[name], [1, 2], max_new=25, sampling=sampling, seed=5)
-    b, _ = run(MarkovRunner(table), drafters_for(table)[name], [1, 2], max_new=25, sampling=sampling, seed=5)
-    c, _ = run(MarkovRunner(table), drafters_for(table)[name], [1, 2], max_new=25, sampling=sampling, seed=6)
+    a, _ = run(markov(table), drafters_for(table)[name], [1, 2], max_new=25, sampling=sampling, seed=5)
+    b, _ = run(markov(table), drafters_for(table)[name], [1, 2], max_new=25, sampling=sampling, seed=5)
+    c, _ = run(markov(table), drafters_for(table)[name], [1, 2], max_new=25, sampling=sampling, seed=6)
     assert a == b and a != c
 
 
 def test_stats_split_and_acceptance_by_position(table):
-    out, stats = run(MarkovRunner(table), drafters_for(table)["near-model"], [0, 1], draft_len=4, max_new=40)
+    out, stats = run(markov(table), drafters_for(table)["near-model"], [0, 1], draft_len=4, max_new=40)
     d = stats.to_dict()
     assert d["tokens"] == 40 and d["rounds"] == stats.rounds
     assert d["acceptance_length"] == pytest.approx(40 / stats.rounds)

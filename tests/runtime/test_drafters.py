@@ -1,57 +1,64 @@
 import numpy as np
 
 from specexport.runtime.acceptance import Sampling
-from specexport.runtime.drafters import ModelDrafter, NgramDrafter
+from specexport.runtime.drafters import DraftRow, ModelDrafter, NgramDrafter
 from specexport.runtime.kv_cache import KVCache
-from tests.runtime.fakes import MarkovRunner, random_table
+from tests.runtime.fakes import markov, random_table
 
 RNG = np.random.default_rng(0)
+GREEDY = Sampling()
 
 
-def propose(drafter, context, k):
-    return drafter.propose(np.array(context, dtype=np.int64), k, Sampling(), RNG).tokens.tolist()
+def propose(drafter, context, k, sampling=GREEDY, rng=RNG):
+    """The drafter's proposal for one row (slot 0)."""
+    return drafter.propose([DraftRow(np.array(context, dtype=np.int64), sampling, rng)], [k])[0]
+
+
+def proposed(drafter, context, k):
+    return propose(drafter, context, k).tokens.tolist()
 
 
 def test_ngram_longest_match_first():
     # "7 8 9" matches earlier in full (-> 1 2); the bare suffix "9" alone matches elsewhere (-> 5)
     context = [9, 5, 5, 7, 8, 9, 1, 2, 3, 0, 7, 8, 9]
-    assert propose(NgramDrafter(max_ngram=3), context, 2) == [1, 2]
-    assert propose(NgramDrafter(max_ngram=1), context, 2) == [1, 2]  # latest "9" with 2 tokens after
+    assert proposed(NgramDrafter(max_ngram=3), context, 2) == [1, 2]
+    assert proposed(NgramDrafter(max_ngram=1), context, 2) == [1, 2]  # latest "9" with 2 tokens after
 
 
 def test_ngram_prefers_the_latest_match_with_k_tokens_after():
     context = [4, 1, 2, 4, 3, 3, 4, 6, 4]
-    assert propose(NgramDrafter(max_ngram=1), context, 2) == [6, 4]
-    assert propose(NgramDrafter(max_ngram=1), context, 5) == [3, 3, 4, 6, 4]
+    assert proposed(NgramDrafter(max_ngram=1), context, 2) == [6, 4]
+    assert proposed(NgramDrafter(max_ngram=1), context, 5) == [3, 3, 4, 6, 4]
     # no occurrence has 6 tokens after it: take the longest continuation (the earliest)
-    assert propose(NgramDrafter(max_ngram=1), context, 6) == [1, 2, 4, 3, 3, 4]
+    assert proposed(NgramDrafter(max_ngram=1), context, 6) == [1, 2, 4, 3, 3, 4]
 
 
 def test_ngram_no_match_proposes_nothing():
-    assert propose(NgramDrafter(max_ngram=3, min_ngram=2), [1, 2, 3, 4, 5], 4) == []
-    assert propose(NgramDrafter(), [7], 4) == []
+    assert proposed(NgramDrafter(max_ngram=3, min_ngram=2), [1, 2, 3, 4, 5], 4) == []
+    assert proposed(NgramDrafter(), [7], 4) == []
 
 
 def test_ngram_min_size_is_respected():
     context = [1, 2, 3, 9, 3]  # only a 1-gram match ("3")
-    assert propose(NgramDrafter(max_ngram=3, min_ngram=2), context, 2) == []
-    assert propose(NgramDrafter(max_ngram=3, min_ngram=1), context, 2) == [9, 3]
+    assert proposed(NgramDrafter(max_ngram=3, min_ngram=2), context, 2) == []
+    assert proposed(NgramDrafter(max_ngram=3, min_ngram=1), context, 2) == [9, 3]
 
 
 def test_model_drafter_resyncs_after_partial_acceptance():
     table = random_table(5, seed=1)
-    runner = MarkovRunner(table)
-    drafter = ModelDrafter("m", runner)
+    model = markov(table)
+    runner = model.runners[0]
+    drafter = ModelDrafter("m", model, {})
     prompt = np.array([1, 2, 3])
-    drafter.reset(prompt, {})
+    drafter.join(0, prompt, {})
     assert runner.fed == [1, 2]
-    draft = drafter.propose(prompt, 4, Sampling(), RNG).tokens.tolist()
+    draft = proposed(drafter, prompt, 4)
     # fed the last prompt token, then drafts 1..3 (the 4th is never fed)
     assert runner.fed == [1, 2, 3, *draft[:3]]
-    drafter.accept(1, 4, {})  # target kept draft 1, then chose token 4
-    assert runner.fed == [1, 2, 3, draft[0]]
+    drafter.accept(0, 1, 4, {})  # target kept draft 1, then chose token 4
     context = np.array([1, 2, 3, draft[0], 4])
-    drafter.propose(context, 2, Sampling(), RNG)
+    drafter.propose([DraftRow(context, Sampling(), RNG)], [2])
+    # the rejected drafts were dropped: the row resumed after draft 1
     assert runner.fed[:5] == context.tolist()
 
 
@@ -84,11 +91,11 @@ def test_sampled_model_drafter_keeps_only_the_warped_rows_it_drew_from():
     from specexport.runtime.acceptance import Kept, warp_reference
 
     table = random_table(7, seed=3)
-    drafter = ModelDrafter("m", MarkovRunner(table))
+    drafter = ModelDrafter("m", markov(table), {})
     prompt = np.array([1, 2])
-    drafter.reset(prompt, {})
+    drafter.join(0, prompt, {})
     sampling = Sampling(0.9, top_k=4, top_p=0.8)
-    draft = drafter.propose(prompt, 3, sampling, np.random.default_rng(1))
+    draft = propose(drafter, prompt, 3, sampling, np.random.default_rng(1))
     assert len(draft.probs) == 3 and all(isinstance(q, Kept) for q in draft.probs)  # no [k, V] array
     previous = [2, *draft.tokens[:2].tolist()]
     for q, token, last in zip(draft.probs, draft.tokens.tolist(), previous):

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
+from specexport.contract import Manifest
 from specexport.errors import BadInput
 from specexport.runtime import load
 from specexport.runtime.costs import COSTS
 from specexport.runtime.integrity import RECORD, scan
-from specexport.runtime.manifest import Manifest
 from specexport.runtime.runner import time_interleaved
 from tests.conftest import REPO, TINY_SHAPE, run_cli
 
@@ -123,7 +123,7 @@ def test_record_falls_back_to_the_user_cache(engines, tmp_path):
     (engines / RECORD).unlink(missing_ok=True)  # a record the cached tiny build was copied with
     (engines / RECORD).mkdir()
     cache = tmp_path / "cache"
-    script = ("import sys; from specexport.runtime.integrity import scan; from specexport.runtime.manifest import Manifest;"
+    script = ("import sys; from specexport.runtime.integrity import scan; from specexport.contract import Manifest;"
               "print(sum(c.hashed for c in scan(Manifest.load(sys.argv[1]))))")
     env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
     runs = [subprocess.run([sys.executable, "-c", script, str(engines)], capture_output=True, text=True, env=env,

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import yaml
 
-from specexport.errors import BadInput
 from specexport.runtime import load
 from specexport.runtime.acceptance import Sampling
 from tests.conftest import TINY_SHAPE, check_one_line, tiny_recipe
@@ -64,11 +63,19 @@ def test_sampled_tokens_follow_the_target_over_a_recurrent_state(tiny_engines, r
     assert_sampled_as_target(counts, exact, draws, right_rule=rule is None)
 
 
-def test_the_batched_loop_refuses_a_recurrent_target_in_one_line(tiny_engines):
+def test_the_loop_runs_a_recurrent_target_one_sequence_at_a_time(tiny_engines):
+    """One slot: prompts take it in turn, each decoding as generate does; more slots are refused
+    in one line (a recurrent state per sequence)."""
+    from specexport.runtime.model import slots_refusal
+
     pipe = load(tiny_engines.for_arch("qwen3_5", "standard"))
-    with pytest.raises(BadInput, match="linear-attention layers") as refused:
-        pipe.batch_loop()
-    assert "\n" not in str(refused.value)
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11], [12, 13, 14, 15, 12, 13]]
+    together = pipe.generate_batch(prompts, drafter="ngram", max_new_tokens=8, adaptive=False)
+    assert pipe.batched_target().slots == 1
+    assert [g.token_ids for g in together] == [pipe.generate(prompt_ids=p, drafter="ngram", max_new_tokens=8,
+                                                             adaptive=False).token_ids for p in prompts]
+    refused = slots_refusal(pipe.manifest, "target", "onnxruntime", [1, 2])
+    assert "linear-attention layers" in refused and "\n" not in refused
 
 
 @pytest.mark.parametrize("attention, change, says", [

@@ -27,7 +27,7 @@ _SCRIPT = textwrap.dedent("""
     import onnx
     from onnx import helper, TensorProto, numpy_helper
     from specexport.runtime.engine import EngineOptions
-    from specexport.runtime.manifest import TensorSpec
+    from specexport.contract import TensorSpec
     from specexport.runtime.ort_engine import OrtEngine, SHARED_POOL
 
     w = numpy_helper.from_array(np.ones((64, 64), np.float32), "w")

@@ -24,9 +24,11 @@ from specexport.contract import (
     state_present_names,
 )
 from specexport.runtime.acceptance import Draft, Sampling
-from specexport.runtime.decode import DecodeStats, decode
+from specexport.runtime.drafters import Stateless
 from specexport.runtime.kv_cache import KVCache, RecurrentCache, open_host_cache
+from specexport.runtime.model import Model, SlotCaches
 from specexport.runtime.runner import ModelRunner
+from tests.runtime.fakes import decode
 
 VOCAB = 50
 LAYOUT = StateLayout(num_layers=1, conv_channels=1, conv_kernel=3, heads=1, key_dim=1, value_dim=1)
@@ -128,37 +130,29 @@ def test_rewind_reaches_back_only_over_the_kept_positions():
     assert runner.forward([5]).next_tokens[0] == reference_greedy([5], 1)[0]
 
 
-class CorruptOracle:
+class CorruptOracle(Stateless):
     """Drafts the target's true continuation, wrong from a random position on: every round
     keeps a different number of drafts, so the target's state is selected at every depth."""
 
     name = "corrupt-oracle"
-    engine_seconds = 0.0
-    needs: tuple[str, ...] = ()
 
     def __init__(self, seed: int):
         self.rng = np.random.default_rng(seed)
 
-    def reset(self, prompt, target_out=None) -> None:
-        pass
-
-    def propose(self, context, k, sampling, rng):
+    def propose_one(self, context, k):
         tokens = np.array(reference_greedy(context.tolist(), k), dtype=np.int64)
         cut = int(self.rng.integers(0, k + 1))
         tokens[cut:] = (tokens[cut:] + 1) % VOCAB
         return Draft(tokens)
-
-    def accept(self, n, token, target_out=None) -> None:
-        pass
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_speculative_greedy_over_a_recurrent_state_equals_the_target_alone(seed):
     prompt = np.array([4, 17, 23, 8, 30, 2, 19, 41, 6], dtype=np.int64)
     runner = hybrid_runner()
-    stats = DecodeStats(draft_len=4)
-    out = list(decode(runner, CorruptOracle(seed), prompt, draft_len=4, max_new_tokens=40, sampling=Sampling(),
-                      eos_ids=frozenset(), rng=np.random.default_rng(seed), stats=stats))
+    target = Model("fake", [runner], {}, SlotCaches([runner.cache], None), S_MAX)
+    out, stats = decode(target, CorruptOracle(seed), prompt, draft_len=4, max_new_tokens=40, sampling=Sampling(),
+                        rng=np.random.default_rng(seed))
     assert out == reference_greedy(prompt.tolist(), 40)
     accepted = [i for i, a in enumerate(stats.accepted_at) if a]
     assert stats.rounds < 40 and len(accepted) >= 3  # drafts were kept at several depths

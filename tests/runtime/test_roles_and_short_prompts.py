@@ -23,7 +23,7 @@ DRAFTERS = ("none", "ngram", "quantized-self", "draft-model")
 def probe_dir(tmp_path_factory):
     """A target-only tiny build whose probe graph (24 tokens) is larger than its prefill chunk (8)."""
     from specexport.exporter.builder import build
-    from specexport.exporter.progress import Reporter
+    from specexport.progress import Reporter
 
     root = tmp_path_factory.mktemp("probe")
     recipe = tiny_recipe(root / "probe.yaml", name="tiny-probe", drafters=[{"kind": "ngram"}], max_seq_len=64,

@@ -14,8 +14,7 @@ from specexport.contract import DraftSchedule
 from specexport.errors import BadInput
 from specexport.runtime import load
 from specexport.runtime.acceptance import Sampling
-from specexport.runtime.batch_decode import Request, decode_batch
-from specexport.runtime.batched_model import BatchedTarget
+from specexport.runtime.loop import Request, decode_batch
 from tests.conftest import run_cli, tiny_recipe
 
 
@@ -60,7 +59,7 @@ def test_the_loop_drafts_only_where_the_schedule_allows(batched_engines):
     prompts = [motif * 5, [12, 13] + motif * 4, motif * 3 + [14]]
     alone = [pipe.generate(prompt_ids=p, drafter="ngram", max_new_tokens=12, adaptive=False).token_ids
              for p in prompts]
-    target = BatchedTarget(pipe.manifest, pipe.backend, pipe.options, pipe.sessions)
+    target = pipe.batched_target()
     # per-sequence depth reads the cost surface t(B, T): timed once (which also warms every call
     # up), then replaced by one where a verify token is nearly free, so that drafting pays
     # whatever else the machine runs (the width rule has its own tests): this test is about the
@@ -70,9 +69,9 @@ def test_the_loop_drafts_only_where_the_schedule_allows(batched_engines):
 
     def run(schedule, per_sequence=False):
         # each run starts from that surface (a run updates it from the calls it makes)
-        target.costs = {(batch, tokens): timed[(batch, 1)] * (1 + 0.01 * tokens) for batch, tokens in target.calls}
+        target.costs = {(batch, tokens): timed[(batch, 1)] * (1 + 0.01 * tokens) for batch, tokens in timed}
         requests = [Request(np.asarray(p), 12, Sampling()) for p in prompts]
-        return decode_batch(target, pipe.drafter("ngram"), requests, draft_len=d, eos_ids=pipe.text.eos_ids,
+        return decode_batch(target, pipe.drafter("ngram", target.slots), requests, draft_len=d, eos_ids=pipe.text.eos_ids,
                             schedule=schedule, per_sequence=per_sequence)
 
     for per_sequence in (False, True):  # per-sequence depth chooses widths under the schedule's cap
@@ -119,9 +118,9 @@ def test_per_sequence_depth_is_lossless(batched_engines):
     prompts = [motif * 5, list(range(20, 45)), motif * 3 + [14], list(range(60, 70)), [5]]
     alone = [pipe.generate(prompt_ids=p, drafter="ngram", max_new_tokens=16, adaptive=False).token_ids
              for p in prompts]
-    target = BatchedTarget(pipe.manifest, pipe.backend, pipe.options, pipe.sessions)
+    target = pipe.batched_target()
     requests = [Request(np.asarray(p), 16, Sampling()) for p in prompts]
-    done = decode_batch(target, pipe.drafter("ngram"), requests, draft_len=pipe.manifest.draft_len,
+    done = decode_batch(target, pipe.drafter("ngram", target.slots), requests, draft_len=pipe.manifest.draft_len,
                         eos_ids=pipe.text.eos_ids, per_sequence=True)
     assert [r.tokens for r in done] == alone
-    assert set(target.costs) == set(target.calls) and all(t > 0 for t in target.costs.values())
+    assert set(target.costs) >= set(target.calls) and all(t > 0 for t in target.costs.values())

@@ -26,9 +26,9 @@ import numpy as np
 import onnx
 import pytest
 
+from specexport.contract import EngineEntry, TensorSpec
 from specexport.errors import BadInput
 from specexport.runtime.kv_cache import KVCache
-from specexport.runtime.manifest import EngineEntry, TensorSpec
 from specexport.runtime.trt_engine import (
     CudaDevice,
     append_copies,
@@ -81,8 +81,8 @@ def test_build_of_a_tensorrt_recipe_exits_2_before_exporting(tmp_path):
 
 @without_gpu
 def test_build_from_onnx_names_the_extra_and_leaves_the_directory(tiny_dir, tmp_path):
-    from specexport.cli_trt import build_from_onnx
-    from specexport.exporter.progress import Reporter
+    from specexport.cli.trt import build_from_onnx
+    from specexport.progress import Reporter
 
     engines = tmp_path / "engines"
     shutil.copytree(tiny_dir, engines)
@@ -428,7 +428,7 @@ MISBOUND = textwrap.dedent("""
     from specexport.errors import SpecexportError
     from specexport.runtime import trt_engine
     from specexport.runtime.engine import EngineOptions
-    from specexport.runtime.manifest import Manifest
+    from specexport.contract import Manifest
 
     root, feeds, out = Path(sys.argv[1]), dict(np.load(sys.argv[2])), Path(sys.argv[3])
     entry = next(e for e in Manifest.load(root).engines_of("target", "tensorrt") if e.name == sys.argv[4])
@@ -475,13 +475,12 @@ MISBOUND = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def misbound(fake_plans_dir, tmp_path_factory) -> tuple[dict, dict[str, np.ndarray]]:
     """(what each binding case ended in, onnxruntime's outputs on the same feeds)."""
+    from specexport.contract import Manifest, engine_to_json
     from specexport.runtime.engine import EngineOptions, open_engine
-    from specexport.runtime.manifest import Manifest
 
     manifest = Manifest.load(fake_plans_dir)
     entry = next(e for e in manifest.engines_of("target", "onnxruntime") if e.role == "verify")
-    raw = next(e for e in manifest.raw["engines"] if e["name"] == entry.name and e["backend"] == "onnxruntime")
-    feeds = feeds_for(raw)
+    feeds = feeds_for(engine_to_json(entry))
     out = tmp_path_factory.mktemp("misbound")
     np.savez(out / "feeds.npz", **feeds)
     cases = json_from_fake_gpu(MISBOUND, fake_plans_dir, out / "feeds.npz", out, entry.name)
@@ -519,9 +518,9 @@ def test_the_fake_tensorrt_writes_each_output_where_its_name_is_bound(misbound):
 
 
 def test_the_target_never_falls_back(tiny_dir, tmp_path):
+    from specexport.contract import Manifest
     from specexport.runtime.api import Pipeline
     from specexport.runtime.engine import EngineOptions
-    from specexport.runtime.manifest import Manifest
 
     manifest = Manifest.load(as_tensorrt_build(tiny_dir, tmp_path / "engines", ("draft-model",), fake_plans=False))
     with pytest.raises(BadInput, match="no tensorrt engines for model 'target'"):
@@ -534,7 +533,7 @@ def test_the_target_never_falls_back(tiny_dir, tmp_path):
 @pytest.fixture(scope="module")
 def trt_dir(tmp_path_factory) -> Path:
     from specexport.exporter.builder import build
-    from specexport.exporter.progress import Reporter
+    from specexport.progress import Reporter
 
     recipe = tmp_path_factory.mktemp("trt") / "tiny-trt.yaml"
     text = (REPO / "recipes" / "tiny-llama.yaml").read_text().replace("name: tiny-llama", "name: tiny-trt")
@@ -564,8 +563,8 @@ def test_gpu_tensorrt_greedy_equals_onnxruntime(trt_dir):
 def test_gpu_device_kv_and_cuda_graphs_match_the_host_path(trt_dir):
     from dataclasses import dataclass
 
+    from specexport.contract import Manifest
     from specexport.runtime.engine import EngineOptions
-    from specexport.runtime.manifest import Manifest
     from specexport.runtime.runner import ModelRunner
     from specexport.runtime.trt_engine import DeviceKVCache, open_trt_engine
 

@@ -287,7 +287,7 @@ def test_a_rate_stops_at_its_duration_limit(monkeypatch):
 
 
 def test_cli_refuses_bad_arguments(tmp_path):
-    from specexport.cli_bench_serve import bench_serve
+    from specexport.cli.serve import bench_serve
 
     with pytest.raises(BadInput, match="one of them"):
         bench_serve.main([], standalone_mode=False)
@@ -328,7 +328,7 @@ def _prompts(tmp_path):
 def test_bench_against_spawned_servers(batched_engines, tmp_path):
     """Both drafters' servers, two rates, a handful of requests: every request answered, and the
     tokens the bench counted are the server's own totals."""
-    from specexport.cli_bench_serve import bench_serve
+    from specexport.cli.serve import bench_serve
 
     out = tmp_path / "out"
     bench_serve.main(["--spawn", str(batched_engines), "--drafters", "ngram,none", "--rates", "4,inf",

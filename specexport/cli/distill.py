@@ -1,7 +1,6 @@
 """`specexport distill`: train a drafter head for a recipe's target (exporter/distill/).
 
-Kept apart from cli.py, which registers it; torch and the exporter load only when it runs, so
-a runtime-only install still imports the CLI.
+torch and the exporter load only when it runs, so a runtime-only install still imports the CLI.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""TensorRT commands for the `specexport` group: `lint`, and `build --from-onnx`'s body.
+"""The TensorRT pieces of the CLI: `lint`, and the body of `build --from-onnx` (cli/build.py).
 
-Kept apart from cli.py so the TensorRT pieces stay in one place; cli.py adds the command and
-the option. Like the rest of the CLI, the exporter is imported lazily.
+The exporter, onnx and TensorRT load only when they run.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
-"""The batched decode loop: many sequences, one verify pass per round for all of them.
+"""The decode loop: prefill, then rounds of draft -> verify -> accept -> commit, for every
+running sequence at once. A lone request (``generate``) is a batch of one.
 
-Each running sequence owns a slot, a row of the target's [B_max, n_kv, S_max, hd] cache, and
-its own state: committed tokens, position, drafter, sampling, stops and stats. A round drafts
-for every running sequence, feeds all of them through the target's batched graph (each row
-right-padded to the longest; VALID_TOKENS gives its real count and CACHE_LENGTH its position,
-so padding is neither attended to nor written), then accepts and commits per row exactly as the
-single-sequence loop (runtime/decode.py) does. Sequences join free slots between rounds (each
-prefilled alone, at batch 1, into its own row) and leave when done; the running rows are kept at
-the front of the cache, so a round runs the smallest built batch size that holds them.
-
-Drafters: a ``BatchDrafter`` drafts for every running row at once and keeps any per-sequence
-state in slots that follow the target's (``join``, ``accept``, ``move``). Drafters without engine
-state (none, ngram) run through ``PerRow``, one row after another; the int4 copy and draft models
-have their own [B_max] cache and batched graphs (runtime/batch_drafter.py, which also says which
-drafters can run here and why not), the hidden-state heads a [B_max] head cache and batched head
-graphs (runtime/batch_chain.py, batch_block.py). A drafter's ``needs`` (a head's
-aux_hidden_states) are asked of the prefill and of every batched verify pass, and each row's
-slice of the positions it committed is handed to its slot, as runtime/decode.py hands them over.
+Each running sequence owns a slot, a row of the target's cache, and its own state: committed
+tokens, position, sampling, stops, stats, adaptive depth. Cache invariant: a row's cache holds
+every committed token but the last one. A round feeds each row [last, d1..dk] (right-padded to
+the longest; one row runs alone), so the target's outputs at those 1+k positions give its choice
+after each prefix; the accepted drafts and the next token are committed, and the row's cache
+length moves back past the rejected drafts (a rewind is a length). Sequences join free slots
+between rounds (each prefilled alone, at batch 1, into its row) and leave when done; running
+rows stay at the front of the cache, so a round runs the smallest built batch that holds them.
 """
 
 from __future__ import annotations
@@ -25,22 +17,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
-from specexport.contract import (
-    LOGITS,
-    NEXT_TOKENS,
-    DraftSchedule,
-)
-from specexport.errors import BadInput
-from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Sampling, Warped, greedy, rejection
+from specexport.contract import LOGITS, NEXT_TOKENS, DraftSchedule
+from specexport.runtime.acceptance import Draft, Sampling, Warped, greedy, rejection
 from specexport.runtime.adaptive import DepthPolicy
-from specexport.runtime.batched_model import BatchedTarget
-from specexport.runtime.decode import DecodeStats
-from specexport.runtime.drafters import NO_COST, Drafter, TargetOut
+from specexport.runtime.drafters import Drafter, DraftRow
 from specexport.runtime.goodput import best_width, observed
+from specexport.runtime.model import Model
+from specexport.runtime.stats import DecodeStats
 
 
 @dataclass
@@ -65,81 +51,7 @@ class _Running:
     context: np.ndarray  # [S_max + 1] committed tokens: prompt + output
     length: int  # committed tokens; the cache holds length - 1 of them
     stats: DecodeStats
-    policy: DepthPolicy | None = None  # this sequence's own adaptive depth (as runtime/decode.py's)
-
-
-@dataclass(frozen=True)
-class DraftRow:
-    """What a batched drafter sees of one running sequence (row r of a round is slot r)."""
-
-    context: np.ndarray  # [n] committed tokens: prompt + output so far
-    sampling: Sampling
-    rng: np.random.Generator  # the sequence's own stream (drafts drawn from it, then its rejection)
-
-
-class BatchDrafter(Protocol):
-    """A drafter in the batched loop. Per-sequence state (a cache row) lives in slots that follow
-    the target's: a sequence joins a slot, every round drafts for all running rows at once, and
-    when a row leaves, the last row's state moves into its slot."""
-
-    name: str
-    needs: tuple[str, ...]  # target outputs it reads (a head's aux_hidden_states); empty for most
-
-    @property
-    def engine_seconds(self) -> float:
-        """Seconds inside the drafter's engines so far (0 without any)."""
-
-    def join(self, slot: int, prompt: np.ndarray, target_out: TargetOut) -> None:
-        """A sequence starts in ``slot`` (the target has just prefilled prompt[:-1] there;
-        ``target_out``: the outputs named by ``needs``, one row per prefilled position)."""
-
-    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
-        """A draft for every running row (row r in slot r) of at most ``ks[r]`` tokens; ks[r] = 0:
-        EMPTY_DRAFT, and the row's state stays a valid prefix of its context. Sampled rows give
-        the distributions their tokens were drawn from, drawn with the row's own rng."""
-
-    def accept(self, slot: int, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
-        """The target kept ``n_accepted`` of the slot's drafts and chose ``next_token`` after them;
-        ``target_out``: the row's outputs named by ``needs`` for the 1 + n_accepted committed
-        positions (valid during the call), as the single-sequence loop hands them over."""
-
-    def move(self, src: int, dst: int) -> None:
-        """Slot ``dst`` takes over slot ``src``'s sequence (a row left: the last one moves in)."""
-
-
-class PerRow:
-    """A drafter without engine state (none, ngram) in the batched loop: each row drafts from
-    its own context, one after another."""
-
-    def __init__(self, drafter: Drafter):
-        if drafter.needs or drafter.draft_cost != NO_COST:
-            raise BadInput(f"drafter '{drafter.name}' keeps engine state per sequence; the batched loop runs its "
-                           "batched form (runtime/batch_drafter.py), not the single-sequence one")
-        self.drafter = drafter
-        self.name = drafter.name
-        self.needs: tuple[str, ...] = ()
-
-    @property
-    def engine_seconds(self) -> float:
-        return self.drafter.engine_seconds
-
-    def join(self, slot: int, prompt: np.ndarray, target_out: TargetOut) -> None:
-        self.drafter.reset(prompt, {})
-
-    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
-        return [self.drafter.propose(row.context, k, row.sampling, row.rng) if k > 0 else EMPTY_DRAFT
-                for row, k in zip(rows, ks)]
-
-    def accept(self, slot: int, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
-        self.drafter.accept(n_accepted, next_token, {})
-
-    def move(self, src: int, dst: int) -> None:
-        pass
-
-
-def as_batch_drafter(drafter: BatchDrafter | Drafter) -> BatchDrafter:
-    """A BatchDrafter as it is; a stateless single-sequence drafter through ``PerRow``."""
-    return drafter if hasattr(drafter, "join") else PerRow(drafter)  # type: ignore[arg-type]
+    policy: DepthPolicy | None = None  # this sequence's own adaptive depth
 
 
 @dataclass
@@ -156,26 +68,26 @@ class RoundReport:
 
 
 class BatchLoop:
-    """Continuous batching over one BatchedTarget: requests are submitted under a key at any
+    """Continuous batching over the target's slots: requests are submitted under a key at any
     time, join free slots between rounds (prefilled alone, at batch 1, into their row), and
     leave when done or cancelled. ``step()`` runs one round; the caller decides when (a batch
     call loops until idle, the server's engine thread forever). Not thread-safe: one thread
     owns it."""
 
-    def __init__(self, target: BatchedTarget, drafter: BatchDrafter | Drafter, *, draft_len: int, eos_ids: frozenset[int],
+    def __init__(self, target: Model, drafter: Drafter, *, draft_len: int, eos_ids: frozenset[int],
                  on_token: Callable[[Hashable, int], None] | None = None, schedule: DraftSchedule | None = None,
                  per_sequence: bool = False, on_round: Callable[[RoundReport], None] | None = None,
                  adaptive: Callable[[], DepthPolicy] | None = None):
         if per_sequence and not target.costs:
             target.measure_costs()
         self.target, self.draft_len, self.eos_ids = target, draft_len, eos_ids
-        self.drafter = as_batch_drafter(drafter)
+        self.drafter = drafter
         self.on_token, self.on_round = on_token, on_round
         self.schedule = schedule  # caps the depth; per_sequence then picks the width under it
         self.widths = _Widths(DepthPolicy(lambda tokens: None)) if per_sequence else None
-        # Each sequence's own adaptive depth under the cap, chosen and updated exactly as the
-        # single-sequence loop does: a request alone in the batch decodes as `generate` does
-        # (the same depths, so the same draws when sampled). per_sequence replaces it.
+        # Each sequence's own adaptive depth under the cap: a request alone in the batch decodes
+        # as `generate` does (the same depths, so the same draws when sampled). per_sequence
+        # replaces it.
         self.adaptive = None if per_sequence else adaptive
         self.waiting: deque[tuple[Hashable, Request]] = deque()
         self.running: list[_Running] = []
@@ -236,7 +148,7 @@ class BatchLoop:
         return ended
 
 
-def decode_batch(target: BatchedTarget, drafter: BatchDrafter | Drafter, requests: Sequence[Request], *, draft_len: int,
+def decode_batch(target: Model, drafter: Drafter, requests: Sequence[Request], *, draft_len: int,
                  eos_ids: frozenset[int], on_token: Callable[[int, int], None] | None = None,
                  schedule: DraftSchedule | None = None, per_sequence: bool = False,
                  adaptive: Callable[[], DepthPolicy] | None = None) -> list[Finished]:
@@ -256,15 +168,15 @@ def decode_batch(target: BatchedTarget, drafter: BatchDrafter | Drafter, request
     return [finished[i] for i in range(len(requests))]
 
 
-def _start(target: BatchedTarget, drafter: BatchDrafter, slot: int, key: Hashable, request: Request,
+def _start(target: Model, drafter: Drafter, slot: int, key: Hashable, request: Request,
            draft_len: int) -> _Running:
     prompt = np.asarray(request.prompt, dtype=np.int64)
     context = np.zeros(target.max_seq_len + 1, dtype=np.int64)
     context[: len(prompt)] = prompt
     stats = DecodeStats(draft_len=draft_len)
     start = time.perf_counter()
-    runner = target.prefill[slot]
-    runner.rewind(0)
+    runner = target.runners[slot]
+    runner.cache.set_length(0)
     prefill = runner.forward(prompt[:-1], want=drafter.needs)  # the last prompt token opens round one
     drafter.join(slot, prompt, prefill.extras)
     stats.prefill_s = time.perf_counter() - start
@@ -281,7 +193,7 @@ class _Widths:
     policy: DepthPolicy
     skipped: int = 0
 
-    def choose(self, target: BatchedTarget, drafts: list[Draft], rows: int, width: int, default_tag: str) -> int:
+    def choose(self, target: Model, drafts: list[Draft], rows: int, width: int, default_tag: str) -> int:
         batch = target.batch_for(rows)
         built = target.widths(rows)
         holding = [w for w in built if w >= width][:1] or built[-1:]  # the narrowest holding every draft
@@ -294,67 +206,85 @@ class _Widths:
         return chosen
 
 
-def _round(target: BatchedTarget, drafter: BatchDrafter, running: list[_Running], draft_len: int,
+def _round(target: Model, drafter: Drafter, running: list[_Running], draft_len: int,
            eos_ids: frozenset[int], on_token: Callable[[Hashable, int], None] | None,
            widths: _Widths | None = None) -> RoundReport:
     """One draft -> verify -> accept -> commit round over every running sequence."""
     start = time.perf_counter()
-    # each row's depth: the round's, within its cache and its token budget (0: it only verifies)
-    ks = [min(draft_len, target.max_seq_len - seq.length, seq.request.max_new_tokens - seq.stats.tokens - 1)
+    ks = _depths(drafter, running, draft_len, target.max_seq_len)
+    drafts = _draft(drafter, running, ks, start)
+    drafts, out, report = _verify(target, drafter, running, drafts, draft_len, widths)
+    for r, (seq, draft) in enumerate(zip(running, drafts)):
+        sampling = seq.request.sampling
+        if sampling.greedy:
+            n_accepted, next_token = greedy(draft.tokens, out[NEXT_TOKENS][r, : 1 + draft.size])
+        else:
+            n_accepted, next_token = rejection(draft, Warped(out[LOGITS][r, : 1 + draft.size], sampling),
+                                               seq.request.rng)
+        # the drafter sees the row's outputs of its committed positions only (first token, accepted drafts)
+        drafter.accept(r, n_accepted, next_token, {name: out[name][r, : 1 + n_accepted] for name in drafter.needs})
+        for policy in (widths.policy if widths else None, seq.policy):
+            if policy is not None:
+                policy.update(draft.tag or drafter.name, draft.size, n_accepted)
+        before = (seq.stats.proposed, seq.stats.accepted)
+        _commit(seq, draft, n_accepted, next_token, eos_ids, on_token)  # the rewind: the next run's length
+        report.proposed.append(seq.stats.proposed - before[0])
+        report.accepted.append(seq.stats.accepted - before[1])
+        seq.stats.verify_s += report.verify_s
+        seq.stats.total_s += time.perf_counter() - start
+    return report
+
+
+def _depths(drafter: Drafter, running: list[_Running], draft_len: int, max_seq_len: int) -> list[int]:
+    """Each row's depth: the round's, within its cache and its token budget (0: it only
+    verifies), then as its own adaptive depth chooses."""
+    ks = [min(draft_len, max_seq_len - seq.length, seq.request.max_new_tokens - seq.stats.tokens - 1)
           for seq in running]
-    ks = [seq.policy.best_depth(drafter.name, k) if seq.policy is not None else k for seq, k in zip(running, ks)]
+    return [seq.policy.best_depth(drafter.name, k) if seq.policy is not None else k for seq, k in zip(running, ks)]
+
+
+def _draft(drafter: Drafter, running: list[_Running], ks: list[int], start: float) -> list[Draft]:
+    """One proposal for every row (a prefix kept where adaptive depth trims one that exists)."""
     engine_before = drafter.engine_seconds
     drafts = drafter.propose([DraftRow(seq.context[: seq.length], seq.request.sampling, seq.request.rng)
                               for seq in running], ks)
     drafts = [seq.policy.trim(d, drafter.name) if seq.policy is not None else d for seq, d in zip(running, drafts)]
     draft_s, draft_engine_s = time.perf_counter() - start, drafter.engine_seconds - engine_before
-    for seq in running:  # every row waits for the whole batched draft, as for the verify pass
+    for seq in running:  # every row waits for the whole draft, as for the verify pass
         seq.stats.draft_s += draft_s
         seq.stats.draft_engine_s += draft_engine_s
-    # rows are padded to the longest; an in-place graph checks the padded length against the cache
+    return drafts
+
+
+def _verify(target: Model, drafter: Drafter, running: list[_Running], drafts: list[Draft], draft_len: int,
+            widths: _Widths | None) -> tuple[list[Draft], dict[str, np.ndarray], RoundReport]:
+    """One target run over every row, [last, d1..dk] at the row's cache length, right-padded to
+    the longest: the drafts it verified (trimmed to what the graph holds), its outputs (next_tokens
+    [B, T], logits [B, T, V] when a row samples, the drafter's needs) and the round's report."""
+    n = len(running)
+    # an in-place graph checks the padded length against the cache: the width fits every row
     room = min(target.max_seq_len - (seq.length - 1) for seq in running)
     width = min(1 + max(d.size for d in drafts), room)
     if widths is not None and width > 1:  # the width with the most expected tokens per second of verify
-        width = widths.choose(target, drafts, len(running), width, drafter.name)
-    call = target.call_for(len(running), width)
-    drafts = [d if 1 + d.size <= call.tokens else d.trimmed(call.tokens - 1) for d in drafts]
+        width = widths.choose(target, drafts, n, width, drafter.name)
+    holds = target.holds(n, width)
+    drafts = [d if 1 + d.size <= holds else d.trimmed(holds - 1) for d in drafts]
     sampled = any(not seq.request.sampling.greedy for seq in running)
-    rows = [(seq.length - 1, np.concatenate((seq.context[seq.length - 1 : seq.length], d.tokens)))
-            for seq, d in zip(running, drafts)]
-    t0 = time.perf_counter()
-    out = call.run(rows, sampled, drafter.needs)  # a head's aux_hidden_states [B, T, F] too
-    verify_s = time.perf_counter() - t0
-    target.seconds += verify_s
+    rows = {r: (seq.length - 1, np.concatenate((seq.context[seq.length - 1 : seq.length], d.tokens)), {})
+            for r, (seq, d) in enumerate(zip(running, drafts))}
+    before = target.seconds
+    out = target.run(n, rows, sampled, drafter.needs)
+    verify_s = target.seconds - before
+    graph = target.graph(n, min(width, holds))  # (B, T) of the verify graph
     if widths is not None:
-        key = (call.batch, call.tokens)
-        target.costs[key] = observed(target.costs.get(key), verify_s)
-    report = RoundReport(len(running), call.batch, call.tokens, draft_len, [], [], verify_s)
-    for r, (seq, draft) in enumerate(zip(running, drafts)):
-        valid = 1 + draft.size
-        if seq.request.sampling.greedy:
-            n_accepted, next_token = greedy(draft.tokens, out[NEXT_TOKENS][r, :valid])
-        else:
-            n_accepted, next_token = rejection(draft, Warped(out[LOGITS][r, :valid], seq.request.sampling),
-                                               seq.request.rng)
-        # the row's outputs of its committed positions only (its first token, the accepted drafts)
-        drafter.accept(r, n_accepted, next_token, {name: out[name][r, : 1 + n_accepted] for name in drafter.needs})
-        tag = draft.tag or drafter.name
-        if widths is not None:
-            widths.policy.update(tag, draft.size, n_accepted)
-        if seq.policy is not None:
-            seq.policy.update(tag, draft.size, n_accepted)
-        before = (seq.stats.proposed, seq.stats.accepted)
-        _commit(seq, draft, n_accepted, next_token, eos_ids, on_token)
-        report.proposed.append(seq.stats.proposed - before[0])
-        report.accepted.append(seq.stats.accepted - before[1])
-        seq.stats.verify_s += verify_s
-        seq.stats.total_s += time.perf_counter() - start
-    return report
+        target.costs[graph] = observed(target.costs.get(graph), verify_s)
+    return drafts, out, RoundReport(n, graph[0], graph[1], draft_len, [], [], verify_s)
 
 
 def _commit(seq: _Running, draft: Draft, n_accepted: int, next_token: int, eos_ids: frozenset[int],
             on_token: Callable[[Hashable, int], None] | None) -> None:
-    """The round's tokens, cut where the sequence stops (as runtime/decode.py does)."""
+    """The round's tokens, cut where the sequence stops: EOS, a stop string, the token budget, a
+    full cache. Decided before any is yielded, so the stats count exactly the tokens emitted."""
     stats, request = seq.stats, seq.request
     emitted = 0
     for token in (*draft.tokens[:n_accepted].tolist(), next_token):

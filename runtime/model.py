@@ -1,0 +1,297 @@
+"""One way to open a model's engines: (manifest, model, roles, slots) -> a ``Model``.
+
+A Model is one model's graphs over one cache with a row per slot (a running sequence):
+
+- **one running row** runs through its slot's batch-1 runner (runtime/runner.py: chunked by
+  cost, any length). Every kind of graph runs there: in-place (ort-gqa) and append (standard)
+  graphs, a device-resident cache (TensorRT), a recurrent state (hybrid targets). A lone
+  request, `generate`, is this case;
+- **two or more rows** run through the batched graph of the smallest built batch size that
+  holds them, and its smallest T that holds the longest row, right-padded. In-place graphs
+  take each row's ``valid_tokens`` and write only those positions; for append graphs the
+  runtime copies each row's real positions into its cache row. Rows that do not run idle.
+
+Batched graphs share one host cache [slots, n_kv, S_max, hd]; each slot's runner sees its row
+(``SlotView``). A model without batched graphs at that size (a head of a directory built before
+them) runs each row through its slot's runner in turn. A cache on the device or with a
+recurrent state opens one slot only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specexport.contract import (
+    CACHE_LENGTH,
+    CONTEXT_FEATURES,
+    CONTEXT_VALID,
+    INPUT_IDS,
+    LOGITS,
+    NEXT_TOKENS,
+    VALID_TOKENS,
+    EngineEntry,
+    KVUpdate,
+    Manifest,
+    ModelEntry,
+    Role,
+    past_names,
+    present_names,
+    present_of,
+)
+from specexport.errors import BadInput
+from specexport.runtime.engine import Engine, EngineOptions, LazyEngine, SharedGraphs, open_kv_cache
+from specexport.runtime.kv_cache import CacheLength, KVCache, append_rows
+from specexport.runtime.runner import PAD_ID, ModelRunner, StepOutput, time_interleaved
+
+Row = tuple[int, np.ndarray, Mapping[str, np.ndarray]]  # (cache length, tokens [n], extra inputs name -> [n, F])
+HOST_BACKEND = "onnxruntime"  # the backend whose batched graphs share a host cache
+
+
+class SlotView(KVCache):
+    """Row ``slot`` of a [slots] host cache seen as a batch-1 cache: its runner writes that row
+    (in place or appended). Batched calls write the row without counting here: the caller says
+    how long it is before each run (``set_length``)."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], slot: int, num_layers: int, max_seq_len: int):
+        CacheLength.__init__(self, num_layers, max_seq_len)
+        self._tensors = {name: array[slot : slot + 1] for name, array in tensors.items()}  # [1, n_kv, S_max, hd]
+        self._present_names = {name: present_of(name) for name in self._tensors}
+
+    def set_length(self, length: int) -> None:
+        if not 0 <= length <= self.max_seq_len:
+            raise ValueError(f"a slot of {self.max_seq_len} positions cannot hold {length}")
+        self.length = length
+
+
+@dataclass
+class SlotCaches:
+    """A model's cache: one batch-1 cache per slot, and the [slots] host tensors they view (None
+    for one slot, whose cache may live on the device or keep a recurrent state)."""
+
+    slots: list[CacheLength]
+    tensors: dict[str, np.ndarray] | None
+
+
+def host_tensors(info: ModelEntry, slots: int) -> dict[str, np.ndarray]:
+    """past name -> [slots, n_kv, S_max, hd], written now (np.full, not the lazily mapped
+    np.zeros): pages are faulted in at load, not inside the first rounds that reach a row."""
+    shape = info.kv.shape(slots)
+    return {name: np.full(shape, 0, dtype=info.kv_dtype) for name in past_names(info.num_layers)}
+
+
+def open_caches(info: ModelEntry, backend: str, options: EngineOptions, slots: int, largest_graph: int) -> SlotCaches:
+    if slots == 1:  # host, device or recurrent: runtime/engine.py chooses
+        return SlotCaches([open_kv_cache(backend, info, options, largest_graph)], None)
+    tensors = host_tensors(info, slots)
+    return SlotCaches([SlotView(tensors, s, info.num_layers, info.max_seq_len) for s in range(slots)], tensors)
+
+
+def slots_refusal(manifest: Manifest, model: str, backend: str, batches: Sequence[int],
+                  roles: frozenset[Role] | None = None, need_graphs: bool = False) -> str | None:
+    """Why ``model`` cannot run ``batches`` rows at once (None when it can): more than one slot
+    needs the host cache; ``need_graphs``: and batched graphs of the roles at every batch size
+    above 1 (else its rows run one after another)."""
+    if max(batches) == 1:
+        return None
+    info = manifest.models[model]
+    if info.state is not None:
+        return f"model '{model}' keeps a recurrent state per sequence (linear-attention layers): one sequence at a time"
+    if backend != HOST_BACKEND:
+        return f"model '{model}' runs on {backend}, which runs one sequence at a time yet"
+    if not need_graphs:
+        return None
+    built = {e.batch for e in manifest.engines_of(model, backend, batch=None)
+             if e.batch > 1 and (roles is None or e.role in roles) and e.role.decoding}
+    missing = [b for b in batches if b > 1 and b not in built]
+    if missing:
+        return (f"model '{model}' has batched graphs for batch sizes {sorted({1, *built})}, not {missing}: rebuild "
+                "with shapes.batch listing them (or lower the maximum batch)")
+    return None
+
+
+class BatchedCall:
+    """One batched graph (B rows, T tokens) with its feed buffers over the first B rows of the
+    host cache. ``rows``: slot -> (cache length, tokens, extra inputs); the other rows idle. A row
+    writes one cache position per token, or for a block head's graph per context row (its
+    ``input_ids`` is the anchor alone); ``valid_tokens`` / ``context_valid`` count them."""
+
+    def __init__(self, engine: Engine, batch: int, tokens: int, cache: dict[str, np.ndarray], in_place: bool):
+        self.engine, self.batch, self.tokens, self.cache, self.in_place = engine, batch, tokens, cache, in_place
+        self.feeds = {name: array[:batch] for name, array in cache.items()}  # [B, n_kv, S_max, hd] views
+        for name, spec in engine.inputs.items():
+            if name not in self.feeds:  # input_ids [B, T], cache_length [B], valid counts [B], features [B, T, F]
+                self.feeds[name] = np.zeros(spec.shape, dtype=spec.dtype)
+        self.bound = {present_of(name): array[:batch] for name, array in cache.items()} if in_place else None
+        self.presents = [] if in_place else present_names(len(cache) // 2)
+        self.positions = CONTEXT_FEATURES if CONTEXT_FEATURES in engine.inputs else INPUT_IDS  # one per cache position
+        self.seconds = 0.0
+
+    def run(self, rows: Mapping[int, Row], want_logits: bool, want: Sequence[str] = ()) -> dict[str, np.ndarray]:
+        for name, array in self.feeds.items():
+            if name not in self.cache:
+                array.fill(0)
+        written = []
+        for r, (length, tokens, inputs) in rows.items():
+            self.feeds[INPUT_IDS][r, : len(tokens)] = tokens
+            self.feeds[CACHE_LENGTH][r] = length
+            for name, values in inputs.items():
+                self.feeds[name][r, : len(values)] = values
+            count = len(inputs[self.positions]) if self.positions in inputs else len(tokens)
+            for valid in (VALID_TOKENS, CONTEXT_VALID):  # the row's real positions, the only ones written
+                if valid in self.feeds:
+                    self.feeds[valid][r] = count
+            written.append((r, length, count))
+        outputs = [NEXT_TOKENS, *([LOGITS] if want_logits else []), *want, *self.presents]
+        start = time.perf_counter()
+        out = self.engine.run(self.feeds, outputs, self.bound)  # next_tokens [B, T], logits [B, T, V]
+        self.seconds += time.perf_counter() - start
+        if not self.in_place:
+            append_rows(self.cache, out, written)
+        return out
+
+    def time_run(self, want_logits: bool = False) -> float:
+        """One run with every row full at half the cache (before any sequence runs: it writes)."""
+        middle = (self.cache[next(iter(self.cache))].shape[2] - self.tokens) // 2
+        rows = dict.fromkeys(range(self.batch), (middle, np.full(self.tokens, PAD_ID, dtype=np.int64), {}))
+        start = time.perf_counter()
+        self.run(rows, want_logits)
+        return time.perf_counter() - start
+
+
+def as_batch(out: StepOutput) -> dict[str, np.ndarray]:
+    """A runner's outputs [n, ...] as a batched call's of one row [1, n, ...]."""
+    batched = {NEXT_TOKENS: out.next_tokens[None]}
+    if out.logits is not None:
+        batched[LOGITS] = out.logits[None]
+    return batched | {name: rows[None] for name, rows in out.extras.items()}
+
+
+class Model:
+    """One model's graphs over one cache of ``slots`` rows (the module docstring says how)."""
+
+    def __init__(self, name: str, runners: list, calls: dict[tuple[int, int], BatchedCall], caches: SlotCaches,
+                 max_seq_len: int):
+        self.name = name
+        self.caches = caches
+        self.runners = runners  # slot -> its batch-1 runner over its cache row
+        self.calls = calls  # (B, T) -> a batched graph, B >= 2
+        self.batches = sorted({1, *(b for b, _ in calls)})
+        self.slots = len(runners)
+        self.max_seq_len = max_seq_len
+        self.costs: dict[tuple[int, int], float] = {}  # (B, T) -> seconds, from measure_costs
+
+    @property
+    def seconds(self) -> float:
+        """Seconds inside this model's engines so far."""
+        return sum(r.seconds for r in self.runners) + sum(c.seconds for c in self.calls.values())
+
+    def batch_for(self, rows: int) -> int:
+        """The smallest built batch size that holds ``rows`` (1: its rows run one by one)."""
+        return min((b for b in self.batches if b >= rows), default=1)
+
+    def widths(self, rows: int) -> list[int]:
+        """The token counts T one call over ``rows`` rows can run (one row: the runner's graphs)."""
+        if self.batch_for(rows) == 1:
+            return self.runners[0].decoding_sizes
+        batch = self.batch_for(rows)
+        return sorted(t for b, t in self.calls if b == batch)
+
+    def graph(self, rows: int, tokens: int) -> tuple[int, int]:
+        """(B, T) of the graph a run of ``tokens`` per row over ``rows`` rows calls: the smallest
+        holding them, else the largest (one row: its runner's, which chunks a longer input)."""
+        widths = self.widths(rows)
+        return self.batch_for(rows), next((t for t in widths if t >= tokens), widths[-1])
+
+    def holds(self, rows: int, tokens: int) -> int:
+        """How many of ``tokens`` per row one run over ``rows`` rows takes (one row: all, its
+        runner chunks them)."""
+        return tokens if self.batch_for(rows) == 1 else min(tokens, self.graph(rows, tokens)[1])
+
+    def run(self, rows: int, feed: Mapping[int, Row], want_logits: bool, want: Sequence[str] = ()) -> dict[str, np.ndarray]:
+        """One step over the first ``rows`` slots, the slots in ``feed`` fed their tokens at
+        their cache lengths (the rest idle): name -> [B, T, ...], row r valid for its tokens."""
+        if self.batch_for(rows) == 1:
+            return self._row_by_row(rows, feed, want_logits, want)
+        longest = max(len(tokens) for _, tokens, _ in feed.values())
+        return self.calls[self.graph(rows, longest)].run(feed, want_logits, want)
+
+    def _row_by_row(self, rows: int, feed: Mapping[int, Row], want_logits: bool,
+                    want: Sequence[str]) -> dict[str, np.ndarray]:
+        """Each fed row through its slot's runner: one row as it is, more stacked into [rows, T, ...]."""
+        outs = {}
+        for slot, (length, tokens, inputs) in feed.items():
+            runner = self.runners[slot]
+            runner.cache.set_length(length)
+            outs[slot] = as_batch(runner.forward(tokens, want_logits, inputs, want))
+        if rows == 1:
+            return outs[0]
+        longest = max(out[NEXT_TOKENS].shape[1] for out in outs.values())
+        stacked = {}
+        for name, first in next(iter(outs.values())).items():
+            stacked[name] = np.zeros((rows, longest, *first.shape[2:]), dtype=first.dtype)  # [rows, T, ...]
+            for slot, out in outs.items():
+                stacked[name][slot, : out[name].shape[1]] = out[name][0]
+        return stacked
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Slot ``dst`` takes slot ``src``'s first ``length`` positions (a row left: the last moves in)."""
+        for array in (self.caches.tensors or {}).values():
+            array[dst, :, :length] = array[src, :, :length]
+
+    def time_run(self, key: tuple[int, int], want_logits: bool = False) -> float:
+        """One run of the graph (B, T): a batched call, else the runner's graph of T tokens."""
+        if key in self.calls:
+            return self.calls[key].time_run(want_logits)
+        return self.runners[0].time_run(key[1], want_logits)
+
+    def end_timing(self, keys: Sequence[tuple[int, int]]) -> None:
+        self.runners[0].end_timing([t for b, t in keys if b == 1])
+
+    def measure_costs(self, rounds: int = 3) -> dict[tuple[int, int], float]:
+        """Median seconds of every (B, T) the loop can run, all rows full, interleaved (before any
+        sequence runs: batched graphs write into every slot)."""
+        keys = [(1, t) for t in self.widths(1)] + sorted(self.calls)
+        self.costs = time_interleaved({self.name: (self, keys)}, rounds)[self.name]
+        return self.costs
+
+
+def open_model(manifest: Manifest, model: str, backend: str, options: EngineOptions, sessions: SharedGraphs,
+               caches: SlotCaches, roles: frozenset[Role] | None = None,
+               cost_ms: Callable[[EngineEntry], float | None] | None = None, make_runner=None) -> Model:
+    """The model's graphs of ``roles`` (None: every role) over ``caches``: a batch-1 runner per
+    slot, and the batched graphs of those roles at every built batch size up to the slots.
+    ``make_runner(name, engines, cache, entries)``: the runner class for these graphs (a block
+    head's); default ModelRunner."""
+    info = manifest.models[model]
+    slots = len(caches.slots)
+    singles = [e for e in manifest.engines_of(model, backend) if roles is None or e.role in roles]
+    if not singles:
+        raise BadInput(f"{manifest.root}: model '{model}' has no {backend} graphs"
+                       + (f" of roles {sorted(r.value for r in roles)}" if roles else ""))
+    runners = []
+    for slot, cache in enumerate(caches.slots):
+        engines = [LazyEngine(e, manifest.root, options, cache, sessions) for e in singles]
+        if slot == 0:  # no session is created inside a timed round: open the decoding graphs now
+            for entry, engine in zip(singles, engines):
+                if entry.role.decoding:
+                    engine.open()
+        label = model if slots == 1 else f"{model}[{slot}]"
+        if make_runner is not None:
+            runners.append(make_runner(label, engines, cache, singles))
+            continue
+        runners.append(ModelRunner(label, engines, cache, {e.name: e.tokens for e in singles},
+                                   {e.tokens: cost_ms(e) for e in singles if e.role.decoding} if cost_ms else None,
+                                   frozenset(e.name for e in singles if e.kv_update == KVUpdate.IN_PLACE),
+                                   roles={e.name: e.role for e in singles}))
+    calls = {}
+    if caches.tensors is not None and make_runner is None:
+        for entry in manifest.engines_of(model, backend, batch=None):
+            if 1 < entry.batch <= slots and (roles is None or entry.role in roles) and entry.role.decoding:
+                engine = LazyEngine(entry, manifest.root, options, None, sessions)
+                calls[(entry.batch, entry.tokens)] = BatchedCall(engine, entry.batch, entry.tokens, caches.tensors,
+                                                                 entry.kv_update == KVUpdate.IN_PLACE)
+    return Model(model, runners, calls, caches, info.max_seq_len)

@@ -1,0 +1,124 @@
+"""`specexport bench`: every drafter against the target alone (and peers) on an engine
+directory, one sequence at a time or, with --batch, the batched loop by batch size.
+
+The bench harness, the runtime and the peers load when it runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from specexport.cli.output import print_json
+
+
+@click.command()
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--prompts", type=click.Path(path_type=Path), default=Path("bench/prompts/dev.jsonl"),
+              show_default=True, help="JSONL prompts: {id, category, messages} (chat) or {id, category, prompt}.")
+@click.option("--max-new-tokens", "-n", type=click.IntRange(2), default=128, show_default=True,
+              help="Tokens per prompt and run.")
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
+              help="Runs of each prompt per runner, interleaved; tokens/s is their median.")
+@click.option("--drafters", default=None, help="Comma-separated drafter names (default: all in the manifest).")
+@click.option("--peers", default="", help="Comma-separated peers: transformers-greedy, transformers-prompt-lookup, "
+              "ort-genai, ort-genai-ngram, or 'all'. With --batch: the target-alone peers that batch "
+              "(transformers-greedy, ort-genai) at each batch size.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--threads", type=click.IntRange(1), default=2, show_default=True, help="onnxruntime intra-op threads (and each peer's).")
+@click.option("--draft-len", type=int, default=None, help="Maximum draft length (default: the plan's D).")
+@click.option("--adaptive/--fixed-depth", default=True, show_default=True,
+              help="Choose each round's depth from measured costs and acceptance, or always draft --draft-len.")
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default=None,
+              help="Engines to run (default: onnxruntime when the directory has them).")
+@click.option("--host-kv", is_flag=True,
+              help="tensorrt: keep the KV cache in host memory, copied to the GPU on every run.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench/out"), show_default=True,
+              help="Folder for bench.json, bench.md and the plots.")
+@click.option("--baseline", type=click.Path(path_type=Path), default=None,
+              help="Compare ratios with this baseline; exit 1 on a regression.")
+@click.option("--update-baseline", is_flag=True, help="Write the results as the new --baseline.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result JSON.")
+@click.option("--batch", "batch", default=None,
+              help="Batch sizes (1,2,4,8): throughput of the batched loop by batch size, the target alone against "
+                   "the ngram drafters (or those of --drafters: every kind runs batched) at fixed depths and the "
+                   "manifest's schedule, instead of the "
+                   "single-sequence bench.")
+def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, drafters: str | None, peers: str,
+          temperature: float, threads: int, draft_len: int | None, adaptive: bool, backend: str | None, host_kv: bool,
+          out: Path, baseline: Path | None, update_baseline: bool, as_json: bool, batch: str | None) -> None:
+    """Benchmark every drafter against the target alone (and peers) on ENGINE_DIR."""
+    from specexport.bench.harness import BenchOptions, run_bench
+    from specexport.bench.render import print_checks, print_summary
+    from specexport.bench.report import write
+    from specexport.errors import BadInput
+    from specexport.progress import Reporter
+
+    if batch is not None:
+        from specexport.bench.batched import parse_batches, run_batched, write_batched
+        from specexport.runtime import load
+
+        sizes = parse_batches(batch)
+        pipe = load(engine_dir, threads=threads, backend=backend)
+        names = drafters.split(",") if drafters else [
+            n for n, d in pipe.manifest.drafters.items() if d.kind == "ngram"]
+        batch_peers, batch_skipped = [], []
+        if peers:
+            from specexport.bench.peer_process import start_peers
+            from specexport.bench.peers import PEER_NAMES
+
+            wanted = list(PEER_NAMES) if peers == "all" else [p for p in peers.split(",") if p]
+            unknown = sorted(set(wanted) - set(PEER_NAMES))
+            if unknown:
+                raise BadInput(f"--peers: unknown peer {unknown[0]!r}; choose from {', '.join(PEER_NAMES)} or all")
+            batch_peers, batch_skipped = start_peers(
+                pipe.manifest.target_source, pipe.manifest.recipe_root, wanted,
+                threads, engine_dir.parent / f".{engine_dir.name}.peers")
+        from specexport.bench.peer_process import close_peers
+
+        try:
+            result = run_batched(pipe, prompts, sizes, names, max_new_tokens, Reporter(quiet=as_json),
+                                 batch_peers, batch_skipped, repeats)
+        finally:
+            close_peers(batch_peers)
+        files = write_batched(result, out)
+        if as_json:
+            print_json(result)
+        else:
+            click.echo((out / "bench_batched.md").read_text())
+            click.echo(f"wrote {', '.join(str(f) for f in files)}", err=True)
+        return
+
+    peer_names = ["transformers-greedy", "transformers-prompt-lookup", "ort-genai", "ort-genai-ngram"]
+    chosen_peers = peer_names if peers == "all" else [p for p in peers.split(",") if p]
+    unknown = sorted(set(chosen_peers) - set(peer_names))
+    if unknown:
+        raise BadInput(f"--peers: unknown peer {unknown[0]!r}; choose from {', '.join(peer_names)} or all")
+    if update_baseline and baseline is None:
+        raise BadInput("--update-baseline needs --baseline FILE")
+    options = BenchOptions(prompts=prompts, max_new_tokens=max_new_tokens, repeats=repeats,
+                           drafters=drafters.split(",") if drafters else None, temperature=temperature,
+                           threads=threads, adaptive=adaptive, peers=chosen_peers, draft_len=draft_len,
+                           backend=backend, device_kv=not host_kv)
+    result = run_bench(engine_dir, options, Reporter(quiet=as_json))
+    files = write(result, out)
+    if as_json:
+        print_json(result)
+    else:
+        print_summary(result)
+        click.echo(f"wrote {', '.join(str(f) for f in files)}", err=True)
+    if baseline is not None:
+        from specexport.bench.gate import compare, load_baseline, write_baseline
+
+        if update_baseline:
+            write_baseline(baseline, result)
+            click.echo(f"baseline written to {baseline}", err=True)
+            return
+        if not baseline.is_file():
+            raise BadInput(f"{baseline}: baseline not found; create it with --update-baseline")
+        checks = compare(result, load_baseline(baseline))
+        print_checks(checks)
+        if not all(c.ok for c in checks):
+            sys.exit(1)
