@@ -137,7 +137,7 @@ def test_calibration_prediction_arithmetic():
     assert max(by_d, key=by_d.get) == 3
     # a costly drafter prefers fewer drafts
     geometric = {("model", "code"): 0.8 ** np.arange(1, 8)}  # each draft kept with probability 0.8
-    costly = predict(curve, geometric, {"model": 0.012}, depth=7)
+    costly = predict(curve, geometric, {"model": [12.0 * k for k in range(8)]}, depth=7)  # its round: 12 ms a draft
     cheap = predict(curve, geometric, {}, depth=7)
     best = lambda rows: max(rows, key=lambda r: r["geomean_speedup"])["draft_len"]  # noqa: E731
     assert best(costly) < best(cheap)
@@ -166,15 +166,27 @@ def test_prediction_arithmetic():
 
 
 def test_a_round_s_draft_cost_per_drafter_shape():
-    """A draft model pays one step per draft; a chain head one catch-up call (its first draft)
-    and a step per further draft; a block head one block call whatever k; nothing for k = 0."""
-    from specexport.runtime.drafters import NO_COST, DraftCost
+    """Each drafter's own cost model (Drafter.round_cost, what adaptive depth, the schedule and
+    the bench read): a draft model pays one step per draft and, skipping, the skipped token's
+    catch-up later (two at a time); a chain head one catch-up call (its first draft) and a step per
+    further draft, nothing to skip; a block head one block call whatever k; prompt lookup nothing."""
+    from types import SimpleNamespace
 
-    model, chain, block = DraftCost(per_draft=("r", 1)), DraftCost(("s", 1), ("c", 6), 1), DraftCost(None, ("b", 6), 7)
-    assert [model.seconds(k, 2.0, 0.0) for k in range(4)] == [0.0, 2.0, 4.0, 6.0]
-    assert [chain.seconds(k, 2.0, 3.5) for k in range(4)] == [0.0, 3.5, 5.5, 7.5]
-    assert [block.seconds(k, 0.0, 9.0) for k in range(4)] == [0.0, 9.0, 9.0, 9.0]
-    assert NO_COST.seconds(3, 1.0, 1.0) == 0.0
+    from specexport.runtime.block_drafter import BlockDrafter
+    from specexport.runtime.chain_drafter import ChainDrafter
+    from specexport.runtime.drafters import ModelDrafter, NgramDrafter
+
+    one_slot = SimpleNamespace(slots=1, max_seq_len=64)
+    model = ModelDrafter("m", one_slot, {1: 2000.0, 2: 3000.0})  # ms of a 1- and a 2-token step
+    chain = ChainDrafter("c", one_slot, one_slot, {"catchup": {6: 3500.0, 64: 9000.0}, "step": {1: 2000.0}})
+    block = BlockDrafter("b", {}, [SimpleNamespace(round_rows=6)], 9000.0, None)
+    assert [model.round_cost(k) for k in range(4)] == [1.5, 2.0, 4.0, 6.0]
+    assert [chain.round_cost(k) for k in range(4)] == [0.0, 3.5, 5.5, 7.5]
+    assert [block.round_cost(k) for k in range(4)] == [0.0, 9.0, 9.0, 9.0]
+    assert [NgramDrafter().round_cost(k) for k in range(4)] == [0.0] * 4
+    # measured parts (the bench's) in place of the build's
+    assert chain.round_cost(2, {"catchup": {6: 1000.0}, "step": {1: 500.0}}) == 1.5
+    assert block.round_cost(1, {"block": {6: 4000.0}}) == 4.0
 
 
 def _fake_record(drafter, total_s, draft_s, verify_s, tokens=12, rounds=4, proposed_at=(4, 4), accepted_at=(3, 2)):
@@ -187,8 +199,8 @@ def _fake_record(drafter, total_s, draft_s, verify_s, tokens=12, rounds=4, propo
 def test_prediction_comes_from_costs_measured_apart_not_from_the_run():
     from types import SimpleNamespace
 
-    pipe = SimpleNamespace(manifest=SimpleNamespace(plan={"tile_draft_len": 41, "group_size": 3}, name="x", raw={},
-                                                    root="r", draft_len=2))
+    pipe = SimpleNamespace(manifest=SimpleNamespace(plan={"tile_draft_len": 41, "group_size": 3}, name="x",
+                                                    toolchain={}, root="r", draft_len=2))
     options = SimpleNamespace(threads=2, max_new_tokens=12, repeats=1, temperature=0.0, adaptive=True, draft_len=2,
                               prompts="p.jsonl")
     costs = {"curve": [{"tokens": 1, "ms": 10.0, "relative": 1.0}], "verify_ms": [10.0, 11.0, 12.0],
