@@ -134,6 +134,21 @@ def batched_refusal(manifest: Manifest, drafter: str, max_batch: int | None = No
     return slots_refusal(manifest, model, backend, batches, need_graphs=entry.kind not in HEAD_KINDS)
 
 
+def check_batched_drafter(manifest: Manifest, drafter: str, max_batch: int | None, option: str) -> None:
+    """Raise BadInput naming ``option`` (the CLI flag that chose it) when ``drafter`` is unknown
+    to this directory or cannot run batched; "none" always can (the target's own refusal is
+    the caller's, before this)."""
+    if drafter == "none":
+        return
+    entry = manifest.drafters.get(drafter)
+    if entry is None:
+        raise BadInput(f"{option}: unknown drafter '{drafter}'; this engine directory has: "
+                       f"{', '.join(['none', *manifest.drafters])}")
+    reason = batched_refusal(manifest, drafter, max_batch)
+    if reason is not None:
+        raise BadInput(f"{option}: '{drafter}' ({entry.kind}) cannot run batched: {reason}")
+
+
 class Pipeline:
     def __init__(self, manifest: Manifest, options: EngineOptions, backend: str, *,
                  tuned: TunedCosts | None = None, started: float | None = None):

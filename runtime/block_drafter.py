@@ -48,7 +48,7 @@ from specexport.contract import (
 )
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
 from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut
-from specexport.runtime.engine import Engine, LazyEngine
+from specexport.runtime.engine import Engine
 from specexport.runtime.kv_cache import CacheLength
 from specexport.runtime.model import BatchedCall
 
@@ -218,7 +218,7 @@ class BlockSlot:
         self.last_confidence: np.ndarray | None = None  # the last proposal's running products
 
     def reset(self, prompt: np.ndarray, target_out) -> None:
-        self.runner.cache.rewind(0)
+        self.runner.cache.set_length(0)
         self._pending = [np.array(target_out[AUX_HIDDEN_STATES], dtype=np.float32)]  # rows of prompt[:-1]
 
     def accept(self, n_accepted: int, next_token: int, target_out) -> None:
@@ -241,7 +241,7 @@ class BlockSlot:
         """Take over ``other``'s sequence: its pending rows and its cache length (the caller
         copies the cache rows; a batched loop's row moving to another slot)."""
         self._pending, other._pending = other._pending, []
-        self.runner.cache.rewind(0)
+        self.runner.cache.set_length(0)
         self.runner.cache.advance(other.runner.cache.length)
 
     def _flush(self, anchor: int, want_logits: bool) -> dict[str, np.ndarray]:
@@ -380,14 +380,9 @@ def make(pipe, entry, slots: int) -> BlockDrafter:
     heads = load_heads(entry, pipe.manifest.root)  # read once, shared by the slots
     states = [BlockSlot(entry.name, runner, heads.for_sequence(), entry.settings.drafts, runner.sizes[0],
                         entry.settings.confidence_threshold) for runner in head.runners]
-    calls = {}
-    if head.caches.tensors is not None:
-        round_rows = states[0].round_rows
-        for e in pipe.manifest.engines_of(model, pipe.backend_of(model), batch=None):
-            if e.role == Role.BLOCK and 1 < e.batch <= slots and e.tokens == round_rows:
-                engine = LazyEngine(e, pipe.manifest.root, pipe.options, None, pipe.sessions)
-                calls[e.batch] = BatchedCall(engine, e.batch, e.tokens, head.caches.tensors, in_place=False)
-    round_ms = pipe.costs_by_role(model).get(Role.BLOCK, {}).get(states[0].round_rows, 0.0)
+    round_rows = states[0].round_rows
+    calls = {b: call for (b, t), call in head.calls.items() if t == round_rows}  # B -> the block graph of a round
+    round_ms = pipe.costs_by_role(model).get(Role.BLOCK, {}).get(round_rows, 0.0)
     return BlockDrafter(entry.name, calls, states, round_ms, head.caches.tensors)
 
 

@@ -61,13 +61,15 @@ class ChainDrafter:
 
     def round_cost(self, k: int, costs: PartCosts | None = None) -> float:
         """One catch-up call of the round's committed rows (the catch-up graph), then k-1
-        steps; skipping costs nothing now (the next catch-up takes the rows)."""
-        if k <= 0:
-            return 0.0
+        steps. Skipping (k = 0) is charged the catch-up too, as a draft model's skip is charged
+        its later catch-up: the round's rows must still pass through the head before it drafts
+        again (in the next catch-up call; past that call's size, in an extra batch-1 run). Priced
+        at zero, a skip looked cheap enough that adaptive depth skipped where drafting paid: 2-3%
+        fewer tokens/s with SmolLM2's EAGLE-3 head than either this or k steps (docs/results.md)."""
         costs = costs or self.cost_ms
         step = costs.get("step", {}).get(1, 0.0)
         catchup = costs.get("catchup", {})
-        return (min(catchup.values()) if catchup else step) / 1e3 + (k - 1) * step / 1e3
+        return (min(catchup.values()) if catchup else step) / 1e3 + max(k - 1, 0) * step / 1e3
 
     def cost_graphs(self) -> dict[str, tuple[object, list[int]]]:
         catchup = self.catchup.runners[0]

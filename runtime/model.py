@@ -119,7 +119,8 @@ class BatchedCall:
     writes one cache position per token, or for a block head's graph per context row (its
     ``input_ids`` is the anchor alone); ``valid_tokens`` / ``context_valid`` count them."""
 
-    def __init__(self, engine: Engine, batch: int, tokens: int, cache: dict[str, np.ndarray], in_place: bool):
+    def __init__(self, engine: Engine, batch: int, tokens: int, cache: dict[str, np.ndarray], in_place: bool,
+                 per_context_row: bool = False):
         self.engine, self.batch, self.tokens, self.cache, self.in_place = engine, batch, tokens, cache, in_place
         self.feeds = {name: array[:batch] for name, array in cache.items()}  # [B, n_kv, S_max, hd] views
         for name, spec in engine.inputs.items():
@@ -127,7 +128,8 @@ class BatchedCall:
                 self.feeds[name] = np.zeros(spec.shape, dtype=spec.dtype)
         self.bound = {present_of(name): array[:batch] for name, array in cache.items()} if in_place else None
         self.presents = [] if in_place else present_names(len(cache) // 2)
-        self.positions = CONTEXT_FEATURES if CONTEXT_FEATURES in engine.inputs else INPUT_IDS  # one per cache position
+        # what counts a row's cache positions: its tokens, or a block graph's context rows
+        self.positions = CONTEXT_FEATURES if per_context_row else INPUT_IDS
         self.seconds = 0.0
 
     def run(self, rows: Mapping[int, Row], want_logits: bool, want: Sequence[str] = ()) -> dict[str, np.ndarray]:
@@ -288,10 +290,11 @@ def open_model(manifest: Manifest, model: str, backend: str, options: EngineOpti
                                    frozenset(e.name for e in singles if e.kv_update == KVUpdate.IN_PLACE),
                                    roles={e.name: e.role for e in singles}))
     calls = {}
-    if caches.tensors is not None and make_runner is None:
+    if caches.tensors is not None:
         for entry in manifest.engines_of(model, backend, batch=None):
             if 1 < entry.batch <= slots and (roles is None or entry.role in roles) and entry.role.decoding:
                 engine = LazyEngine(entry, manifest.root, options, None, sessions)
                 calls[(entry.batch, entry.tokens)] = BatchedCall(engine, entry.batch, entry.tokens, caches.tensors,
-                                                                 entry.kv_update == KVUpdate.IN_PLACE)
+                                                                 entry.kv_update == KVUpdate.IN_PLACE,
+                                                                 per_context_row=entry.role == Role.BLOCK)
     return Model(model, runners, calls, caches, info.max_seq_len)

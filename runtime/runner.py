@@ -132,10 +132,11 @@ class ModelRunner:
     def end_timing(self, sizes: Sequence[int]) -> None:
         """After timing: in-place engines wrote into the cache, so it is rewound to empty."""
         if any(self._by_size[size].name in self._in_place for size in sizes):
-            self.cache.rewind(0)
+            self.cache.set_length(0)
 
     def rewind(self, length: int) -> None:
-        self.cache.rewind(length)
+        """Keep the first ``length`` positions (the cache's set_length; the exporter's checks call it)."""
+        self.cache.set_length(length)
 
     def _plan_pieces(self, cost_ms: dict[int, float], longest: int) -> list[int] | None:
         """For every input length, the engine size to run first so that the whole input

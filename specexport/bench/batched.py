@@ -30,7 +30,7 @@ import numpy as np
 from specexport.atomic import atomic_path, write_text
 from specexport.bench.harness import load_prompts
 from specexport.errors import BadInput
-from specexport.runtime.api import batched_refusal
+from specexport.runtime.api import check_batched_drafter
 
 
 def parse_batches(text: str) -> list[int]:
@@ -49,7 +49,8 @@ def run_batched(pipe, prompts_path: Path, batches: list[int], drafters: list[str
     ``peers_skipped``, as are the ones that could not be made); they run once, after our rows
     at each B in the first repeat. ``repeats``: runs of every mode, interleaved (the median)."""
     built = _check_batches(pipe.manifest, batches)
-    _check_drafters(pipe.manifest, drafters, max(batches))
+    for name in drafters:  # before any run
+        check_batched_drafter(pipe.manifest, name, max(batches), "--drafters")
     records = load_prompts(prompts_path)
     modes = _modes(pipe.manifest, drafters)
     batch_peers, peers_skipped = _split_peers(peers, peers_skipped)
@@ -84,18 +85,6 @@ def _check_batches(manifest, batches: list[int]) -> list[int]:
         raise BadInput(f"--batch {missing[0]}: the engines are built for batch sizes {built}; "
                        "rebuild with shapes.batch listing it")
     return built
-
-
-def _check_drafters(manifest, drafters: list[str], max_batch: int) -> None:
-    """Before any run: a drafter unknown or that the batched loop cannot run, in one line."""
-    for name in drafters:
-        entry = manifest.drafters.get(name)
-        if entry is None:
-            raise BadInput(f"--drafters: unknown drafter '{name}'; this engine directory has: "
-                           f"{', '.join(manifest.drafters)}")
-        reason = batched_refusal(manifest, name, max_batch)
-        if reason is not None:
-            raise BadInput(f"--drafters: '{name}' ({entry.kind}) cannot run batched: {reason}")
 
 
 def _modes(manifest, drafters: list[str]) -> list[tuple[str, int, str]]:

@@ -32,7 +32,7 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None) -> str
     """Fail before the port opens on what would fail while loading: the directory, a target
     that cannot batch, the drafter, batched engines. Returns the drafter to run."""
     from specexport.contract import Manifest
-    from specexport.runtime.api import batched_refusal
+    from specexport.runtime.api import batched_refusal, check_batched_drafter
     from specexport.serve.config import refuse_recurrent_target
 
     manifest = Manifest.load(engine_dir)
@@ -46,14 +46,7 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None) -> str
     target = batched_refusal(manifest, "none", max_batch)
     if target is not None:
         raise BadInput(f"{engine_dir}: {target}")
-    if drafter != "none":
-        entry = manifest.drafters.get(drafter)
-        if entry is None:
-            raise BadInput(f"--drafter: unknown drafter '{drafter}'; this engine directory has: "
-                           f"{', '.join(['none', *manifest.drafters])}")
-        reason = batched_refusal(manifest, drafter, max_batch)
-        if reason is not None:
-            raise BadInput(f"--drafter: '{drafter}' ({entry.kind}) cannot run batched: {reason}")
+    check_batched_drafter(manifest, drafter, max_batch, "--drafter")
     return drafter
 
 
