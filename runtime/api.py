@@ -62,15 +62,11 @@ class Generation:
             "drafter": self.drafter,
             "backends": self.backends,
             "costs": self.costs,
-            "first_token_s": _rounded(self.first_token_s),
-            "load_to_first_token_s": _rounded(self.load_to_first_token_s),
+            **{name: None if seconds is None else round(seconds, 4) for name, seconds in
+               (("first_token_s", self.first_token_s), ("load_to_first_token_s", self.load_to_first_token_s))},
             "memory": memory(),  # the process's resident memory now and at its peak
             "stats": self.stats.to_dict(),
         }
-
-
-def _rounded(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds, 4)
 
 
 _log = logging.getLogger(__name__)
@@ -134,19 +130,19 @@ def batched_refusal(manifest: Manifest, drafter: str, max_batch: int | None = No
     return slots_refusal(manifest, model, backend, batches, need_graphs=entry.kind not in HEAD_KINDS)
 
 
-def check_batched_drafter(manifest: Manifest, drafter: str, max_batch: int | None, option: str) -> None:
-    """Raise BadInput naming ``option`` (the CLI flag that chose it) when ``drafter`` is unknown
-    to this directory or cannot run batched; "none" always can (the target's own refusal is
-    the caller's, before this)."""
-    if drafter == "none":
-        return
-    entry = manifest.drafters.get(drafter)
-    if entry is None:
-        raise BadInput(f"{option}: unknown drafter '{drafter}'; this engine directory has: "
+def check_drafter(manifest: Manifest, drafter: str, max_batch: int | None, option: str = "",
+                  backend: str = FALLBACK_BACKEND) -> None:
+    """Raise BadInput (led by ``option``, the CLI flag that chose it) when ``drafter`` is unknown
+    to this directory or, for ``max_batch`` above 1 (None: the largest built), cannot run batched."""
+    entry, lead = manifest.drafters.get(drafter), f"{option}: " if option else ""
+    if entry is None and drafter != "none":
+        raise BadInput(f"{lead}unknown drafter '{drafter}'; this engine directory has: "
                        f"{', '.join(['none', *manifest.drafters])}")
-    reason = batched_refusal(manifest, drafter, max_batch)
+    if entry is None or max_batch == 1:
+        return
+    reason = batched_refusal(manifest, drafter, max_batch, backend)
     if reason is not None:
-        raise BadInput(f"{option}: '{drafter}' ({entry.kind}) cannot run batched: {reason}")
+        raise BadInput(f"{lead}'{drafter}' ({entry.kind}) cannot run batched: {reason}")
 
 
 class Pipeline:
@@ -233,15 +229,9 @@ class Pipeline:
             if name == "none":
                 self._drafters[(name, slots)] = NoDrafter()
                 return self._drafters[(name, slots)]
-            entry = self.manifest.drafters.get(name)
-            if entry is None:
-                raise BadInput(f"unknown drafter '{name}'; this engine directory has: {', '.join(self.drafter_names)}")
-            factory = DRAFTERS[DRAFTER_KINDS[entry.kind].family]
-            if slots > 1:
-                reason = batched_refusal(self.manifest, name, slots, self.backend)
-                if reason is not None:
-                    raise BadInput(f"drafter '{name}' ({entry.kind}) cannot run batched: {reason}")
-            self._drafters[(name, slots)] = factory(self, entry, slots)
+            check_drafter(self.manifest, name, slots, backend=self.backend)
+            entry = self.manifest.drafters[name]
+            self._drafters[(name, slots)] = DRAFTERS[DRAFTER_KINDS[entry.kind].family](self, entry, slots)
         return self._drafters[(name, slots)]
 
     def _policy(self, drafter: Drafter) -> DepthPolicy:

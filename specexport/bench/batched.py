@@ -30,7 +30,7 @@ import numpy as np
 from specexport.atomic import atomic_path, write_text
 from specexport.bench.harness import load_prompts
 from specexport.errors import BadInput
-from specexport.runtime.api import check_batched_drafter
+from specexport.runtime.api import check_drafter
 
 
 def parse_batches(text: str) -> list[int]:
@@ -50,7 +50,7 @@ def run_batched(pipe, prompts_path: Path, batches: list[int], drafters: list[str
     at each B in the first repeat. ``repeats``: runs of every mode, interleaved (the median)."""
     built = _check_batches(pipe.manifest, batches)
     for name in drafters:  # before any run
-        check_batched_drafter(pipe.manifest, name, max(batches), "--drafters")
+        check_drafter(pipe.manifest, name, max(batches), "--drafters")
     records = load_prompts(prompts_path)
     modes = _modes(pipe.manifest, drafters)
     batch_peers, peers_skipped = _split_peers(peers, peers_skipped)

@@ -32,7 +32,7 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None) -> str
     """Fail before the port opens on what would fail while loading: the directory, a target
     that cannot batch, the drafter, batched engines. Returns the drafter to run."""
     from specexport.contract import Manifest
-    from specexport.runtime.api import batched_refusal, check_batched_drafter
+    from specexport.runtime.api import batched_refusal, check_drafter
     from specexport.serve.config import refuse_recurrent_target
 
     manifest = Manifest.load(engine_dir)
@@ -46,7 +46,7 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None) -> str
     target = batched_refusal(manifest, "none", max_batch)
     if target is not None:
         raise BadInput(f"{engine_dir}: {target}")
-    check_batched_drafter(manifest, drafter, max_batch, "--drafter")
+    check_drafter(manifest, drafter, max_batch, "--drafter")
     return drafter
 
 
