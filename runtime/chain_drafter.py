@@ -61,11 +61,11 @@ class ChainDrafter:
 
     def round_cost(self, k: int, costs: PartCosts | None = None) -> float:
         """One catch-up call of the round's committed rows (the catch-up graph), then k-1
-        steps. Skipping (k = 0) is charged the catch-up too, as a draft model's skip is charged
-        its later catch-up: the round's rows must still pass through the head before it drafts
-        again (in the next catch-up call; past that call's size, in an extra batch-1 run). Priced
-        at zero, a skip looked cheap enough that adaptive depth skipped where drafting paid: 2-3%
-        fewer tokens/s with SmolLM2's EAGLE-3 head than either this or k steps (docs/results.md)."""
+        steps. Skipping (k = 0) is charged the catch-up too. That is a price, not engine time: a
+        skipped round's rows join the next catch-up call at no cost up to its size. But priced
+        at zero a skip looked cheap, and adaptive depth skipped where drafting paid (a skip also
+        stops the acceptance estimate until the next probe): 2-3% fewer tokens/s with SmolLM2's
+        EAGLE-3 head than this price or k steps (docs/results.md)."""
         costs = costs or self.cost_ms
         step = costs.get("step", {}).get(1, 0.0)
         catchup = costs.get("catchup", {})
