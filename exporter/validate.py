@@ -297,7 +297,7 @@ def validate_model(graphs: list[GraphUnderTest], specs, num_layers: int, num_kv_
             # length alone decides what the graph may see. A recurrent state is refilled to
             # the length instead (the KV slots past it still hold stale data).
             if state is not None:
-                runner.rewind(0)
+                runner.cache.set_length(0)
                 runner.forward(ref_ids[:length].tolist())
             cache.length = length
             feeds = dict(cache.view())

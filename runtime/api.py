@@ -62,11 +62,15 @@ class Generation:
             "drafter": self.drafter,
             "backends": self.backends,
             "costs": self.costs,
-            **{name: None if seconds is None else round(seconds, 4) for name, seconds in
-               (("first_token_s", self.first_token_s), ("load_to_first_token_s", self.load_to_first_token_s))},
+            "first_token_s": _rounded(self.first_token_s),
+            "load_to_first_token_s": _rounded(self.load_to_first_token_s),
             "memory": memory(),  # the process's resident memory now and at its peak
             "stats": self.stats.to_dict(),
         }
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 4)
 
 
 _log = logging.getLogger(__name__)

@@ -134,10 +134,6 @@ class ModelRunner:
         if any(self._by_size[size].name in self._in_place for size in sizes):
             self.cache.set_length(0)
 
-    def rewind(self, length: int) -> None:
-        """Keep the first ``length`` positions (the cache's set_length; the exporter's checks call it)."""
-        self.cache.set_length(length)
-
     def _plan_pieces(self, cost_ms: dict[int, float], longest: int) -> list[int] | None:
         """For every input length, the engine size to run first so that the whole input
         costs least, over the engines with a measured cost (from the build). None: no costs,

@@ -128,7 +128,7 @@ def main() -> None:
         ids, want = next((s for s, p in zip(solo, prompts) if p["id"] == d["prompt"]))
         k = next(j for j, (a, b) in enumerate(zip(d["got"] + [-1], want + [-1])) if a != b)
         runner = pipe.target
-        runner.rewind(0)
+        runner.cache.set_length(0)
         logits = runner.forward(np.asarray(ids + want[:k], dtype=np.int64), want_logits=True).logits[-1]
         top2 = np.sort(logits)[-2:]
         margins.append({"prompt": d["prompt"], "position": k, "top2_margin": float(top2[1] - top2[0])})

@@ -28,7 +28,7 @@ CONTROL_MARGIN = 2.0
 def target_margin_at(pipe, prompt_ids: list[int], prefix: list[int]) -> float:
     """The target's top-2 logit margin for the token after prompt + prefix."""
     runner = pipe.target
-    runner.rewind(0)
+    runner.cache.set_length(0)
     logits = runner.forward(np.asarray([*prompt_ids, *prefix], dtype=np.int64), want_logits=True).logits[-1]
     top2 = np.sort(logits)[-2:]
     return float(top2[1] - top2[0])
@@ -60,7 +60,7 @@ def exact_sequence_probs(pipe, prompt_ids: list[int], sampling, length: int) -> 
         if depth == 0:
             return {(): 1.0}
         runner = pipe.target
-        runner.rewind(0)
+        runner.cache.set_length(0)
         logits = runner.forward(np.asarray([*prompt_ids, *prefix], dtype=np.int64), want_logits=True).logits
         p = warp(logits[-1:], sampling)[0]  # [V]
         return {(int(t), *rest): float(p[t]) * q for t in np.flatnonzero(p)

@@ -169,7 +169,8 @@ def test_a_round_s_draft_cost_per_drafter_shape():
     """Each drafter's own cost model (Drafter.round_cost, what adaptive depth, the schedule and
     the bench read): a draft model pays one step per draft and, skipping, the skipped token's
     catch-up later (two at a time); a chain head one catch-up call (its first draft) and a step per
-    further draft, and skipping priced at the catch-up too; a block head one block call whatever k; prompt lookup nothing."""
+    further draft, and skipping priced at the catch-up too; a block head one block call whatever k;
+    prompt lookup nothing."""
     from types import SimpleNamespace
 
     from specexport.runtime.block_drafter import BlockDrafter

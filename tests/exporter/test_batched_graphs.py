@@ -69,7 +69,7 @@ def test_a_batched_run_equals_each_row_alone_in_the_runtime(batched_engines):
     rows = KVCache(info.num_layers, 4, info.num_kv_heads, info.max_seq_len, info.head_dim)
     alone = []
     for r, prompt in enumerate(prompts):  # each row's cache from its own batch-1 prefill
-        pipe.target.rewind(0)
+        pipe.target.cache.set_length(0)
         pipe.target.forward(prompt.tolist())
         for name, array in pipe.target.cache.view().items():
             rows.view()[name][r] = array[0]

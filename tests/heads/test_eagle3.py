@@ -100,7 +100,7 @@ def test_drafts_map_through_d2t(pipe):
     from specexport.runtime.chain_drafter import STEP_ROLES
 
     runner = pipe.runner("e-safe", STEP_ROLES)
-    runner.rewind(0)
+    runner.cache.set_length(0)
     hidden = np.random.default_rng(0).normal(size=(1, 64)).astype(np.float32)
     out = runner.forward([40], want_logits=True, inputs={DRAFT_FEATURES: hidden}, want=(HIDDEN_OUT,))
     finite = np.flatnonzero(np.isfinite(out.logits[0]))
@@ -109,7 +109,7 @@ def test_drafts_map_through_d2t(pipe):
     d2t = load_file(str(pipe.manifest.root.parent / "safe" / "model.safetensors"))["d2t"].numpy()
     assert finite.tolist() == (np.arange(len(d2t)) + d2t).tolist()
     assert out.next_tokens[0] == int(np.argmax(out.logits[0])) and out.next_tokens[0] in finite
-    runner.rewind(0)
+    runner.cache.set_length(0)
 
 
 def _break(monkeypatch, what: str):
@@ -199,8 +199,8 @@ def test_the_cli_exits_2_on_a_malformed_head(tmp_path):
 
 def test_the_bench_costs_a_round_as_one_catch_up_and_a_step_per_further_draft(pipe):
     """The bench's prediction charges what a chain round runs: the catch-up call (which gives
-    the first draft), then one step graph per further draft; a skipped round the catch-up it
-    defers."""
+    the first draft), then one step graph per further draft; a skipped round is priced at the
+    catch-up too (ChainDrafter.round_cost)."""
     from specexport.bench.harness import measure_costs
 
     names = [n for n in pipe.drafter_names if n != "none"]

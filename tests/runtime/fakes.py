@@ -46,9 +46,6 @@ class MarkovRunner:
     def engine_size(self, tokens: int) -> int:
         return tokens
 
-    def rewind(self, length: int) -> None:
-        self.cache.set_length(length)
-
     def forward(self, tokens, want_logits: bool = False, inputs=None, want=()) -> StepOutput:
         """As ModelRunner.forward: a ValueError past the cache; no input runs nothing (no call
         counted) and returns empty outputs of the usual dtypes."""

@@ -359,7 +359,7 @@ def test_the_build_check_of_the_batched_target_fails_when_a_rows_taps_are_wrong(
     entries = {e.name: e for e in pipe.manifest.engines}
     specs = {name: (e.inputs, e.outputs) for name, e in entries.items()}
     ids = np.random.default_rng(1).integers(3, 200, size=pipe.max_seq_len)
-    pipe.target.rewind(0)
+    pipe.target.cache.set_length(0)
     pipe.target.forward(ids[:-1])  # the batch-1 cache filled with the text, as the build's validation has it
     single = pipe.target.cache
     graph = "target.verify.b4.t4"

@@ -112,7 +112,7 @@ def test_rewind_selects_the_state_after_the_kept_tokens(keep):
     runner = hybrid_runner()
     runner.forward(prompt[:-1])
     runner.forward([prompt[-1], *drafts])  # a verify pass of 1+4
-    runner.rewind(len(prompt) + keep)  # keep the last prompt token and `keep` drafts
+    runner.cache.set_length(len(prompt) + keep)  # keep the last prompt token and `keep` drafts
     history = prompt + drafts[:keep]
     out = runner.forward([3])  # the next round's first token
     assert out.next_tokens[0] == reference_greedy([*history, 3], 1)[0]
@@ -123,10 +123,10 @@ def test_rewind_reaches_back_only_over_the_kept_positions():
     cache = runner.cache
     cache.keep = 4
     runner.forward(list(range(1, 11)))
-    runner.rewind(7)  # within the last 4
+    runner.cache.set_length(7)  # within the last 4
     with pytest.raises(ValueError, match="only the last 4 positions"):
-        runner.rewind(2)
-    runner.rewind(0)  # the empty state is always reachable
+        runner.cache.set_length(2)
+    runner.cache.set_length(0)  # the empty state is always reachable
     assert runner.forward([5]).next_tokens[0] == reference_greedy([5], 1)[0]
 
 

@@ -67,7 +67,7 @@ def test_an_empty_forward_is_a_no_op_in_the_real_runner_and_the_fake(tiny_engine
     pipe = load(tiny_engines.get("llama", **TINY_SHAPE))
     fake = MarkovRunner(random_table(8, seed=0))
     for runner in (pipe.target, fake):
-        runner.rewind(0)
+        runner.cache.set_length(0)
         calls = runner.calls
         for want_logits in (False, True):
             out = runner.forward(np.zeros(0, dtype=np.int64), want_logits)

@@ -72,10 +72,10 @@ def test_outputs_handed_out_survive_the_next_run_of_the_same_engine(tiny_engines
 
     pipe = load(tiny_engines.get("llama", attention="ort-gqa", **TINY_SHAPE))
     runner = pipe.runner("target")
-    runner.rewind(0)
+    runner.cache.set_length(0)
     first = runner.forward(list(range(3, 10)), want_logits=True)  # [7], [7, V]
     kept_tokens, kept_logits = first.next_tokens.copy(), first.logits.copy()
-    runner.rewind(0)
+    runner.cache.set_length(0)
     second = runner.forward(list(range(20, 27)), want_logits=True)  # the same engine (same size)
     assert not np.array_equal(second.logits, kept_logits)
     assert np.array_equal(first.next_tokens, kept_tokens) and np.array_equal(first.logits, kept_logits)
