@@ -5,6 +5,7 @@ BIN    := $(VENV)/bin
 PY     := $(BIN)/python
 STAMP  := $(VENV)/.installed
 ENGINES ?= engines/smollm2-135m
+INT4_ENGINES ?= engines/smollm2-135m-int4
 THREADS ?= 2
 # torch for the exporter: the CPU-only wheel from PyTorch's CPU index (a plain `torch` from PyPI
 # is the multi-GB CUDA build). For CUDA: make TORCH=torch==2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cu128
@@ -17,7 +18,7 @@ export OMP_NUM_THREADS ?= $(THREADS)
 
 BENCH_ARGS ?= --prompts bench/prompts/dev.jsonl --max-new-tokens 96 --repeats 3 --threads $(THREADS)
 
-.PHONY: install engines demo test test-fast lint typecheck bench bench-update bench-peers clean
+.PHONY: install engines engines-int4 demo test test-fast lint typecheck bench bench-update bench-peers clean
 
 install: $(STAMP)
 
@@ -41,7 +42,12 @@ engines: $(STAMP)
 	# costs measured here, quietly (about 15 s): adaptive depth and the prefill plan read them
 	$(BIN)/specexport tune $(ENGINES) --threads $(THREADS) --rounds 5
 
-demo: engines
+# The default model at int4 (recipes/smollm2-135m-int4.yaml): what CPU and edge users deploy.
+engines-int4: $(STAMP)
+	$(BIN)/specexport build recipes/smollm2-135m-int4.yaml -o $(INT4_ENGINES) --threads $(THREADS)
+	$(BIN)/specexport tune $(INT4_ENGINES) --threads $(THREADS) --rounds 5
+
+demo: engines engines-int4
 	$(BIN)/specexport plan recipes/smollm2-135m.yaml
 	# a grounded code edit: the same output four ways, the speed and E[L] on stderr
 	$(BIN)/specexport generate $(ENGINES) --chat --threads $(THREADS) --drafter none --max-new-tokens 128 \
@@ -51,6 +57,13 @@ demo: engines
 	$(BIN)/specexport generate $(ENGINES) --chat --threads $(THREADS) --drafter quantized-self --max-new-tokens 128 \
 		--prompt-file bench/prompts/demo.txt
 	$(BIN)/specexport generate $(ENGINES) --chat --threads $(THREADS) --drafter eagle3 --max-new-tokens 128 \
+		--prompt-file bench/prompts/demo.txt
+	# the same at int4: the int4 target alone, then with each drafter (output equal to the int4 target alone)
+	$(BIN)/specexport generate $(INT4_ENGINES) --chat --threads $(THREADS) --drafter none --max-new-tokens 128 \
+		--prompt-file bench/prompts/demo.txt
+	$(BIN)/specexport generate $(INT4_ENGINES) --chat --threads $(THREADS) --drafter ngram --max-new-tokens 128 \
+		--prompt-file bench/prompts/demo.txt
+	$(BIN)/specexport generate $(INT4_ENGINES) --chat --threads $(THREADS) --drafter eagle3 --max-new-tokens 128 \
 		--prompt-file bench/prompts/demo.txt
 
 # One pytest-xdist worker per core (at most 8), a test file per worker at a time: a file's module
@@ -82,9 +95,12 @@ bench: engines
 bench-update: engines
 	$(BIN)/specexport bench $(ENGINES) $(BENCH_ARGS) --out bench/out --baseline bench/baseline.json --update-baseline
 
-# Peers on the same model: transformers (installed) and onnxruntime-genai (installed here).
+# Peers on the same model: transformers (installed), onnxruntime-genai and llama-cpp-python
+# (installed here). llama-cpp-python compiles llama.cpp from source, for this CPU (llama.cpp's
+# default GGML_NATIVE=ON): about 11 minutes on 2 cores, the first time only.
 bench-peers: engines
 	$(PY) -m pip install -q onnxruntime-genai==0.18.0
+	$(PY) -m pip install -q llama-cpp-python==0.3.36
 	$(BIN)/specexport bench $(ENGINES) $(BENCH_ARGS) --out bench/out-peers --peers all
 
 clean:

@@ -32,16 +32,18 @@ from specexport.contract import (
     sha256_of,
     write_manifest,
 )
-from specexport.errors import BadInput
+from specexport.errors import BadInput, SpecexportError
 from specexport.exporter.archs import read_decoder
 from specexport.exporter.graph_model import StaticDecoder, attention_refusal
 from specexport.exporter.heads import HeadContext, LoadedHead, load_head, merged_taps
 from specexport.exporter.onnx_export import WeightStore, drop_outputs, export_graph, tensor_specs
 from specexport.exporter.outdir import AtomicDir, existing_manifest
 from specexport.exporter.plan import DraftPlanResult, calibration_file, plan_recipe_draft
-from specexport.exporter.quantize import count_quantized, gemm_heads_to_matmul, quantize_int4
+from specexport.exporter.quantize import count_quantized, quantize_int4
+from specexport.exporter.quantized_model import Quantizer, dequantized_reference
 from specexport.exporter.recipe import (
     HIDDEN_STATE_KINDS,
+    WEIGHT_PRECISIONS,
     ModelDrafter,
     QuantizedSelfDrafter,
     Recipe,
@@ -56,6 +58,7 @@ from specexport.exporter.sources import (
     load_source,
 )
 from specexport.exporter.validate import (
+    TOLERANCES,
     BatchedGraph,
     GraphUnderTest,
     check_parity,
@@ -184,6 +187,7 @@ class Builder:
         self.specs: dict[str, tuple] = {}
         self.timing: dict[str, ModelRunner] = {}  # model (or head part) -> its validated graphs, timed together at the end
         self.heads: dict[str, LoadedHead] = {}  # hidden-state drafters by name (exporter/heads)
+        self.quantizers: dict[str, Quantizer] = {}  # int4 / int8 models: their quantization, for validation
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -217,13 +221,18 @@ class Builder:
 
     def export_model(self, tmp: Path, name: str, kind: str, loaded: LoadedModel, graphs: GraphSet,
                      int4: tuple[str, QuantizedSelfDrafter, GraphSet] | None = None,
-                     taps: tuple[int, ...] = ()) -> None:
-        """``taps``: hidden states every graph also outputs (aux_hidden_states) for the heads."""
+                     taps: tuple[int, ...] = (), precision: str = "fp32", source=None) -> None:
+        """``taps``: hidden states every graph also outputs (aux_hidden_states) for the heads.
+        ``precision`` int4 / int8: the model's own graphs read quantized weights (``source``: its
+        recipe source, whose GGUF blocks are kept where they map exactly)."""
         shapes = self.recipe.shapes
         parts = read_decoder(loaded.model, shapes.max_seq_len, loaded.origin)
-        refusal = attention_refusal(parts, self.recipe.attention) or self._state_refusal(parts)
+        refusal = (attention_refusal(parts, self.recipe.attention) or self._state_refusal(parts)
+                   or self._precision_refusal(parts, precision))
         if refusal is not None:
             raise BadInput(f"recipe: model '{name}': {refusal}")
+        quantizer = Quantizer(self.recipe.quantization, precision, source, self.base, name) \
+            if precision in WEIGHT_PRECISIONS else None
         decoder = StaticDecoder(parts, shapes.max_seq_len, self.recipe.attention, taps=taps).eval()
         state = decoder.state_layout  # linear-attention layers: a recurrent state beside the KV cache
         stores = {name: WeightStore(tmp / f"{name}.weights")}
@@ -263,13 +272,17 @@ class Builder:
                         copy = onnx.ModelProto()
                         copy.CopyFrom(proto)
                         drop_outputs(copy, {AUX_HIDDEN_STATES})  # the heads read the fp32 target's taps
-                        if q_spec.quantize_head:
-                            gemm_heads_to_matmul(copy)
                         quantized = quantize_int4(copy, q_spec.block_size, q_spec.symmetric, q_spec.accuracy_level,
                                                   keep_head=not q_spec.quantize_head)
                         s.detail = f"{count_quantized(quantized)} MatMulNBits, block {q_spec.block_size}"
                     self._save(tmp, q_name, tokens, "quantized-self", quantized, stores[q_name], q_graphs,
                                static_batch)
+                if quantizer is not None:
+                    with self.rep.step("quantize", label) as s:
+                        proto = quantizer.apply(proto, shapes.max_seq_len)
+                        s.detail = quantizer.summary()
+                    for line in quantizer.report_lines():
+                        self.rep.note(line)
                 if static_batch == 1 or graphs.batched(tokens):
                     self._save(tmp, name, tokens, kind, proto, stores[name], graphs, static_batch)
         finally:
@@ -281,6 +294,9 @@ class Builder:
         if taps:
             summary["taps"] = list(taps)
         vocab = int(summary.pop("vocab_size"))
+        if quantizer is not None:
+            summary["quantization"] = quantizer.manifest_info()
+            self.quantizers[name] = quantizer
         self.models[name] = ModelEntry(name, kind, kv, vocab, f"{name}.weights", self.recipe.attention, summary, state)
         if int4 is not None:
             q_name, q_spec, _ = int4
@@ -289,6 +305,16 @@ class Builder:
                      "accuracy_level": q_spec.accuracy_level, "quantized_head": q_spec.quantize_head}
             self.models[q_name] = ModelEntry(q_name, "quantized-self", kv, vocab, f"{q_name}.weights",
                                              self.recipe.attention, {**untapped, **quant}, state)
+
+    def _precision_refusal(self, parts, precision: str) -> str | None:
+        """Why ``precision`` cannot be built for this model; None when it can."""
+        if precision not in WEIGHT_PRECISIONS:
+            return None
+        if self.recipe.attention != "ort-gqa" or parts.linear_layers:
+            return (f"precision {precision} is built as onnxruntime's one shared graph per model (attention: ort-gqa, "
+                    "every layer attending), where a one-token call is made to compute as a multi-token one; "
+                    "standard-attention and linear-attention models stay fp32 for now")
+        return None
 
     def _state_refusal(self, parts) -> str | None:
         """Why a model with linear-attention layers (a recurrent state) cannot be built with this
@@ -336,21 +362,32 @@ class Builder:
 
     def validate(self, model: str, reference: LoadedModel, precision: str) -> None:
         """Run ``model``'s graphs against transformers and record the figures; fail the build on
-        a graph outside the limits for ``precision`` (exporter/validate.py TOLERANCES)."""
+        a graph outside the limits for ``precision`` (exporter/validate.py TOLERANCES). A
+        quantized model is checked against transformers on its dequantized weights, and its
+        rows must agree bit for bit between calls of any size."""
         shapes = self.recipe.shapes
         info = self.models[model].kv
         taps = self.models[model].taps  # the graphs' aux_hidden_states, checked from the same pass
+        quantizer = self.quantizers.get(model)
+        hf_model, against = reference.model, "transformers fp32"
+        if quantizer is not None:
+            hf_model, missing = dequantized_reference(reference.model, quantizer)
+            precision, against = quantizer.tolerance_key, f"transformers on the graph's {quantizer.precision} weights"
+            if missing:  # e.g. fused expert tensors (not Linear modules): the reference would be fp32 there
+                self.rep.warn(f"{model}: {len(missing)} quantized weights have no transformers Linear to place them in "
+                              f"({missing[0]}, ...): validation figures recorded, not enforced")
+                precision = "int4"
         with self.rep.step("validate", f"{model} reference") as s:
             ids = reference_ids(reference.tokenizer, shapes.max_seq_len)
-            ref, ref_aux = reference_forward(reference.model, ids, taps)
-            s.detail = f"transformers, {len(ids)} tokens" + (f", hidden states {list(taps)}" if taps else "")
+            ref, ref_aux = reference_forward(hf_model, ids, taps)
+            s.detail = f"{against}, {len(ids)} tokens" + (f", hidden states {list(taps)}" if taps else "")
         with self.rep.step("validate", f"{model} graphs") as s:
             kept: list[ModelRunner] = []
             results = validate_model(
                 self.graph_files[model], self.specs, info.num_layers, info.num_kv_heads,
                 info.head_dim, shapes.max_seq_len, ids, ref, self.threads,
                 in_place=self.recipe.attention == "ort-gqa", keep=kept, ref_aux=ref_aux, taps=taps,
-                state=self.models[model].state,
+                state=self.models[model].state, full_rows=self.models[model].full_rows,
             )
             self.timing[model] = kept[0]
             worst = max(r["max_abs_logit_diff"] for r in results.values())
@@ -358,14 +395,24 @@ class Builder:
             s.detail = f"max |Δlogit| {worst:.2e}, argmax agreement {agree:.1%}"
             if taps:
                 s.detail += f", max |Δh|/scale {max(r['max_rel_aux_diff'] for r in results.values()):.2e}"
+            if self.models[model].full_rows:
+                worst_rows = max(r["rows_agree_max_abs_diff"] for r in results.values())
+                if worst_rows != 0:  # `!=`: NaN fails too
+                    raise SpecexportError(
+                        f"validation failed for {model}: a graph's rows differ from one-token calls over the same "
+                        f"positions by {worst_rows:.3g}; decoding and verifying would not compute the same model")
+                s.detail += ", rows = one-token calls bit for bit"
         for name, figures in results.items():
-            self.record_parity(name, dict(figures), "transformers fp32", precision)
+            self.record_parity(name, dict(figures), against, precision)
         batched = self.batched_files.get(model, [])
         if batched:
             with self.rep.step("validate", f"{model} batched graphs") as s:
                 if self.recipe.attention == "ort-gqa":  # in place: entries of the batch-1 graph's file
                     single = {g.tokens: g.name for g in self.graph_files[model]}
-                    rows = validate_batched(batched, single, self.specs, kept[0].cache, ids, self.threads)
+                    tol = TOLERANCES.get(precision)
+                    rows = validate_batched(batched, single, self.specs, kept[0].cache, ids, self.threads,
+                                            full_rows=self.models[model].full_rows,
+                                            tap_tolerance=tol.aux_rtol if tol and tol.aux_rtol else 1e-4)
                 else:  # append: static graphs of their own, each row's real positions against batch 1
                     alone = {g.tokens: g for g in self.graph_files[model]}
                     rows = validate_batched_append(batched, alone, self.specs, kept[0].cache, ids, self.threads)
@@ -430,11 +477,15 @@ class Builder:
         t_graphs = target_graphs(recipe, plan)
         quant = (int4.name, int4, drafter_graphs(int4.name, recipe)) if int4 else None
         taps = merged_taps(list(self.heads.values()))
-        self.export_model(tmp, "target", "target", target, t_graphs, quant, taps=taps)
+        self.export_model(tmp, "target", "target", target, t_graphs, quant, taps=taps,
+                          precision=recipe.onnx_precision, source=recipe.target)
+        model_specs = {d.name: d for d in recipe.drafters if isinstance(d, ModelDrafter)}
         for name, loaded in drafter_models.items():
-            self.export_model(tmp, name, "model", loaded, drafter_graphs(name, recipe))
+            self.export_model(tmp, name, "model", loaded, drafter_graphs(name, recipe),
+                              precision=recipe.precision_of(model_specs[name]), source=model_specs[name].model)
 
-        # every exported graph is fp32; the int4 copy is judged by its own (recorded) row
+        # fp32 graphs against transformers; int4 / int8 ones against transformers on their own
+        # dequantized weights; the int4 copy (quantized-self) by its own (recorded) row
         self.validate("target", target, "fp32")
         if int4:
             self.validate(int4.name, target, "int4")

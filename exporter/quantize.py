@@ -10,9 +10,13 @@ with ``keep_head``.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
+from specexport.exporter.gguf_blocks import BLOCK, Blocks, RowIndex
 from specexport.exporter.graph_model import HEAD_WEIGHT
 
 # Weights that stay fp32: the rotary rotate-half matrix (entries 0 and ±1 must stay exact, and
@@ -20,32 +24,116 @@ from specexport.exporter.graph_model import HEAD_WEIGHT
 KEEP_FP32 = ("rope_rotate",)
 
 
+@dataclass(frozen=True)
+class WeightQuant:
+    """How a graph's MatMul weights become MatMulNBits: the body at ``bits``, the output head
+    at ``head_bits`` (None: kept fp32)."""
+
+    bits: int
+    block_size: int
+    symmetric: bool
+    accuracy_level: int | None
+    head_bits: int | None
+
+
 def quantize_int4(model: onnx.ModelProto, block_size: int, symmetric: bool, accuracy_level: int | None,
                   keep_head: bool = False) -> onnx.ModelProto:
-    """``keep_head``: leave a MatMul output head (graph_model.HEAD_WEIGHT) in fp32."""
+    """The quantized-self drafter's copy: every MatMul at 4 bits. ``keep_head``: leave a MatMul
+    output head (graph_model.HEAD_WEIGHT) in fp32."""
+    spec = WeightQuant(4, block_size, symmetric, accuracy_level, None if keep_head else 4)
+    return quantize_weights(model, spec, heads=(HEAD_WEIGHT,))[0]
+
+
+def quantize_weights(model: onnx.ModelProto, spec: WeightQuant, heads: tuple[str, ...] = (HEAD_WEIGHT,),
+                     gguf: RowIndex | None = None) -> tuple[onnx.ModelProto, list[dict]]:
+    """``model`` with its MatMul weights quantized as ``spec`` says; ``heads``: the output
+    head's weight names (a Gemm head is rewritten as a MatMul first). ``gguf``: the source's
+    exact blocks, copied where a weight is one of them at the same bits and block size. Returns
+    the model and a row per quantized weight (report_rows)."""
+    heads = (*heads, *gemm_heads_to_matmul(model)) if spec.head_bits is not None else heads
+    weights = _matmul_weights(model)  # initializer name -> [K, N] fp32, before quantization
+    head_nodes = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in heads]
+    fixed = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in KEEP_FP32]
+    model = _run_quantizer(model, spec.bits, spec, exclude=head_nodes + fixed)
+    if spec.head_bits is not None and head_nodes:
+        model = _run_quantizer(model, spec.head_bits, spec, include=head_nodes)
+    rows = []
+    inits = {t.name: t for t in model.graph.initializer}
+    offsets: dict[str, tuple[onnx.NodeProto, np.ndarray]] = {}  # source weight -> (its node, Q4_1 offsets [N, nb])
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        source = node.input[1].rsplit("_Q", 1)[0]  # the quantizer names B "<weight>_Q4"
+        row = {"weight": source, "head": source in heads, "bits": attrs["bits"], "kept": False}
+        found = gguf.find(weights[source].T) if gguf is not None and source in weights else None
+        if found is not None:
+            row.update(gguf=found.name, gguf_kind=found.kind)
+            blocks = found.blocks()
+            if blocks is None:
+                row["why"] = found.why_not()
+            elif blocks.bits != attrs["bits"] or attrs["block_size"] != BLOCK:
+                row["why"] = (f"{blocks.type} is {blocks.bits}-bit blocks of {BLOCK}; the recipe asks "
+                              f"{attrs['bits']}-bit blocks of {attrs['block_size']}")
+            else:
+                _copy_blocks(model, node, inits, blocks)
+                row["kept"] = True
+                if blocks.offsets is not None:
+                    offsets[source] = (node, blocks.offsets)
+                    row["offsets"] = blocks.offsets
+        rows.append(row)
+    _add_offset_terms(model, offsets)
+    return model, rows
+
+
+def _add_offset_terms(model: onnx.ModelProto, offsets: dict[str, tuple[onnx.NodeProto, np.ndarray]]) -> None:
+    """After each MatMulNBits whose GGUF blocks carry an offset per block (Q4_1: w = d·q + m), add
+    x·m: the input's sums over each block of 32 [.., K/32] (one MatMul with a 0/1 matrix) times
+    the offsets [K/32, N] (fp32, a thirty-second of the weight's size). An input shared by
+    several weights (q, k and v; gate and up) is summed once."""
+    graph = model.graph
+    sums: dict[str, str] = {}  # input tensor -> its block sums
+    summers: set[int] = set()  # K of the 0/1 block-sum matrices made
+    for source, (node, table) in offsets.items():
+        x, y = node.input[0], node.output[0]
+        k = next(onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "K")
+        new: list[onnx.NodeProto] = []
+        if k not in summers:
+            ones = np.kron(np.eye(k // BLOCK, dtype=np.float32), np.ones((BLOCK, 1), dtype=np.float32))  # [K, K/32]
+            graph.initializer.append(numpy_helper.from_array(ones, f"gguf_block_sums_{k}"))
+            summers.add(k)
+        if x not in sums:
+            sums[x] = f"{x}__block_sums"
+            new.append(onnx.helper.make_node("MatMul", [x, f"gguf_block_sums_{k}"], [sums[x]]))  # [B, T, K/32]
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(table.T, dtype=np.float32),
+                                                         f"{source}_offsets"))  # [K/32, N]
+        node.output[0] = f"{y}__codes"
+        new += [onnx.helper.make_node("MatMul", [sums[x], f"{source}_offsets"], [f"{y}__offsets"]),  # [B, T, N]
+                onnx.helper.make_node("Add", [f"{y}__codes", f"{y}__offsets"], [y])]
+        at = list(graph.node).index(node) + 1
+        for i, extra in enumerate(new):
+            graph.node.insert(at + i, extra)
+
+
+def _matmul_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    inits = {t.name: t for t in model.graph.initializer}
+    return {n.input[1]: numpy_helper.to_array(inits[n.input[1]]) for n in model.graph.node
+            if n.op_type == "MatMul" and n.input[1] in inits and len(inits[n.input[1]].dims) == 2}
+
+
+def _run_quantizer(model: onnx.ModelProto, bits: int, spec: WeightQuant, exclude: list[str] | None = None,
+                   include: list[str] | None = None) -> onnx.ModelProto:
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,
         MatMulNBitsQuantizer,
     )
 
-    config = DefaultWeightOnlyQuantConfig(
-        block_size=block_size,
-        is_symmetric=symmetric,
-        accuracy_level=accuracy_level,
-        op_types_to_quantize=("MatMul",),
-        bits=4,
-    )
-    kept = (*KEEP_FP32, HEAD_WEIGHT) if keep_head else KEEP_FP32
-    keep = [n.name for n in model.graph.node if n.op_type == "MatMul" and any(w in kept for w in n.input)]
-    quantizer = MatMulNBitsQuantizer(
-        model,
-        bits=4,
-        block_size=block_size,
-        is_symmetric=symmetric,
-        accuracy_level=accuracy_level,
-        nodes_to_exclude=keep,
-        algo_config=config,
-    )
+    config = DefaultWeightOnlyQuantConfig(block_size=spec.block_size, is_symmetric=spec.symmetric,
+                                          accuracy_level=spec.accuracy_level, op_types_to_quantize=("MatMul",),
+                                          bits=bits)
+    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=spec.block_size, is_symmetric=spec.symmetric,
+                                     accuracy_level=spec.accuracy_level, nodes_to_exclude=exclude or [],
+                                     nodes_to_include=include, algo_config=config)
     logger = logging.getLogger("onnxruntime.quantization")
     level = logger.level
     logger.setLevel(logging.ERROR)  # it logs every node it visits
@@ -56,17 +144,91 @@ def quantize_int4(model: onnx.ModelProto, block_size: int, symmetric: bool, accu
     return quantizer.model.model
 
 
+def _copy_blocks(model: onnx.ModelProto, node: onnx.NodeProto, inits: dict, blocks: Blocks) -> None:
+    """Overwrite the node's codes, scales and zero points with the GGUF blocks (rows in the
+    graph's order): B [N, K/32, 32·bits/8], scales [N, K/32], zero points per block."""
+    codes = blocks.codes  # [N, K]
+    scales = blocks.scales  # [N, nb]
+    n, k = codes.shape
+    nb = k // BLOCK
+    if blocks.bits == 4:
+        pairs = codes.reshape(n, nb, BLOCK // 2, 2)
+        packed = (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)  # [N, nb, 16]: low nibble first
+        zero = np.full((n, (nb + 1) // 2), blocks.zero_point | (blocks.zero_point << 4), dtype=np.uint8)
+    else:
+        packed = codes.reshape(n, nb, BLOCK).astype(np.uint8)  # [N, nb, 32]
+        zero = np.full((n, nb), blocks.zero_point, dtype=np.uint8)
+    _set(inits, node.input[1], packed)
+    _set(inits, node.input[2], scales.astype(np.float32))
+    if len(node.input) > 3 and node.input[3]:
+        _set(inits, node.input[3], zero)
+    elif blocks.zero_point != 1 << (blocks.bits - 1):  # a symmetric recipe's node: the default would be 2^(bits-1)
+        name = f"{node.input[1]}_gguf_zero_points"
+        model.graph.initializer.append(numpy_helper.from_array(zero, name))
+        node.input.append(name)
+
+
+def _set(inits: dict, name: str, value: np.ndarray) -> None:
+    tensor = inits[name]
+    if tuple(tensor.dims) != value.shape:
+        raise ValueError(f"{name}: GGUF blocks of shape {value.shape} do not fit {tuple(tensor.dims)}")
+    tensor.CopyFrom(numpy_helper.from_array(value, name))
+
+
+def dequantized(model: onnx.ModelProto, offsets: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Each MatMulNBits node's weight as the kernel sees it: source weight name -> [K, N] fp32
+    (the validation reference's weights); ``offsets``: Q4_1 blocks' per-block offsets [N, K/32]
+    by source weight, added (the graph adds them beside the kernel)."""
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    out = {}
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        bits, bs, k, n = attrs["bits"], attrs["block_size"], attrs["K"], attrs["N"]
+        raw = inits[node.input[1]]  # [N, nb, blob]
+        if bits == 4:
+            codes = np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(n, -1)  # [N, nb·bs]
+        else:
+            codes = raw.reshape(n, -1)
+        nb = raw.shape[1]
+        if len(node.input) > 3 and node.input[3]:
+            zp = inits[node.input[3]]
+            zero = (np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(n, -1)[:, :nb] if bits == 4
+                    else zp.reshape(n, nb)).astype(np.float32)
+        else:
+            zero = np.full((n, nb), 1 << (bits - 1), dtype=np.float32)
+        scales = inits[node.input[2]].reshape(n, nb)
+        w = (codes.reshape(n, nb, bs).astype(np.float32) - zero[:, :, None]) * scales[:, :, None]
+        source = node.input[1].rsplit("_Q", 1)[0]
+        if offsets and source in offsets:
+            w = w + offsets[source][:, :, None]
+        out[source] = np.ascontiguousarray(w.reshape(n, nb * bs)[:, :k].T)  # [K, N]
+    return out
+
+
+def report_rows(rows: list[dict], kind_of) -> dict[str, dict]:
+    """Per tensor kind (``kind_of(row)``): how many weights, how many kept from the GGUF, and why
+    the others were requantized."""
+    kinds: dict[str, dict] = {}
+    for row in rows:
+        entry = kinds.setdefault(kind_of(row), {"weights": 0, "kept": 0, "bits": row["bits"], "why": set()})
+        entry["weights"] += 1
+        entry["kept"] += row["kept"]
+        if not row["kept"] and row.get("why"):
+            entry["why"].add(row["why"])
+    return {k: {**v, "why": sorted(v["why"])} for k, v in sorted(kinds.items())}
+
+
 def count_quantized(model: onnx.ModelProto) -> int:
     return sum(node.op_type == "MatMulNBits" for node in model.graph.node)
 
 
-def gemm_heads_to_matmul(model: onnx.ModelProto) -> int:
+def gemm_heads_to_matmul(model: onnx.ModelProto) -> list[str]:
     """Rewrite Gemm(x, W, transB=1) with a constant W and no bias as MatMul(x, Wᵀ), so the
-    quantizer (which handles MatMul) reaches the output head too. Returns how many."""
-    from onnx import numpy_helper
-
+    quantizer (which handles MatMul) reaches the output head too. Returns the new weights' names."""
     inits = {t.name: t for t in model.graph.initializer}
-    changed = 0
+    changed = []
     for node in model.graph.node:
         attrs = {a.name: a for a in node.attribute}
         if (node.op_type != "Gemm" or len(node.input) != 2 or node.input[1] not in inits
@@ -80,5 +242,5 @@ def gemm_heads_to_matmul(model: onnx.ModelProto) -> int:
         node.op_type = "MatMul"
         del node.attribute[:]
         node.input[1] = name
-        changed += 1
+        changed.append(name)
     return changed

@@ -121,6 +121,8 @@ class ModelDrafter(_Strict):
     kind: Literal["model"]
     name: str = "model"  # what --drafter and the manifest call it
     model: ModelSource  # the draft model: any model source, as target
+    # its onnxruntime graphs' precision; None: the recipe's (fp32 where that is a TensorRT one)
+    precision: Literal["fp32", "int4", "int8"] | None = None
 
 
 class _HiddenStateDrafter(_Strict):
@@ -262,6 +264,33 @@ class TensorRTSettings(_Strict):
     parity: Literal["enforce", "record"] = "enforce"
 
 
+WEIGHT_PRECISIONS = ("int4", "int8")  # onnxruntime weight-only precisions (MatMulNBits)
+
+
+class Quantization(_Strict):
+    """`quantization:` how `precision: int4 | int8` quantizes the weights of every MatMul
+    (onnxruntime's MatMulNBits, blockwise round-to-nearest, exporter/quantize.py)."""
+
+    block_size: int = Field(32, ge=16)  # weights per quantization block (a power of two)
+    symmetric: bool = False  # false: a zero point per block
+    # MatMulNBits' compute type on the CPU: 4 quantizes activations to int8 per block (the fast
+    # path where the CPU has int8 dot products), 1 computes in fp32, 0 the kernel's default.
+    # Exactness does not depend on it: decode and verify take the same kernel either way.
+    accuracy_level: int = Field(4, ge=0, le=4)
+    # The output head (the largest matrix of a small model): like the rest (None), at 8 bits,
+    # or kept fp32.
+    head: Literal["int4", "int8", "fp32"] | None = None
+    # A GGUF model's blocks that MatMulNBits represents exactly (Q4_0, Q8_0 at block 32) are
+    # copied as they are (keep) or requantized from the dequantized weights like the others.
+    gguf: Literal["keep", "requantize"] = "keep"
+
+    @model_validator(mode="after")
+    def _power_of_two(self) -> Quantization:
+        if self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two (16, 32, 64, 128)")
+        return self
+
+
 class Recipe(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # the default output is engines/<name>
     target: ModelSource  # the model to serve: a source below, chosen by its `source` key
@@ -272,7 +301,11 @@ class Recipe(_Strict):
     backends: list[Literal["onnxruntime", "tensorrt"]] = Field(
         default_factory=lambda: ["onnxruntime"], min_length=1
     )
-    precision: Literal["fp32", "fp16", "bf16"] = "fp32"  # of TensorRT engines (onnxruntime graphs are fp32)
+    # fp32; int4 or int8: onnxruntime graphs whose MatMuls read quantized weights (MatMulNBits,
+    # `quantization:`), for the target and any draft model; fp16 or bf16: of TensorRT engines
+    # (the onnxruntime graphs stay fp32)
+    precision: Literal["fp32", "fp16", "bf16", "int4", "int8"] = "fp32"
+    quantization: Quantization = Quantization()  # how int4 / int8 weights are made
     # standard: portable ONNX ops (TensorRT, any runtime). ort-gqa: onnxruntime's fused
     # GroupQueryAttention, attending only to the filled cache and updating it in place (faster
     # on onnxruntime; not for TensorRT).
@@ -290,6 +323,27 @@ class Recipe(_Strict):
         if "target" in names or "none" in names:
             raise ValueError("'target' and 'none' are reserved and cannot name a drafter")
         return self
+
+    @model_validator(mode="after")
+    def _quantized_fits(self) -> Recipe:
+        quantized = self.precision in WEIGHT_PRECISIONS or any(
+            getattr(d, "precision", None) in WEIGHT_PRECISIONS for d in self.drafters)
+        if quantized and "tensorrt" in self.backends:
+            raise ValueError("precision int4/int8 builds onnxruntime's MatMulNBits graphs; TensorRT engines of "
+                             "quantized weights need a Q/DQ export, not built yet: use backends: [onnxruntime]")
+        if self.precision in WEIGHT_PRECISIONS and any(d.kind == "quantized-self" for d in self.drafters):
+            raise ValueError(f"a quantized-self drafter is an int4 copy of the target, and this target is already "
+                             f"{self.precision}: drop it (the n-gram, head and draft-model drafters apply)")
+        return self
+
+    @property
+    def onnx_precision(self) -> str:
+        """The target's onnxruntime graphs: int4, int8 or fp32 (fp16/bf16 are TensorRT's)."""
+        return self.precision if self.precision in WEIGHT_PRECISIONS else "fp32"
+
+    def precision_of(self, drafter: ModelDrafter) -> str:
+        """A draft model's onnxruntime precision: its own, else the recipe's."""
+        return drafter.precision or self.onnx_precision
 
     @model_validator(mode="after")
     def _one_schedule(self) -> Recipe:

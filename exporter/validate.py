@@ -10,6 +10,7 @@ stale data, which the in-graph mask must hide.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,7 +83,14 @@ class Tolerance:
 # and 5e-5..1.2e-4 on SmolLM2-135M (scale ~43: under 3e-6); 1e-4 leaves 20x headroom, while
 # one corrupt weight misses it by orders of magnitude. The near-tie limit is about the README's
 # losslessness rule (1e-3 at scale 20). fp16/bf16 (TensorRT casts) keep 10 and 7 mantissa bits.
-# int4 differs from the fp32 target by design: its figures are recorded only.
+# int4 (the quantized-self drafter) differs from the fp32 target by design: recorded only.
+# precision int4 / int8 graphs are checked against transformers on their own dequantized weights
+# (exporter/quantized_model.py), per MatMulNBits accuracy level. Levels 0-3 compute in floats:
+# measured 5e-6 relative on tiny models and 3e-6 on SmolLM2 (level 1), so fp32's limits hold.
+# Level 4 quantizes activations to int8 per block of 32, a real error: measured max |Δlogit|
+# 0.13 x scale on tiny models and SmolLM2 (GGUF blocks kept), argmax differing at margins up to
+# 0.05 x scale, taps up to 0.051 x their scale (SmolLM2 tap 2); the limits leave 2-3x headroom,
+# while a wrong block layout (codes, scales or zero points misplaced) is off by the whole scale.
 # Taps (aux_hidden_states), fp32: the figure is per tap, max |Δh| over that tap's scale (its
 # largest |reference value|). Measured 4e-7..1.5e-5 on tiny models of every architecture, standard
 # and ort-gqa (4 layers, taps 0, 1, 2, L), and at most 2.4e-6 on SmolLM2-135M (taps 0, 1, 2, 15, 27,
@@ -96,7 +104,12 @@ TOLERANCES: dict[str, Tolerance] = {
     "fp32": Tolerance(logit_rtol=1e-4, near_tie_rtol=5e-5, aux_rtol=AUX_RTOL_FP32),
     "fp16": Tolerance(logit_rtol=1e-2, near_tie_rtol=5e-3),
     "bf16": Tolerance(logit_rtol=4e-2, near_tie_rtol=2e-2),
-    "int4": Tolerance(logit_rtol=None),
+    "int4": Tolerance(logit_rtol=None),  # the quantized-self drafter against the fp32 model: recorded
+    # precision int4 / int8 against transformers on the graph's own dequantized weights, per
+    # MatMulNBits accuracy level (exporter/quantized_model.py)
+    **{f"{p}/acc{level}": Tolerance(logit_rtol=1e-4, near_tie_rtol=5e-5, aux_rtol=AUX_RTOL_FP32)
+       for p in ("int4", "int8") for level in range(4)},
+    **{f"{p}/acc4": Tolerance(logit_rtol=0.3, near_tie_rtol=0.1, aux_rtol=0.15) for p in ("int4", "int8")},
 }
 
 
@@ -260,7 +273,7 @@ def validate_model(graphs: list[GraphUnderTest], specs, num_layers: int, num_kv_
                    threads: int | None, in_place: bool = False,
                    keep: list[ModelRunner] | None = None,
                    ref_aux: np.ndarray | None = None, taps: tuple[int, ...] = (),
-                   state: StateLayout | None = None) -> dict[str, dict]:
+                   state: StateLayout | None = None, full_rows: bool = False) -> dict[str, dict]:
     """Return graph name -> parity figures and the cost of one run (ms). ``specs`` gives
     (inputs, outputs) per graph name; ``in_place``: the graphs update the cache in place.
     ``keep``: no timing here; the runner is appended to it for the caller, which times every
@@ -270,7 +283,9 @@ def validate_model(graphs: list[GraphUnderTest], specs, num_layers: int, num_kv_
     ``state``: the model's linear-attention layers keep a recurrent state (RecurrentCache),
     which cannot be rewound to an arbitrary length: before each test the cache is refilled up
     to its length through the runner (so the per-position states the runner selects are
-    checked on the way)."""
+    checked on the way). ``full_rows``: the model's rows must agree bit for bit between calls
+    (a quantized model, ModelEntry.full_rows): every graph's rows are also checked against
+    one-token calls over the same positions (``rows_agree``)."""
     for g in graphs:
         if (AUX_HIDDEN_STATES in specs[g.name][1]) != (ref_aux is not None):
             has = "outputs" if ref_aux is None else "lacks"
@@ -281,7 +296,8 @@ def validate_model(graphs: list[GraphUnderTest], specs, num_layers: int, num_kv_
     engines = [OrtEngine(g.name, g.path, *specs[g.name], options, shared) for g in graphs]
     cache = open_host_cache(num_layers, 1, num_kv_heads, max_seq_len, head_dim, state=state)
     runner = ModelRunner("validate", engines, cache, {g.name: g.tokens for g in graphs},
-                         in_place=frozenset(g.name for g in graphs) if in_place else frozenset())
+                         in_place=frozenset(g.name for g in graphs) if in_place else frozenset(),
+                         full_rows=full_rows)
     # Fill the cache once, chunk by chunk, through the runtime's runner. Each test rewinds to
     # its length, so the slots past the length hold data the mask must hide.
     runner.forward(ref_ids[: max_seq_len - 1].tolist())
@@ -309,13 +325,19 @@ def validate_model(graphs: list[GraphUnderTest], specs, num_layers: int, num_kv_
             # reads the whole buffer as past); it rewrites these positions with the same K/V
             bound = cache.in_place_outputs() if in_place else None
             outputs = [LOGITS, NEXT_TOKENS] + ([AUX_HIDDEN_STATES] if ref_aux is not None else [])
-            out = engine.run(feeds, outputs, bound)
+            with _restored(cache, length, graph.tokens + 1 if in_place else 0):  # a padded call writes one more
+                out = engine.run(feeds, outputs, bound)
             want = ref_logits[length : length + graph.tokens]  # [T, V]
             parity.add(out[LOGITS][0], want, out[NEXT_TOKENS][0])  # [T, V], [T, V], [T]
             if ref_aux is not None:  # [T, n_taps·hidden] each
                 parity.add_aux(out[AUX_HIDDEN_STATES][0], ref_aux[length : length + graph.tokens], taps)
             tested.append(length)
         results[graph.name] = {**parity.to_dict(), "cache_lengths": sorted(tested)}
+    if full_rows:
+        one = by_name[next(g.name for g in graphs if g.tokens == 1)]
+        for graph in graphs:
+            results[graph.name]["rows_agree_max_abs_diff"] = _rows_against_one(
+                by_name[graph.name], one, cache, graph.tokens, ref_ids, max_seq_len, in_place)
     # Timing last: an in-place graph writes into the cache it is timed on. Shapes are static,
     # so the cost is the same at any length for standard graphs; an in-place (GQA) graph
     # attends to the filled part only and is timed half full.
@@ -326,6 +348,38 @@ def validate_model(graphs: list[GraphUnderTest], specs, num_layers: int, num_kv_
     for graph in graphs:
         results[graph.name]["cost_ms"] = round(costs[graph.tokens] * 1e3, 3)
     return results
+
+
+@contextmanager
+def _restored(cache, start: int, count: int):
+    """Put back the cache positions [start, start + count) after the block (in-place writes)."""
+    saved = {name: array[:, :, start : start + count].copy() for name, array in cache.view().items()} if count else {}
+    try:
+        yield
+    finally:
+        for name, values in saved.items():
+            cache.view()[name][:, :, start : start + values.shape[2]] = values
+
+
+def _rows_against_one(engine, one, cache, tokens: int, ref_ids: np.ndarray, max_seq_len: int,
+                      in_place: bool) -> float:
+    """Max |Δlogit| between a ``tokens``-token call's rows and one-token calls over the same
+    positions, at two cache lengths (0 when every row agrees bit for bit)."""
+    worst = 0.0
+    for length in sorted({0, (max_seq_len - tokens - 1) // 2}):
+        def run(graph, start: int, count: int) -> np.ndarray:
+            feeds = dict(cache.view())
+            feeds[INPUT_IDS] = ref_ids[start : start + count][None, :]  # [1, count]
+            feeds[CACHE_LENGTH] = np.array([start], dtype=np.int64)
+            if VALID_TOKENS in graph.inputs:
+                feeds[VALID_TOKENS] = np.array([count], dtype=np.int64)
+            return graph.run(feeds, [LOGITS], cache.in_place_outputs() if in_place else None)[LOGITS][0]  # [count, V]
+
+        with _restored(cache, length, tokens + 2):
+            many = run(engine, length, tokens)  # [T, V]
+            ones = np.concatenate([run(one, length + i, 1) for i in range(tokens)])  # [T, V]
+        worst = max(worst, float(np.abs(many - ones).max()))
+    return worst
 
 
 # -- batched graphs: every row against the batch-1 graph --------------------------------------
@@ -353,13 +407,16 @@ def row_plan(batch: int, tokens: int, max_seq_len: int) -> list[tuple[int, int]]
 
 
 def validate_batched(graphs: list[BatchedGraph], single_name: dict[int, str], specs, single: KVCache,
-                     ref_ids: np.ndarray, threads: int | None) -> dict[str, dict]:
+                     ref_ids: np.ndarray, threads: int | None, full_rows: bool = False,
+                     tap_tolerance: float = 1e-4) -> dict[str, dict]:
     """Each batched (in-place, ort-gqa) graph on rows at different cache lengths with different
     valid counts and an idle row, against the batch-1 graph of its size on each row alone (its
     logits, and the aux_hidden_states of a recipe with a head: those must agree to fp32 rounding):
     graph name -> Parity figures (the batch-1 graph as reference), plus whether padding and the
     idle row left the cache untouched (a one-line error when not). ``single``: a batch-1 cache
-    filled with ``ref_ids`` (validate_model's), ``single_name``: tokens -> batch-1 graph name."""
+    filled with ``ref_ids`` (validate_model's), ``single_name``: tokens -> batch-1 graph name.
+    ``full_rows``: fed rows count all T tokens as real, as the runtime feeds a quantized model
+    (ModelEntry.full_rows), and must agree with the batch-1 graph bit for bit."""
     shared = SharedGraphs()
     options = EngineOptions(threads=threads)
     results = {}
@@ -373,31 +430,39 @@ def validate_batched(graphs: list[BatchedGraph], single_name: dict[int, str], sp
         ids = np.full((graph.batch, graph.tokens), PAD_ID, dtype=np.int64)  # [B, T]
         for r, (length, valid) in enumerate(rows):
             ids[r, :valid] = ref_ids[length : length + valid]
+        fed = [graph.tokens if full_rows and valid else valid for _, valid in rows]  # what valid_tokens says
+        # positions a row may write: its fed tokens, and a quantized graph's pad token after one (row_pad)
+        written = [n + (1 if full_rows and n == 1 else 0) for n in fed]
         feeds = {**cache, INPUT_IDS: ids,
                  CACHE_LENGTH: np.array([length for length, _ in rows], dtype=np.int64),  # [B]
-                 VALID_TOKENS: np.array([valid for _, valid in rows], dtype=np.int64)}  # [B]
+                 VALID_TOKENS: np.array(fed, dtype=np.int64)}  # [B]
         presents = {present_of(name): array for name, array in cache.items()}
         # a recipe with a hidden-state head: the taps the batched loop hands each row's head
         taps = [AUX_HIDDEN_STATES] if AUX_HIDDEN_STATES in specs[graph.name][1] else []
         out = engine.run(feeds, [LOGITS, NEXT_TOKENS, *taps], presents)  # logits [B, T, V], aux [B, T, F]
-        parity = Parity()
+        parity, exact = Parity(), True
         for r, (length, valid) in enumerate(rows):
             if valid == 0:
                 continue
             row_feeds = {**filled, INPUT_IDS: ids[r : r + 1], CACHE_LENGTH: np.array([length], dtype=np.int64),
-                         VALID_TOKENS: np.array([valid], dtype=np.int64)}
-            alone = one.run(row_feeds, [LOGITS, *taps], single.in_place_outputs())
+                         VALID_TOKENS: np.array([fed[r]], dtype=np.int64)}
+            with _restored(single, length, graph.tokens + 1):
+                alone = one.run(row_feeds, [LOGITS, *taps], single.in_place_outputs())
             parity.add(out[LOGITS][r, :valid], alone[LOGITS][0, :valid], out[NEXT_TOKENS][r, :valid])
+            if full_rows:  # bit for bit is not promised across batch sizes: recorded
+                exact = exact and np.array_equal(out[LOGITS][r, :valid], alone[LOGITS][0, :valid])
             for name in taps:
-                if _rows_agree(out[name][r, :valid], alone[name][0, :valid]) is None:
+                if _rows_agree(out[name][r, :valid], alone[name][0, :valid], tap_tolerance) is None:
+                    diff = float(np.abs(out[name][r, :valid] - alone[name][0, :valid]).max())
                     raise SpecexportError(f"{graph.name}: row {r}'s {name} differs from the batch-1 graph run on "
-                                          "that row alone; the heads would read another row's features")
-        untouched = all(np.array_equal(cache[name][r, :, length + valid :], before[name][r, :, length + valid :])
-                        for name in cache for r, (length, valid) in enumerate(rows))
+                                          f"that row alone by {diff:.3g}; the heads would read another row's features")
+        untouched = all(np.array_equal(cache[name][r, :, length + written[r] :], before[name][r, :, length + written[r] :])
+                        for name in cache for r, (length, _) in enumerate(rows))
         if not untouched:
             raise SpecexportError(f"{graph.name}: the batched graph wrote cache positions past a row's valid "
                                   "tokens (padding or an idle row); its valid_tokens input is not honoured")
-        results[graph.name] = {**parity.to_dict(), "rows": [list(row) for row in rows], "padding_untouched": True}
+        results[graph.name] = {**parity.to_dict(), "rows": [list(row) for row in rows], "padding_untouched": True,
+                               **({"rows_equal_batch_1": exact} if full_rows else {})}
     return results
 
 

@@ -120,8 +120,12 @@ class BatchedCall:
     ``input_ids`` is the anchor alone); ``valid_tokens`` / ``context_valid`` count them."""
 
     def __init__(self, engine: Engine, batch: int, tokens: int, cache: dict[str, np.ndarray], in_place: bool,
-                 per_context_row: bool = False):
+                 per_context_row: bool = False, full_rows: bool = False):
+        """``full_rows``: a fed row counts all T tokens as real where its cache has room (its
+        padding's K/V lands past its length, never read), as ModelRunner's ``full_rows``."""
         self.engine, self.batch, self.tokens, self.cache, self.in_place = engine, batch, tokens, cache, in_place
+        self.full_rows = full_rows
+        self.max_seq_len = cache[next(iter(cache))].shape[2] if cache else 0
         self.feeds = {name: array[:batch] for name, array in cache.items()}  # [B, n_kv, S_max, hd] views
         for name, spec in engine.inputs.items():
             if name not in self.feeds:  # input_ids [B, T], cache_length [B], valid counts [B], features [B, T, F]
@@ -143,9 +147,10 @@ class BatchedCall:
             for name, values in inputs.items():
                 self.feeds[name][r, : len(values)] = values
             count = len(inputs[self.positions]) if self.positions in inputs else len(tokens)
+            full = self.full_rows and length + self.tokens <= self.max_seq_len
             for valid in (VALID_TOKENS, CONTEXT_VALID):  # the row's real positions, the only ones written
                 if valid in self.feeds:
-                    self.feeds[valid][r] = count
+                    self.feeds[valid][r] = self.tokens if full else count
             written.append((r, length, count))
         outputs = [NEXT_TOKENS, *([LOGITS] if want_logits else []), *want, *self.presents]
         start = time.perf_counter()
@@ -288,7 +293,7 @@ def open_model(manifest: Manifest, model: str, backend: str, options: EngineOpti
         runners.append(ModelRunner(label, engines, cache, {e.name: e.tokens for e in singles},
                                    {e.tokens: cost_ms(e) for e in singles if e.role.decoding} if cost_ms else None,
                                    frozenset(e.name for e in singles if e.kv_update == KVUpdate.IN_PLACE),
-                                   roles={e.name: e.role for e in singles}))
+                                   roles={e.name: e.role for e in singles}, full_rows=info.full_rows))
     calls = {}
     if caches.tensors is not None:
         for entry in manifest.engines_of(model, backend, batch=None):
@@ -296,5 +301,6 @@ def open_model(manifest: Manifest, model: str, backend: str, options: EngineOpti
                 engine = LazyEngine(entry, manifest.root, options, None, sessions)
                 calls[(entry.batch, entry.tokens)] = BatchedCall(engine, entry.batch, entry.tokens, caches.tensors,
                                                                  entry.kv_update == KVUpdate.IN_PLACE,
-                                                                 per_context_row=entry.role == Role.BLOCK)
+                                                                 per_context_row=entry.role == Role.BLOCK,
+                                                                 full_rows=info.full_rows)
     return Model(model, runners, calls, caches, info.max_seq_len)

@@ -47,11 +47,14 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, name: str, engines: Sequence[Engine], cache: KVCache, tokens_of: dict[str, int],
                  cost_ms: dict[int, float] | None = None, in_place: frozenset[str] = frozenset(),
-                 roles: Mapping[str, Role] | None = None):
+                 roles: Mapping[str, Role] | None = None, full_rows: bool = False):
         """``roles``: engine name -> its manifest role; engines of a non-decoding role (probes)
-        are only timed, never chosen by ``forward``. None: every engine decodes."""
+        are only timed, never chosen by ``forward``. None: every engine decodes. ``full_rows``:
+        a call's padding rows count as tokens (``valid_tokens`` = T; ModelEntry.full_rows), so
+        that a row's result does not depend on how many rows were real."""
         self.name = name
         self.cache = cache
+        self.full_rows = full_rows
         # token count -> engine, smallest first: every engine, and those forward may choose
         everything = sorted(((tokens_of[e.name], e) for e in engines), key=lambda pair: pair[0])
         self._by_size = dict(everything)
@@ -210,8 +213,8 @@ class ModelRunner:
             ids[0, :count] = tokens[done : done + count]
             ids[0, count:] = PAD_ID
             feeds[CACHE_LENGTH][0] = self.cache.length
-            if VALID_TOKENS in feeds:
-                feeds[VALID_TOKENS][0] = count
+            if VALID_TOKENS in feeds:  # full rows: the padding's K/V lands past the length, never read
+                feeds[VALID_TOKENS][0] = size if self.full_rows else count
             for name, rows in (inputs or {}).items():
                 buffer = self._extra_feed(size, name)  # [1, T, F]
                 buffer[0, :count] = rows[done : done + count]

@@ -456,6 +456,12 @@ class ModelEntry:
     def kv_dtype(self) -> str:
         return self.kv.dtype
 
+    @property
+    def full_rows(self) -> bool:
+        """Every call must compute all its T rows as real tokens (``valid_tokens`` = T): a
+        quantized model's rows agree bit for bit between calls only on that path (exporter/row_pad.py)."""
+        return "quantization" in self.info
+
 
 @dataclass(frozen=True)
 class DrafterParams:

@@ -50,7 +50,7 @@ def check_one_line(code: int, err: str, *needles: str, alone: bool = False) -> N
 
 def tiny_recipe(path: Path, arch: str = "llama", *, drafters=None, name: str | None = None, seed: int = 0,
                 max_seq_len: int = 96, prefill_chunk: int = 16, max_draft: int = 4, attention: str = "standard",
-                batch: int | tuple[int, ...] = 1, **target) -> Path:
+                batch: int | tuple[int, ...] = 1, precision: str = "fp32", **target) -> Path:
     """Write a recipe for a tiny random model; returns its path."""
     recipe = {
         "name": name or f"tiny-{arch}",
@@ -60,6 +60,8 @@ def tiny_recipe(path: Path, arch: str = "llama", *, drafters=None, name: str | N
         "draft": {"tile": 128, "max_draft": max_draft},
         "attention": attention,
     }
+    if precision != "fp32":
+        recipe["precision"] = precision
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
 

@@ -1,4 +1,4 @@
-"""Peers for `specexport bench`: other inference stacks run on the same model, in fp32.
+"""Peers for `specexport bench`: other inference stacks run on the same model (fp32 unless said).
 
 ``make_peers`` makes them in the calling process; the bench runs each through
 ``bench/peer_process.start_peers``, in a process of its own (that module says why).
@@ -13,10 +13,35 @@ peer generates greedily from the prompt ids it is given and reports its wall tim
   its own model builder from the target, run with greedy search.
 - ``ort-genai-ngram``: the same model with onnxruntime-genai's n-gram speculative decoding
   (``ngram_size=3``: the last 2 tokens are looked up; ``max_draft_tokens=4``).
+- ``ort-genai-int4``: onnxruntime-genai's int4 CPU model of the same target, made by its model
+  builder with its int4 defaults for the cpu execution provider, passed explicitly
+  (``ORT_GENAI_INT4``: RTN, block 32, ``accuracy_level`` 4 = activations quantized to int8 per
+  block, symmetric) and recorded in the peer's settings and each run's stats; greedy search.
+  Its output is not expected to equal our fp32 target's.
+- ``ort-genai-int4-ngram``: the same int4 model with the n-gram options of ``ort-genai-ngram``.
+- ``llama-cpp``: llama-cpp-python (optional: ``make bench-peers``) on the very GGUF file the
+  recipe's target was built from (a target that is not a GGUF skips it), greedy (temperature 0,
+  top_k 1), fed the prompt ids as they are (the GGUF's own tokenizer has the same vocabulary). It
+  runs ``Llama.generate``, the token loop ``create_completion(stream=True)`` iterates, timing each
+  token, and stops on a token the GGUF's vocabulary calls end-of-generation (EOS kept, as the
+  other peers keep it). ``n_threads`` and ``n_threads_batch`` are the bench's threads; ``n_ctx``
+  is at least 512 and grows (the model reloaded, untimed) when a prompt plus its new tokens
+  would not fit. The GGUF's own weights: quantized (SmolLM2's is Q4_1), so its output is not
+  expected to equal ours either. llama.cpp's OpenMP threads are easily starved: in a process
+  that had imported torch its decode ran about 100 times slower, and with other busy processes
+  on the same 2 cores some runs fell to about 1 tok/s (both seen with 0.3.36). The bench runs it
+  in a process of its own; run it on an otherwise idle machine.
+- ``llama-cpp-lookup``: the same with llama-cpp-python's prompt lookup,
+  ``draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10)`` (``max_ngram_size`` its default
+  2). llama-cpp-python's README suggests 10 for GPU and 2 on CPU-only machines; we pin 10, as
+  the measurement in ../shared/references.md ("Quantized targets") did, so numbers compare. A
+  draft model makes llama-cpp-python keep the logits of every evaluated position
+  (``logits_all``): that cost is part of what it measures.
 
 Threads: ``make_peers`` calls ``torch.set_num_threads(threads)`` when a transformers peer is
 asked for. That setting is global to the process (the bench runs each peer in a process of its own); the
-onnxruntime-genai peers set ``intra_op_num_threads`` on their own session.
+onnxruntime-genai peers set ``intra_op_num_threads`` on their own session, the llama.cpp peers
+``n_threads`` and ``n_threads_batch`` on theirs.
 
 Batched (``bench --batch``): the target-alone peers that can batch, ``transformers-greedy``
 and ``ort-genai`` (``BATCHED_PEERS``), also run ``run_batch(prompts, max_new_tokens)``: one
@@ -24,9 +49,12 @@ left-padded batch of the prompts, greedy, decoded together until every row is do
 batching: a finished row idles until the longest one ends); each row's tokens are cut after its
 first EOS, as a single run's are.
 
-The onnxruntime-genai model is built once into ``cache_dir/ort-genai-fp32`` (the target is
-saved as a transformers directory in ``cache_dir/hf`` for the builder, which is removed once the
-build succeeds) and reused while the target's files are unchanged.
+The onnxruntime-genai models are built once, into ``cache_dir/ort-genai-fp32`` and
+``cache_dir/ort-genai-int4`` (the target is saved as a transformers directory in
+``cache_dir/hf`` for the builder, which is removed once the build succeeds), and reused while the
+target's files, the onnxruntime-genai version and the build options are unchanged (a stamp file
+in each records them). The llama.cpp peers build nothing: they read the GGUF where the recipe
+names it, resolved here without the exporter (``gguf_file``).
 """
 
 from __future__ import annotations
@@ -41,19 +69,30 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from specexport import atomic
 from specexport.errors import BadInput
 
-PEER_NAMES = ("transformers-greedy", "transformers-prompt-lookup", "ort-genai", "ort-genai-ngram")
+PEER_NAMES = ("transformers-greedy", "transformers-prompt-lookup", "ort-genai", "ort-genai-ngram",
+              "ort-genai-int4", "ort-genai-int4-ngram", "llama-cpp", "llama-cpp-lookup")
 # transformers prompt lookup: 10 candidate tokens, matching n-grams of up to 2 tokens (its default, pinned).
 PROMPT_LOOKUP = {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
 # onnxruntime-genai's n-gram speculative options (docs/SpeculativeDecoding.md in its repository):
 # ngram_size N matches the last N-1 committed tokens; max_draft_tokens is the fixed proposal width.
 ORT_GENAI_NGRAM = {"ngram_size": 3, "max_draft_tokens": 4}
 ORT_GENAI_DIR = "ort-genai-fp32"
+ORT_GENAI_INT4_DIR = "ort-genai-int4"
 ORT_GENAI_STAMP = "specexport-peer.json"
+# The model builder's int4 defaults for the cpu execution provider (its --extra_options help in
+# 0.18.0), passed explicitly so that the build is what the stamp and the report say, whatever a
+# later builder's defaults: algo_config "default" = MatMulNBitsQuantizer's RTN; weights in blocks
+# of 32; accuracy_level 4 = MatMulNBits quantizes the activations to int8 per block (its fast CPU
+# path); symmetric int4 (no zero points).
+ORT_GENAI_INT4 = {"algo_config": "default", "block_size": 32, "accuracy_level": 4, "is_symmetric": True}
+# llama-cpp-python's prompt lookup (LlamaPromptLookupDecoding): 10 proposed tokens, n-grams of up to 2 (its default)
+LLAMA_CPP_LOOKUP = {"num_pred_tokens": 10, "max_ngram_size": 2}
+LLAMA_CPP_MIN_CTX = 512  # the llama.cpp peers' smallest context; it grows to fit longer requests
 INSTALL_HINT = "make bench-peers"
 # the peers that decode a batch of prompts together (run_batch): the target alone only
 BATCHED_PEERS = ("transformers-greedy", "ort-genai")
@@ -202,7 +241,7 @@ class TransformersPeer:
 
 class OrtGenaiPeer:
     def __init__(self, name: str, og, model, eos_ids: list[int], threads: int, speculative: dict | None = None,
-                 pad_id: int | None = None):
+                 pad_id: int | None = None, precision: str = "fp32"):
         self.name = name
         self.pad_id = int(pad_id if pad_id is not None else min(eos_ids))
         self.threads = threads
@@ -210,8 +249,10 @@ class OrtGenaiPeer:
         self.model = model
         self.eos_ids = set(eos_ids)
         self.speculative = dict(speculative or {})
-        self.settings = {"onnxruntime_genai": og.__version__, "precision": "fp32", "search": "greedy",
-                         "intra_op_num_threads": threads, **self.speculative}
+        # the model builder's quantization options, where the model is quantized
+        self.build = {"int4": dict(ORT_GENAI_INT4)} if precision == "int4" else {}
+        self.settings = {"onnxruntime_genai": og.__version__, "precision": precision, "search": "greedy",
+                         "intra_op_num_threads": threads, **self.speculative, **self.build}
 
     def _generator(self, prompt_ids: list[int], max_length: int):
         import numpy as np
@@ -248,6 +289,7 @@ class OrtGenaiPeer:
         if len(tokens) < max_new_tokens and last in self.eos_ids:
             tokens.append(last)
         stats = _speculative_summary(generator.get_speculative_stats()) if self.speculative else {}
+        stats.update(self.build)
         return PeerRun(tokens, total_s, first_token_s, stats, decode_s=marks[-1] - marks[0] if len(marks) > 1 else None)
 
 
@@ -308,11 +350,27 @@ def _fingerprint(src, recipe_dir: Path) -> dict:
     return {"target": src.model_dump(mode="json"), "files": fingerprint(src, recipe_dir, "target")}
 
 
-def _ort_genai_dir(og, src, recipe_dir: Path, cache_dir: Path, threads: int, loaded) -> Path:
-    """cache_dir/ort-genai-fp32, built by onnxruntime-genai's model builder unless it is current."""
-    out = cache_dir / ORT_GENAI_DIR
-    stamp = {"onnxruntime_genai": og.__version__, "precision": "fp32", "execution_provider": "cpu",
-             **_fingerprint(src, recipe_dir)}
+def _builder_options(precision: str) -> dict:
+    """What the stamp records of a build besides precision and provider: the int4 options."""
+    return {"int4": dict(ORT_GENAI_INT4)} if precision == "int4" else {}
+
+
+def _builder_command(hf_dir: Path, out: Path, builder_cache: Path, precision: str) -> list[str]:
+    """onnxruntime-genai's model builder, for the cpu execution provider at ``precision``."""
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
+           "-p", precision, "-e", "cpu", "-c", str(builder_cache)]
+    if precision == "int4":
+        cmd += ["--extra_options", *(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                                     for k, v in ORT_GENAI_INT4.items())]
+    return cmd
+
+
+def _ort_genai_dir(og, src, recipe_dir: Path, cache_dir: Path, threads: int, loaded, precision: str = "fp32") -> Path:
+    """cache_dir/ort-genai-fp32 (or -int4), built by onnxruntime-genai's model builder unless it is current."""
+    name = {"fp32": ORT_GENAI_DIR, "int4": ORT_GENAI_INT4_DIR}[precision]
+    out = cache_dir / name
+    stamp = {"onnxruntime_genai": og.__version__, "precision": precision, "execution_provider": "cpu",
+             **_builder_options(precision), **_fingerprint(src, recipe_dir)}
     if (out / "genai_config.json").is_file() and _read_json(out / ORT_GENAI_STAMP) == stamp:
         return out
     if out.exists() and not (out / ORT_GENAI_STAMP).is_file():
@@ -321,10 +379,9 @@ def _ort_genai_dir(og, src, recipe_dir: Path, cache_dir: Path, threads: int, loa
     cache_dir.mkdir(parents=True, exist_ok=True)
     hf_dir = cache_dir / "hf"
     _save_hf_dir(loaded(), hf_dir)
-    work = Path(tempfile.mkdtemp(prefix=f".{ORT_GENAI_DIR}.", dir=cache_dir))
-    log = cache_dir / f"{ORT_GENAI_DIR}.build.log"
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(work / "model"),
-           "-p", "fp32", "-e", "cpu", "-c", str(work / "builder-cache")]
+    work = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache_dir))
+    log = cache_dir / f"{name}.build.log"
+    cmd = _builder_command(hf_dir, work / "model", work / "builder-cache", precision)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
     try:
         with log.open("w") as sink:
@@ -380,6 +437,112 @@ def _load_ort_genai_model(og, model_dir: Path, threads: int):
     return og.Model(config)
 
 
+# --- llama.cpp (llama-cpp-python) ------------------------------------------------------------
+
+
+class LlamaCppPeer:
+    """``llama_cpp.Llama`` on the target's GGUF file (see the module docstring)."""
+
+    def __init__(self, name: str, llama_cpp, gguf: Path, threads: int, lookup: dict | None = None):
+        self.name = name
+        self.threads = threads
+        self.gguf = Path(gguf)
+        self.lookup = dict(lookup or {})
+        self._lib = llama_cpp
+        self.llama: Any = None  # llama_cpp.Llama, made by _load
+        self.n_ctx = 0
+        self.settings = {"llama_cpp_python": getattr(llama_cpp, "__version__", "unknown"), "gguf": self.gguf.name,
+                         "search": "greedy", "n_threads": threads, "n_threads_batch": threads, **self.lookup}
+        self._load(LLAMA_CPP_MIN_CTX)
+
+    def _load(self, n_ctx: int) -> None:
+        kwargs = dict(model_path=str(self.gguf), n_ctx=n_ctx, n_threads=self.threads,
+                      n_threads_batch=self.threads, verbose=False)
+        if self.lookup:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            kwargs["draft_model"] = LlamaPromptLookupDecoding(**self.lookup)
+        old, self.llama = self.llama, None
+        if old is not None:
+            old.close()  # its context and weights, before the larger one is made
+        self.llama = self._lib.Llama(**kwargs)
+        self._vocab = self._lib.llama_model_get_vocab(self.llama.model)
+        self.n_ctx = n_ctx
+
+    def _is_end(self, token: int) -> bool:
+        """End of generation in the GGUF's vocabulary (as create_completion stops)."""
+        return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> PeerRun:
+        _check_request(prompt_ids, max_new_tokens)
+        need = len(prompt_ids) + max_new_tokens
+        if need > self.n_ctx:  # a larger context first, untimed
+            self._load(max(LLAMA_CPP_MIN_CTX, -(-need // 256) * 256))
+        llama = self.llama
+        llama.reset()  # no prefix of an earlier run reused: the prompt is evaluated in every run
+        tokens: list[int] = []
+        marks: list[float] = []
+        start = time.perf_counter()
+        steps = llama.generate(list(prompt_ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                               reset=True)
+        try:
+            for token in steps:
+                marks.append(time.perf_counter())
+                tokens.append(int(token))
+                if len(tokens) >= max_new_tokens or self._is_end(int(token)):
+                    break
+        finally:
+            steps.close()
+        total_s = time.perf_counter() - start
+        stats: dict = {"n_ctx": self.n_ctx}
+        draft = llama.draft_model
+        if draft is not None:  # read back from the draft model in use
+            stats.update(draft_model=type(draft).__name__, num_pred_tokens=draft.num_pred_tokens,
+                         max_ngram_size=draft.max_ngram_size)
+        return PeerRun(tokens, total_s, marks[0] - start if marks else total_s, stats,
+                       decode_s=marks[-1] - marks[0] if len(marks) > 1 else None)
+
+
+def gguf_file(target_source: dict, recipe_dir: Path) -> Path:
+    """The GGUF file a target was built from, resolved as exporter/sources.gguf_path does (a path
+    relative to the recipe's directory, or ``file`` inside the installed package ``package``,
+    found without importing it), without importing the exporter. Raises _Skip: the target is not
+    a GGUF, or its file is not there."""
+    if target_source.get("source") != "gguf":
+        raise _Skip(f"needs a GGUF target (this target's source is {target_source.get('source')!r})")
+    if target_source.get("path") is not None:
+        path = Path(target_source["path"])
+        path = path if path.is_absolute() else Path(recipe_dir) / path
+        if not path.is_file():
+            raise _Skip(f"the target's GGUF file is not there: {path}")
+        return path
+    package, file = target_source.get("package"), target_source.get("file")
+    if not package or not file:
+        raise _Skip("the GGUF target names neither a path nor a package and file")
+    spec = importlib.util.find_spec(package)  # finds without importing the package
+    if spec is None:
+        raise _Skip(f"the target's GGUF package '{package}' is not installed")
+    if spec.origin is not None and spec.origin not in ("namespace", "built-in", "frozen"):
+        folders = [Path(spec.origin).parent]
+    else:
+        folders = [Path(f) for f in (spec.submodule_search_locations or [])]
+    for folder in folders:
+        if (folder / file).is_file():
+            return folder / file
+    raise _Skip(f"'{file}' is not in package '{package}' ({', '.join(str(f) for f in folders) or 'no folder'})")
+
+
+def _import_llama_cpp():
+    """The module, or raise _Skip with the reason."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise _Skip(f"llama-cpp-python is not installed: {INSTALL_HINT}")
+    try:
+        import llama_cpp
+    except Exception as err:  # a wheel built for another CPU, a missing shared library
+        raise _Skip(f"llama-cpp-python cannot be imported ({_one_line(err)}): {INSTALL_HINT}") from None
+    return llama_cpp
+
+
 # --- the factory ---------------------------------------------------------------------------
 
 
@@ -418,6 +581,15 @@ def _check_fp32(model) -> None:
     dtypes = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
     if dtypes:
         raise _Skip(f"the target has {', '.join(dtypes)} weights, not fp32")
+
+
+def parse_peer_names(text: str) -> list[str]:
+    """``bench --peers``: a comma-separated list of PEER_NAMES, or ``all`` for every one."""
+    names = list(PEER_NAMES) if text.strip() == "all" else [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [n for n in names if n not in PEER_NAMES]
+    if unknown:
+        raise BadInput(f"--peers: unknown peer {unknown[0]!r}; choose from {', '.join(PEER_NAMES)} or all")
+    return list(dict.fromkeys(names))
 
 
 def parse_target(target_source: dict):
@@ -497,21 +669,34 @@ def make_peers(target_source: dict, recipe_dir: Path, names: list[str], threads:
         except Exception as err:  # the peer is optional: say why, keep benchmarking the rest
             skipped.update({n: f"cannot load the target with transformers: {_one_line(err)}" for n in hf_names})
 
-    og_names = [n for n in names if n.startswith("ort-genai") and n in PEER_NAMES]
-    if og_names:
+    for precision, prefix in (("fp32", "ort-genai"), ("int4", "ort-genai-int4")):
+        og_names = [n for n in names if n in (prefix, f"{prefix}-ngram")]
+        if not og_names:
+            continue
         try:
             og = _import_ort_genai()
-            model_dir = _ort_genai_dir(og, src, recipe_dir, cache_dir, threads, loaded)
+            model_dir = _ort_genai_dir(og, src, recipe_dir, cache_dir, threads, loaded, precision)
             og_model = _load_ort_genai_model(og, model_dir, threads)
             eos = _ort_genai_eos(model_dir)
             for name in og_names:
                 made[name] = OrtGenaiPeer(name, og, og_model, eos, threads,
                                           ORT_GENAI_NGRAM if name.endswith("ngram") else None,
-                                          _ort_genai_pad(model_dir))
+                                          _ort_genai_pad(model_dir), precision)
         except _Skip as why:
             skipped.update({n: str(why) for n in og_names})
         except Exception as err:
             skipped.update({n: f"onnxruntime-genai model unavailable: {_one_line(err)}" for n in og_names})
+
+    llama_names = [n for n in names if n in ("llama-cpp", "llama-cpp-lookup")]
+    for name in llama_names:
+        try:
+            gguf = gguf_file(target_source, recipe_dir)
+            made[name] = LlamaCppPeer(name, _import_llama_cpp(), gguf, threads,
+                                      LLAMA_CPP_LOOKUP if name.endswith("lookup") else None)
+        except _Skip as why:
+            skipped[name] = str(why)
+        except Exception as err:
+            skipped[name] = f"llama.cpp cannot load the target's GGUF: {_one_line(err)}"
 
     peers = [made[n] for n in dict.fromkeys(names) if n in made]
     return peers, [{"peer": n, "skipped": skipped[n]} for n in dict.fromkeys(names) if n in skipped]

@@ -73,7 +73,7 @@ def markdown(result: dict) -> str:
                   f"- verify pass with k drafts: {verify}", f"- the drafters' graphs: {parts}",
                   f"- a drafter's round of k = 0, 1, ... drafts (its own cost model): {rounds}"]
     if result["peers"] or result["peers_skipped"]:
-        lines += ["", "## Peers (same model, fp32)", "", "| peer | threads | prompt | tok/s | vs our baseline | same greedy output |",
+        lines += ["", "## Peers (same model: fp32, or int4 where the peer says so)", "", "| peer | threads | prompt | tok/s | vs our baseline | same greedy output |",
                   "|---|---|---|---|---|---|"]
         for p in result["peers"]:
             same = {True: "yes", False: "no", None: "n/a"}[p["matches_baseline"]]

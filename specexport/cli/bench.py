@@ -24,8 +24,9 @@ from specexport.cli.output import print_json
               help="Runs of each prompt per runner, interleaved; tokens/s is their median.")
 @click.option("--drafters", default=None, help="Comma-separated drafter names (default: all in the manifest).")
 @click.option("--peers", default="", help="Comma-separated peers: transformers-greedy, transformers-prompt-lookup, "
-              "ort-genai, ort-genai-ngram, or 'all'. With --batch: the target-alone peers that batch "
-              "(transformers-greedy, ort-genai) at each batch size.")
+              "ort-genai, ort-genai-ngram, ort-genai-int4, ort-genai-int4-ngram, llama-cpp, llama-cpp-lookup "
+              "(the llama.cpp peers need a GGUF target), or 'all'. With --batch: the target-alone peers that "
+              "batch (transformers-greedy, ort-genai) at each batch size.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--threads", type=click.IntRange(1), default=2, show_default=True, help="onnxruntime intra-op threads (and each peer's).")
 @click.option("--draft-len", type=int, default=None, help="Maximum draft length (default: the plan's D).")
@@ -67,12 +68,9 @@ def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, dr
         batch_peers, batch_skipped = [], []
         if peers:
             from specexport.bench.peer_process import start_peers
-            from specexport.bench.peers import PEER_NAMES
+            from specexport.bench.peers import parse_peer_names
 
-            wanted = list(PEER_NAMES) if peers == "all" else [p for p in peers.split(",") if p]
-            unknown = sorted(set(wanted) - set(PEER_NAMES))
-            if unknown:
-                raise BadInput(f"--peers: unknown peer {unknown[0]!r}; choose from {', '.join(PEER_NAMES)} or all")
+            wanted = parse_peer_names(peers)
             batch_peers, batch_skipped = start_peers(
                 pipe.manifest.target_source, pipe.manifest.recipe_root, wanted,
                 threads, engine_dir.parent / f".{engine_dir.name}.peers")
@@ -91,11 +89,9 @@ def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, dr
             click.echo(f"wrote {', '.join(str(f) for f in files)}", err=True)
         return
 
-    peer_names = ["transformers-greedy", "transformers-prompt-lookup", "ort-genai", "ort-genai-ngram"]
-    chosen_peers = peer_names if peers == "all" else [p for p in peers.split(",") if p]
-    unknown = sorted(set(chosen_peers) - set(peer_names))
-    if unknown:
-        raise BadInput(f"--peers: unknown peer {unknown[0]!r}; choose from {', '.join(peer_names)} or all")
+    from specexport.bench.peers import parse_peer_names
+
+    chosen_peers = parse_peer_names(peers)
     if update_baseline and baseline is None:
         raise BadInput("--update-baseline needs --baseline FILE")
     options = BenchOptions(prompts=prompts, max_new_tokens=max_new_tokens, repeats=repeats,

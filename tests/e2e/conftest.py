@@ -19,3 +19,17 @@ def engines(tmp_path_factory, worker_id) -> Path:
     with FileLock(shared_root(tmp_path_factory, worker_id, "locks") / "smollm2-engines.lock"):
         build(REPO / "recipes" / "smollm2-135m.yaml", out, False, Reporter(quiet=True), threads=2)
     return out
+
+
+@pytest.fixture(scope="session")
+def int4_engines(tmp_path_factory, worker_id) -> Path:
+    """The default model at int4 (recipes/smollm2-135m-int4.yaml), built once per run like
+    ``engines`` (an unchanged build at $SPECEXPORT_TEST_INT4_ENGINES, default
+    engines/smollm2-135m-int4, is reused)."""
+    from specexport.exporter.builder import build
+    from specexport.progress import Reporter
+
+    out = Path(os.environ.get("SPECEXPORT_TEST_INT4_ENGINES", REPO / "engines" / "smollm2-135m-int4"))
+    with FileLock(shared_root(tmp_path_factory, worker_id, "locks") / "smollm2-int4-engines.lock"):
+        build(REPO / "recipes" / "smollm2-135m-int4.yaml", out, False, Reporter(quiet=True), threads=2)
+    return out
