@@ -9,6 +9,7 @@ import importlib.util
 import json
 
 import numpy as np
+import onnx
 import pytest
 
 from specexport.runtime import load
@@ -36,6 +37,10 @@ def test_the_build_reports_each_gguf_tensor_kind(int4_engines):
     for kind in ("attn_q+attn_k+attn_v (Q4_1)", "attn_output (Q4_1)", "ffn_gate (Q4_1)", "ffn_up (Q4_1)", "ffn_down (Q4_1)"):
         assert weights[kind] == {"weights": 30, "kept": 30, "bits": 4, "why": []}, (kind, weights)
     assert weights["token_embd (Q8_0)"] == {"weights": 1, "kept": 1, "bits": 8, "why": []}
+    # the tied embedding gathers from the head's 8-bit blocks: no fp32 table left in the weights
+    graph = onnx.load(str(int4_engines / "target.onnx"), load_external_data=False)
+    assert "GatherBlockQuantized" in {n.op_type for n in graph.graph.node}
+    assert all(t.data_type != onnx.TensorProto.FLOAT or np.prod(t.dims) < 10_000_000 for t in graph.graph.initializer)
     for entry in manifest["engines"]:
         if entry["model"] == "target" and entry["batch"] == 1:
             assert entry["parity"]["rows_agree_max_abs_diff"] == 0.0, entry["name"]

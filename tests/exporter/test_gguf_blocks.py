@@ -88,3 +88,33 @@ def test_weights_not_in_the_file_are_requantized():
     other = np.random.default_rng(5).standard_normal((K, N)).astype(np.float32)
     _, rows = quantize_weights(matmul_model(other), WeightQuant(4, 32, False, 4, 4), gguf=RowIndex([tensor], [values]))
     assert not rows[0]["kept"] and "gguf" not in rows[0]
+
+
+def test_a_tied_embedding_is_gathered_from_the_kept_8bit_head_blocks():
+    """A tied head [K, V] that the graph also gathers embedding columns from (axis 1), kept from
+    Q8_0 blocks: the gather reads the same blocks (GatherBlockQuantized), the fp32 table is
+    dropped, and the embedding rows are the same values bit for bit."""
+    _, tensor, values = gguf_tensor("Q8_0")  # [N, K]: N plays the vocabulary
+    table = np.ascontiguousarray(values.T)  # [K, N]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", K])
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["n"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", N])
+    rows = helper.make_tensor_value_info("rows", TensorProto.FLOAT, [K, "n"])
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"]),
+                               helper.make_node("Gather", ["w", "ids"], ["rows"], axis=1)], "g", [x, ids], [y, rows],
+                              [numpy_helper.from_array(table, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    quantized, report = quantize_weights(model, WeightQuant(8, 32, False, 4, 8), gguf=RowIndex([tensor], [values]))
+    assert report[0]["kept"] and report[0]["embedding"] == "gathered from the same blocks"
+    ops = [n.op_type for n in quantized.graph.node]
+    assert "GatherBlockQuantized" in ops and "Gather" not in ops
+    assert "w" not in {t.name for t in quantized.graph.initializer}
+    import onnxruntime as ort
+
+    from specexport.runtime.ort_engine import session_options
+
+    session = ort.InferenceSession(quantized.SerializeToString(), session_options(ort, None),
+                                   providers=["CPUExecutionProvider"])
+    picked = np.array([3, 0, 39], dtype=np.int64)
+    got = session.run(["rows"], {"x": np.zeros((1, 1, K), np.float32), "ids": picked})[0]  # [K, 3]
+    assert np.array_equal(got, table[:, picked])
