@@ -409,10 +409,9 @@ class Builder:
             with self.rep.step("validate", f"{model} batched graphs") as s:
                 if self.recipe.attention == "ort-gqa":  # in place: entries of the batch-1 graph's file
                     single = {g.tokens: g.name for g in self.graph_files[model]}
-                    tol = TOLERANCES.get(precision)
                     rows = validate_batched(batched, single, self.specs, kept[0].cache, ids, self.threads,
                                             full_rows=self.models[model].full_rows,
-                                            tap_tolerance=tol.aux_rtol if tol and tol.aux_rtol else 1e-4)
+                                            tap_tolerance=TOLERANCES[precision].aux_rtol or 1e-4)
                 else:  # append: static graphs of their own, each row's real positions against batch 1
                     alone = {g.tokens: g for g in self.graph_files[model]}
                     rows = validate_batched_append(batched, alone, self.specs, kept[0].cache, ids, self.threads)

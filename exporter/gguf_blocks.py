@@ -32,8 +32,8 @@ BLOCK = 32  # weights per block of Q4_0 and Q8_0
 EXACT = {"Q4_0": (4, 8, 2 + BLOCK // 2), "Q8_0": (8, 128, 2 + BLOCK), "Q4_1": (4, 0, 4 + BLOCK // 2)}
 OFFSET_TYPES = ("Q4_1",)  # d · q + m: a float offset per block beside the codes
 WHY_NOT = {
-    "Q5_0": "5-bit codes: MatMulNBits has 2-8 bits but no 5-bit CPU kernel path in onnxruntime 1.32",
-    "Q5_1": "5-bit codes with a float offset",
+    "Q5_0": "5-bit codes: the build makes 4- and 8-bit MatMulNBits only",
+    "Q5_1": "5-bit codes: the build makes 4- and 8-bit MatMulNBits only",
     "F32": "float weights",
     "F16": "float weights",
     "BF16": "float weights",

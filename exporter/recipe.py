@@ -79,6 +79,12 @@ ModelSource = Annotated[HfSource | GgufSource | TinySource, Field(discriminator=
 # --- drafters ------------------------------------------------------------------------------
 
 
+def _check_block_size(block_size: int) -> None:
+    """MatMulNBits' blocks: a power of two."""
+    if block_size & (block_size - 1):
+        raise ValueError("block_size must be a power of two (16, 32, 64, 128)")
+
+
 class NgramDrafter(_Strict):
     """Prompt lookup: propose the tokens that followed the longest earlier match."""
 
@@ -110,8 +116,7 @@ class QuantizedSelfDrafter(_Strict):
 
     @model_validator(mode="after")
     def _power_of_two(self) -> QuantizedSelfDrafter:
-        if self.block_size & (self.block_size - 1):
-            raise ValueError("block_size must be a power of two (16, 32, 64, 128)")
+        _check_block_size(self.block_size)
         return self
 
 
@@ -286,8 +291,7 @@ class Quantization(_Strict):
 
     @model_validator(mode="after")
     def _power_of_two(self) -> Quantization:
-        if self.block_size & (self.block_size - 1):
-            raise ValueError("block_size must be a power of two (16, 32, 64, 128)")
+        _check_block_size(self.block_size)
         return self
 
 

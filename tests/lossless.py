@@ -69,6 +69,18 @@ def exact_sequence_probs(pipe, prompt_ids: list[int], sampling, length: int) -> 
     return step([], length)
 
 
+def sample_counts(pipe, prompt_ids: list[int], draws: int, **generate) -> tuple[dict[tuple[int, ...], int], list]:
+    """``draws`` generations of ``prompt_ids`` with seeds 0, 1, ...: how often each token
+    sequence came out, and each run's stats."""
+    counts: dict[tuple[int, ...], int] = {}
+    stats = []
+    for seed in range(draws):
+        out = pipe.generate(prompt_ids=prompt_ids, seed=seed, **generate)
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+        stats.append(out.stats)
+    return counts, stats
+
+
 def chi_square(counts: dict, exact: dict, draws: int, min_expected: float = 5.0) -> tuple[float, int]:
     """Pearson's statistic of observed ``counts`` against ``exact`` probabilities, cells expected
     fewer than ``min_expected`` times pooled into one (small cells inflate the statistic); a

@@ -20,6 +20,7 @@ from tests.lossless import (
     assert_sampled_as_target,
     exact_sequence_probs,
     residual_keeps_the_rejected_token,
+    sample_counts,
     use_rule,
 )
 
@@ -144,11 +145,8 @@ def test_sampled_output_follows_the_int4_target(int4_dir, drafter, prompt, rule,
     exact = exact_sequence_probs(pipe, ids, sampling, 2)
     use_rule(monkeypatch, rule)
     draws = 1200
-    counts: dict[tuple[int, ...], int] = {}
-    for seed in range(draws):
-        out = pipe.generate(prompt_ids=ids, drafter=drafter, max_new_tokens=2, temperature=1.5, top_k=8,
-                            top_p=0.95, seed=seed, adaptive=False)
-        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    counts, _ = sample_counts(pipe, ids, draws, drafter=drafter, max_new_tokens=2, temperature=1.5, top_k=8,
+                              top_p=0.95, adaptive=False)
     assert_sampled_as_target(counts, exact, draws, right_rule=rule is None)
 
 

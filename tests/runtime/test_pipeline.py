@@ -15,6 +15,7 @@ from tests.lossless import (
     residual_is_q,
     residual_keeps_the_rejected_token,
     rules,
+    sample_counts,
     target_margin_at,
     use_rule,
 )
@@ -129,13 +130,9 @@ def test_sampled_tokens_follow_the_target_with_real_engines(tiny_engines, drafte
     exact = exact_sequence_probs(pipe, ids, sampling, 2)
     use_rule(monkeypatch, rule)
     draws = 1200
-    counts: dict[tuple[int, ...], int] = {}
-    accepted = 0
-    for seed in range(draws):
-        out = pipe.generate(prompt_ids=ids, drafter=drafter, max_new_tokens=2, temperature=1.5, top_k=8,
-                            top_p=0.95, seed=seed)
-        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
-        accepted += out.stats.accepted
+    counts, stats = sample_counts(pipe, ids, draws, drafter=drafter, max_new_tokens=2, temperature=1.5, top_k=8,
+                                  top_p=0.95)
+    accepted = sum(s.accepted for s in stats)
     if rule is None:
         assert set(counts) <= set(exact), f"{set(counts) - set(exact)} are outside the target's top-k/top-p support"
         assert accepted > 0 or drafter == "none", "no draft was ever kept: the test would not exercise acceptance"
