@@ -492,7 +492,9 @@ class Builder:
             if isinstance(spec, ModelDrafter):
                 self.validate(spec.name, drafter_models[spec.name], "fp32")
         for name, head in self.heads.items():  # after the target: heads read its validated taps
-            head.build(HeadContext(self, tmp, name, plan, target, taps, self.threads))
+            spec = next(d for d in recipe.drafters if d.name == name)
+            head.build(HeadContext(self, tmp, name, plan, target, taps, self.threads,
+                                   precision=getattr(spec, "precision", None) or "fp32"))
         self.measure_costs()
 
         if "tensorrt" in recipe.backends:

@@ -20,8 +20,9 @@ from specexport.exporter.gguf_blocks import BLOCK, Blocks, RowIndex
 from specexport.exporter.graph_model import HEAD_WEIGHT
 
 # Weights that stay fp32: the rotary rotate-half matrix (entries 0 and ±1 must stay exact, and
-# it is tiny).
-KEEP_FP32 = ("rope_rotate",)
+# it is tiny; the target graph calls it rope_rotate, a head's graph rotate).
+KEEP_FP32 = ("rope_rotate", "rotate")
+EMBEDDING_BITS = 8  # a drafter head's embedding table, gathered from blocks (exactly Q8_0's values)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,56 @@ def quantize_weights(model: onnx.ModelProto, spec: WeightQuant, heads: tuple[str
         if row["weight"] in exact_8bit and _gather_from_blocks(model, row["weight"]):
             row["embedding"] = "gathered from the same blocks"
     return model, rows
+
+
+def quantize_head_graph(model: onnx.ModelProto, spec: WeightQuant) -> tuple[onnx.ModelProto, dict]:
+    """A drafter head's graph (EAGLE-3, MTP, DFlash, DSpark) at ``spec``: every MatMul over a
+    constant weight (its layer, fc and lm_head) as MatMulNBits at ``spec.bits``, and its
+    embedding table, the largest constant a Gather reads, as 8-bit blocks along the hidden axis
+    (GatherBlockQuantized; symmetric blocks of 32 reproduce a GGUF Q8_0 table bit for bit, and
+    take a quarter of the fp32 table's memory). Returns the model and what it quantized."""
+    gemm_heads_to_matmul(model)  # a block head's Gemm lm_head (its table then feeds the Gather alone)
+    fixed = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in KEEP_FP32]
+    model = _run_quantizer(model, spec.bits, spec, exclude=fixed)
+    embedded = _embedding_to_blocks(model, BLOCK)
+    return model, {"bits": spec.bits, "block_size": spec.block_size, "symmetric": spec.symmetric,
+                   "accuracy_level": spec.accuracy_level, "matmuls": count_quantized(model),
+                   "embedding_bits": EMBEDDING_BITS if embedded else None}
+
+
+def _embedding_to_blocks(model: onnx.ModelProto, block: int) -> bool:
+    """Replace the Gather of the largest 2-D constant table [V, H] (axis 0) with
+    GatherBlockQuantized over symmetric 8-bit blocks of ``block`` along H. Returns whether it did."""
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    tables = [n for n in graph.node if n.op_type == "Gather" and n.input[0] in inits
+              and len(inits[n.input[0]].dims) == 2 and inits[n.input[0]].dims[1] % block == 0
+              and next((a.i for a in n.attribute if a.name == "axis"), 0) == 0]
+    if not tables:
+        return False
+    gather = max(tables, key=lambda n: int(np.prod(inits[n.input[0]].dims)))
+    name = gather.input[0]
+    if sum(name in n.input for n in graph.node) != 1:
+        return False  # the table feeds something else too: leave it whole
+    table = numpy_helper.to_array(inits[name]).astype(np.float32)  # [V, H]
+    vocab, hidden = table.shape
+    blocks = table.reshape(vocab, hidden // block, block)  # [V, H/32, 32]
+    amax = np.abs(blocks).max(axis=-1)  # [V, H/32]
+    scales = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    codes = np.clip(np.rint(blocks / scales[..., None]), -127, 127).astype(np.int16) + 128  # zero point 128
+    graph.initializer.extend([
+        numpy_helper.from_array(codes.reshape(vocab, hidden).astype(np.uint8), f"{name}_codes"),  # [V, H]
+        numpy_helper.from_array(scales, f"{name}_scales"),  # [V, H/32]
+        numpy_helper.from_array(np.full((vocab, hidden // block), 128, dtype=np.uint8), f"{name}_zero_points"),
+    ])
+    index = list(graph.node).index(gather)
+    graph.node.remove(gather)
+    graph.node.insert(index, onnx.helper.make_node(
+        "GatherBlockQuantized", [f"{name}_codes", gather.input[1], f"{name}_scales", f"{name}_zero_points"],
+        list(gather.output), domain="com.microsoft", gather_axis=0, quantize_axis=1, block_size=block,
+        bits=EMBEDDING_BITS))  # [..., H]
+    graph.initializer.remove(inits[name])
+    return True
 
 
 def _gather_from_blocks(model: onnx.ModelProto, source: str) -> bool:

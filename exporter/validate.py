@@ -110,6 +110,10 @@ TOLERANCES: dict[str, Tolerance] = {
     **{f"{p}/acc{level}": Tolerance(logit_rtol=1e-4, near_tie_rtol=5e-5, aux_rtol=AUX_RTOL_FP32)
        for p in ("int4", "int8") for level in range(4)},
     **{f"{p}/acc4": Tolerance(logit_rtol=0.3, near_tie_rtol=0.1, aux_rtol=0.15) for p in ("int4", "int8")},
+    # a drafter head at `precision: int8` against its fp32 reference, the quantization inside the
+    # comparison: SmolLM2's EAGLE-3 head measured 0.017 of the logit scale and argmax flips under
+    # 0.007-scale margins (a wrong graph is off by the scale); its drafts are judged by acceptance
+    "int8/head": Tolerance(logit_rtol=0.1, near_tie_rtol=0.05),
 }
 
 

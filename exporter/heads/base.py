@@ -11,7 +11,7 @@ its runners timed with every other graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -22,6 +22,8 @@ import torch
 from specexport.contract import DrafterEntry, EngineEntry, KVUpdate, ModelEntry, Role, engine_name
 from specexport.exporter.onnx_export import WeightStore, tensor_specs
 from specexport.exporter.validate import reference_ids
+
+HEAD_BITS = {"int8": 8}  # a head's `precision:` -> MatMulNBits bits
 
 if TYPE_CHECKING:
     from specexport.exporter.builder import Builder
@@ -68,7 +70,9 @@ class HeadContext:
     target: LoadedModel  # the transformers target (the reference for taps)
     target_taps: tuple[int, ...]  # the target's aux_hidden_states columns, in this order
     threads: int | None = None
+    precision: str = "fp32"  # the drafter's `precision:`: int8 / int4 graphs read MatMulNBits weights
     _hidden: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict)
+    _quantized: dict[str, Any] = field(default_factory=dict)  # what quantize_head_graph did, for the model entry
 
     @property
     def recipe(self):
@@ -117,6 +121,7 @@ class HeadContext:
         count -> role): a graph with a symbolic token count serves them all from one session.
         Returns engine name -> path."""
         path = self.tmp / f"{file_stem}.onnx"
+        proto = self._quantize(proto)
         specs = {t: (tensor_specs(proto, "inputs", t), tensor_specs(proto, "outputs", t)) for t in sizes}
         store.save(proto, path)
         onnx.checker.check_model(str(path))
@@ -131,6 +136,23 @@ class HeadContext:
             ))
             paths[name] = path
         return paths
+
+    def _quantize(self, proto: onnx.ModelProto) -> onnx.ModelProto:
+        """The graph at the drafter's precision (its inputs and outputs unchanged): every graph of
+        the head quantized alike, so the weights file holds each tensor once."""
+        if self.precision == "fp32":
+            return proto
+        from specexport.exporter.quantize import WeightQuant, quantize_head_graph
+
+        options = self.recipe.quantization
+        spec = WeightQuant(HEAD_BITS[self.precision], options.block_size, options.symmetric, options.accuracy_level,
+                           HEAD_BITS[self.precision])
+        with self.step("quantize", f"{self.name} graph ({self.precision})") as s:
+            proto, done = quantize_head_graph(proto, spec)
+            self._quantized = {**done, "matmuls": max(done["matmuls"], self._quantized.get("matmuls", 0))}
+            s.detail = (f"{done['matmuls']} MatMulNBits, block {spec.block_size}, embedding "
+                        f"{'8-bit blocks' if done['embedding_bits'] else 'fp32'}")
+        return proto
 
     def save_batched(self, proto: onnx.ModelProto, path: Path, sizes: dict[int, Role], store: WeightStore,
                      kv_update: KVUpdate = KVUpdate.APPEND) -> dict[str, tuple[int, int]]:
@@ -152,11 +174,16 @@ class HeadContext:
         return saved
 
     def add_model(self, entry: ModelEntry) -> None:
+        if self._quantized:
+            entry = replace(entry, info={**entry.info, "weights_quantized": {"precision": self.precision,
+                                                                            **self._quantized}})
         self.builder.models[entry.name] = entry
 
     def record_parity(self, graph: str, figures: dict[str, Any], reference: str, precision: str = "fp32") -> None:
         """Check ``graph``'s figures (validate.Parity.to_dict()) against the precision's limits
         (raises a one-line error: the build fails and leaves nothing) and record them."""
+        if self.precision != "fp32" and precision == "fp32":  # against the fp32 reference: the head's limits
+            precision = f"{self.precision}/head"
         self.builder.record_parity(graph, figures, reference, precision)
 
     def time_with(self, runner: ModelRunner) -> None:

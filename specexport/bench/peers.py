@@ -76,6 +76,9 @@ from specexport.errors import BadInput
 
 PEER_NAMES = ("transformers-greedy", "transformers-prompt-lookup", "ort-genai", "ort-genai-ngram",
               "ort-genai-int4", "ort-genai-int4-ngram", "llama-cpp", "llama-cpp-lookup")
+# each speculative peer's own plain decoding: greedy speculation is lossless when its tokens equal these
+PLAIN_PEER = {"transformers-prompt-lookup": "transformers-greedy", "ort-genai-ngram": "ort-genai",
+              "ort-genai-int4-ngram": "ort-genai-int4", "llama-cpp-lookup": "llama-cpp"}
 # transformers prompt lookup: 10 candidate tokens, matching n-grams of up to 2 tokens (its default, pinned).
 PROMPT_LOOKUP = {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
 # onnxruntime-genai's n-gram speculative options (docs/SpeculativeDecoding.md in its repository):

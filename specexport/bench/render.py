@@ -32,7 +32,9 @@ def print_summary(result: dict) -> None:
         rows = [p for p in result["peers"] if p["peer"] == peer and p["tokens_per_s"]]
         if rows:
             tps = sorted(p["tokens_per_s"] for p in rows)[len(rows) // 2]
-            console.print(f"peer {peer} ({rows[0]['threads']} threads): median {tps:.1f} tok/s", soft_wrap=True)
+            own = [p["matches_own_plain"] for p in rows if p.get("matches_own_plain") is not None]
+            exact = f"; same tokens as its plain run on {sum(own)}/{len(own)} prompts" if own else ""
+            console.print(f"peer {peer} ({rows[0]['threads']} threads): median {tps:.1f} tok/s{exact}", soft_wrap=True)
     for skipped in result["peers_skipped"]:
         console.print(f"peer {skipped['peer']}: skipped ({skipped['skipped']})", soft_wrap=True)
 

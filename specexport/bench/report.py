@@ -73,12 +73,12 @@ def markdown(result: dict) -> str:
                   f"- verify pass with k drafts: {verify}", f"- the drafters' graphs: {parts}",
                   f"- a drafter's round of k = 0, 1, ... drafts (its own cost model): {rounds}"]
     if result["peers"] or result["peers_skipped"]:
-        lines += ["", "## Peers (same model: fp32, or int4 where the peer says so)", "", "| peer | threads | prompt | tok/s | vs our baseline | same greedy output |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "## Peers (same model: fp32, or int4 where the peer says so)", "", "| peer | threads | prompt | tok/s | vs our baseline | same greedy output | same as its own plain run |",
+                  "|---|---|---|---|---|---|---|"]
         for p in result["peers"]:
-            same = {True: "yes", False: "no", None: "n/a"}[p["matches_baseline"]]
+            same, own = ({True: "yes", False: "no", None: "n/a"}[p.get(k)] for k in ("matches_baseline", "matches_own_plain"))
             lines.append(f"| {p['peer']} | {p['threads']} | {p['prompt_id']} | {_fmt(p['tokens_per_s'], '.1f')} | "
-                         f"{_fmt(p['relative_to_baseline'])}× | {same} |")
+                         f"{_fmt(p['relative_to_baseline'])}× | {same} | {own} |")
         for skipped in result["peers_skipped"]:
             lines.append(f"\n- {skipped['peer']}: skipped ({skipped['skipped']})")
     return "\n".join(lines) + "\n"

@@ -160,8 +160,21 @@ def _peers(peer_records: list[dict], baseline: dict[str, dict]) -> list[dict]:
             "tokens_per_s": round(tps, 2) if tps else None,
             "relative_to_baseline": round(tps / base["tokens_per_s"], 3) if tps and base["tokens_per_s"] else None,
             "matches_baseline": runs[0]["token_ids"] == base["token_ids"] if base.get("greedy") else None,
+            "matches_own_plain": _matches_own_plain(peer, prompt_id, groups) if base.get("greedy") else None,
         })
     return rows
+
+
+def _matches_own_plain(peer: str, prompt_id: str, groups: dict[tuple, list[dict]]) -> bool | None:
+    """A speculative peer's greedy tokens against its own plain decoding of the same prompt in
+    this run (peers.PLAIN_PEER: is the peer's speculation lossless?); None for a plain peer, or
+    when its plain peer did not run."""
+    from specexport.bench.peers import PLAIN_PEER
+
+    plain = groups.get((PLAIN_PEER.get(peer, ""), prompt_id))
+    if not plain:
+        return None
+    return all(run["token_ids"] == plain[0]["token_ids"] for run in groups[(peer, prompt_id)])
 
 
 def summarize(pipe, options, prompts, drafters, records, peer_records, skipped, costs,

@@ -237,3 +237,23 @@ def test_every_bench_json_key_is_documented(bench_result):
 
     result, out = bench_result
     assert undocumented_bench_keys(json.loads((out / "bench.json").read_text())) == []
+
+
+def test_a_speculative_peer_is_checked_against_its_own_plain_run():
+    """peers[].matches_own_plain: an n-gram peer whose tokens differ from its own plain peer's on
+    a prompt is reported not lossless there (the int4 peers' speculation is not: docs/quantized.md);
+    a plain peer, or one whose plain peer did not run, gets null."""
+    from specexport.bench.summary import _peers
+
+    def record(peer, prompt, tokens):
+        return {"peer": peer, "prompt_id": prompt, "category": "chat", "threads": 2, "token_ids": tokens,
+                "total_s": 1.0, "first_token_s": 0.1, "decode_s": 0.9}
+
+    records = [record("ort-genai-int4", "a", [1, 2, 3]), record("ort-genai-int4-ngram", "a", [1, 2, 3]),
+               record("ort-genai-int4", "b", [1, 2, 3]), record("ort-genai-int4-ngram", "b", [1, 2, 4]),
+               record("llama-cpp-lookup", "a", [1, 2, 3])]
+    baseline = {p: {"tokens_per_s": 1.0, "token_ids": [1, 2, 3], "greedy": True} for p in ("a", "b")}
+    got = {(r["peer"], r["prompt_id"]): r["matches_own_plain"] for r in _peers(records, baseline)}
+    assert got == {("ort-genai-int4", "a"): None, ("ort-genai-int4-ngram", "a"): True,
+                   ("ort-genai-int4", "b"): None, ("ort-genai-int4-ngram", "b"): False,
+                   ("llama-cpp-lookup", "a"): None}

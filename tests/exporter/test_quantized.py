@@ -202,3 +202,50 @@ def test_int8_builds_and_decodes_exactly(tmp_path):
     for prompt in prompts(3):
         alone = pipe.generate(prompt, max_new_tokens=32, drafter="none")
         assert pipe.generate(prompt, max_new_tokens=32, drafter="ngram", adaptive=False).token_ids == alone.token_ids
+
+
+def _gather_graph(table: np.ndarray, weight: np.ndarray) -> onnx.ModelProto:
+    """ids [n] -> embedding rows [n, H] (an output) -> their MatMul with ``weight`` [H, N]."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Gather", ["embed", "ids"], ["rows"], axis=0),
+             helper.make_node("MatMul", ["rows", "w"], ["out"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [None])],
+                              [helper.make_tensor_value_info("rows", TensorProto.FLOAT, [None, table.shape[1]]),
+                               helper.make_tensor_value_info("out", TensorProto.FLOAT, [None, weight.shape[1]])],
+                              [numpy_helper.from_array(table, "embed"), numpy_helper.from_array(weight, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_head_graph_at_int8_gathers_its_embedding_from_exact_blocks():
+    """quantize_head_graph: the MatMul becomes 8-bit MatMulNBits and the embedding table 8-bit
+    blocks (GatherBlockQuantized). A table on a Q8_0 grid (fp16 scale per 32 values, codes in
+    ±127, as SmolLM2's GGUF embedding) comes back bit for bit; the control, a table off any grid,
+    does not (and stays within half a step)."""
+    import onnxruntime as ort
+
+    from specexport.exporter.quantize import WeightQuant, quantize_head_graph
+    from specexport.runtime.ort_engine import session_options
+
+    rng = np.random.default_rng(0)
+    vocab, hidden = 50, 64
+    scales = rng.uniform(0.001, 0.01, (vocab, hidden // 32)).astype(np.float16).astype(np.float32)  # [V, H/32]
+    codes = rng.integers(-127, 128, (vocab, hidden // 32, 32))
+    codes[:, :, 0] = 127  # Q8_0's block maximum is always ±127 codes
+    on_grid = (codes * scales[..., None]).reshape(vocab, hidden).astype(np.float32)  # [V, H]
+    off_grid = rng.normal(0, 0.3, (vocab, hidden)).astype(np.float32)
+    weight = rng.normal(0, 0.1, (hidden, 96)).astype(np.float32)
+    ids = np.arange(vocab, dtype=np.int64)
+    for table, exact in ((on_grid, True), (off_grid, False)):
+        model, info = quantize_head_graph(_gather_graph(table, weight), WeightQuant(8, 32, False, 4, 8))
+        ops = [n.op_type for n in model.graph.node]
+        assert "GatherBlockQuantized" in ops and "MatMulNBits" in ops and "Gather" not in ops, ops
+        assert info["embedding_bits"] == 8 and info["matmuls"] == 1
+        assert "embed" not in {t.name for t in model.graph.initializer}  # the fp32 table is gone
+        session = ort.InferenceSession(model.SerializeToString(), session_options(ort, 1),
+                                       providers=["CPUExecutionProvider"])
+        rows, out = session.run(None, {"ids": ids})
+        assert np.array_equal(rows, table) is exact
+        step = np.abs(table).reshape(vocab, -1, 32).max(-1) / 127  # [V, H/32]
+        assert (np.abs(rows - table).reshape(vocab, -1, 32) <= step[..., None] / 2 + 1e-7).all()
+        assert np.abs(out - table @ weight).max() < 0.05 * np.abs(table @ weight).max()

@@ -50,7 +50,8 @@ def build_head_only(raw: dict, base: Path, tmp: Path):
     head = load_head(spec, target, base, "drafters.0")
     tmp.mkdir(parents=True, exist_ok=True)
     head.build(HeadContext(builder, tmp, spec.name, builder.plan(target), target, tuple(sorted(head.taps)),
-                           builder.threads))  # the whole build's threads: the shared onnxruntime pool's
+                           builder.threads,  # the whole build's threads: the shared onnxruntime pool's
+                           precision=getattr(spec, "precision", "fp32")))
     return builder
 
 

@@ -209,6 +209,40 @@ def test_a_broken_tensor_mapping_fails_parity(tmp_path, target, monkeypatch):
         build_head_only(_head_recipe(tmp_path), tmp_path, tmp_path / "wrong")
 
 
+@pytest.mark.parametrize("broken", [False, True])
+def test_an_int8_head_is_held_to_its_limits(tmp_path, target, monkeypatch, broken):
+    """`precision: int8` on a block head: its graphs read 8-bit MatMulNBits and an 8-bit embedding,
+    and pass the int8/head limits against the fp32 reference; the control, the same head with k
+    and v swapped, still fails them (quantization does not hide a wrong graph)."""
+    import onnx
+
+    from specexport.exporter.heads import block
+
+    write_speculators_dflash(tmp_path / "h", target)
+    raw = _head_recipe(tmp_path)
+    raw["drafters"] = [{**raw["drafters"][0], "precision": "int8"}]
+    if broken:
+        read_layers = block.read_layers
+
+        def swapped(ckpt, dense, prefix="layers"):
+            layers = read_layers(ckpt, dense, prefix)
+            layers[0].k_w, layers[0].v_w = layers[0].v_w, layers[0].k_w
+            return layers
+
+        monkeypatch.setattr(block, "read_layers", swapped)
+        with pytest.raises(SpecexportError, match=r"validation failed for h.block.*int8/head"):
+            build_head_only(raw, tmp_path, tmp_path / "wrong")
+        return
+    builder = build_head_only(raw, tmp_path, tmp_path / "ok")
+    assert builder.models["h"].info["weights_quantized"]["precision"] == "int8"
+    entries = [e for e in builder.engines if e.model == "h"]
+    assert entries
+    for entry in entries:
+        assert entry.parity["precision"] == "int8/head" and entry.parity["enforced"], entry.parity
+        ops = {n.op_type for n in onnx.load(str(tmp_path / "ok" / entry.path), load_external_data=False).graph.node}
+        assert {"MatMulNBits", "GatherBlockQuantized"} <= ops, ops
+
+
 # -- malformed checkpoints: one line naming the file and the tensor or field -----------------------
 
 
