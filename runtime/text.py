@@ -24,11 +24,19 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+# Private-use characters put around each message's content while the template renders, so the
+# content's span in the rendered prompt is known and encoded as text (never as control tokens).
+CONTENT_OPEN, CONTENT_CLOSE = "\ue000", "\ue001"
+
+
 class TextCodec:
     def __init__(self, root: Path, info: dict):
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_file(str(root / info["file"]))
+        # the same vocabulary, but a special token's text in the input is encoded as plain text
+        self._as_text = Tokenizer.from_file(str(root / info["file"]))
+        self._as_text.encode_special_tokens = True
         self.special_tokens = dict(info.get("special_tokens", {}))
         self.eos_ids = frozenset(int(i) for i in info.get("eos_token_ids", []))
         self._template = None
@@ -51,9 +59,26 @@ class TextCodec:
             raise BadInput("this engine directory has no chat template; drop --chat and give a plain prompt")
         return self._template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        # The template writes the special tokens itself, as apply_chat_template assumes.
-        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+    def encode_chat(self, messages: list[dict], content_as_text: bool = True) -> list[int]:
+        """The rendered chat's ids. The template writes the special tokens itself, as
+        apply_chat_template assumes; with ``content_as_text`` (the default) the messages' own
+        text is encoded as text, so a message holding "<|im_end|>" cannot close its turn and
+        open another (False: as transformers does, special tokens' text anywhere becomes them)."""
+        if not content_as_text:
+            return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+        marked = []
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            if isinstance(content, str) and content:
+                if CONTENT_OPEN in content or CONTENT_CLOSE in content:
+                    raise BadInput(f"messages[{i}].content holds U+E000 or U+E001, characters reserved here; "
+                                   "remove them")
+                message = {**message, "content": f"{CONTENT_OPEN}{content}{CONTENT_CLOSE}"}
+            marked.append(message)
+        ids: list[int] = []
+        for text, is_content in _segments(self.render_chat(marked)):
+            ids += (self._as_text if is_content else self.tokenizer).encode(text, add_special_tokens=False).ids
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -64,3 +89,27 @@ class TextCodec:
 
         decoder = DecodeStream(skip_special_tokens=True)
         return lambda token: decoder.step(self.tokenizer, token)
+
+
+def _segments(rendered: str) -> list[tuple[str, bool]]:
+    """The rendered prompt cut at the content marks: (text, is it a message's content), marks
+    removed. A template that cuts or reorders content leaves unpaired marks: refused."""
+    parts: list[tuple[str, bool]] = []
+    rest = rendered
+    while rest:
+        start = rest.find(CONTENT_OPEN)
+        end = rest.find(CONTENT_CLOSE, start + 1) if start >= 0 else -1
+        if start < 0:
+            if CONTENT_CLOSE in rest:
+                end = -2
+            else:
+                parts.append((rest, False))
+                break
+        if end < 0 or CONTENT_OPEN in rest[start + 1:end]:
+            raise BadInput("the chat template rewrites the messages' content, so it cannot be encoded as text; "
+                           "serve with --special-tokens-in-content to encode the rendered prompt whole")
+        if start:
+            parts.append((rest[:start], False))
+        parts.append((rest[start + 1:end], True))
+        rest = rest[end + 1:]
+    return [(text, content) for text, content in parts if text]

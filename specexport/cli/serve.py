@@ -75,9 +75,13 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None) -> str
 @click.option("--ray-address", default=None, help="With --ray: an existing cluster (default: RAY_ADDRESS, else local).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
+@click.option("--special-tokens-in-content", is_flag=True,
+              help="Encode a special token's text inside a message as that token, as transformers does (default: "
+                   "messages are encoded as text, so content cannot forge a turn).")
 def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int | None, max_waiting: int,
           threads: int | None, api_key: str | None, served_model_name: str, no_schedule: bool, per_sequence: bool,
-          adaptive: bool, use_ray: bool, replicas: int, autoscale: str | None, ray_address: str | None, log_level: str) -> None:
+          adaptive: bool, use_ray: bool, replicas: int, autoscale: str | None, ray_address: str | None, log_level: str,
+          special_tokens_in_content: bool) -> None:
     """Serve ENGINE_DIR over OpenAI's API: /v1/completions, /v1/chat/completions (streamed or
     not), /v1/models, /health and /metrics (Prometheus). One engine thread batches every
     request; depth follows the plan's draft.schedule, and each request's adaptive depth under it.
@@ -91,7 +95,7 @@ def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int |
     from specexport.serve.config import ServeConfig
 
     config = ServeConfig(str(engine_dir.resolve()), served_model_name, drafter, max_batch, max_waiting, threads,
-                         api_key, not no_schedule, per_sequence, adaptive)
+                         api_key, not no_schedule, per_sequence, adaptive, special_tokens_in_content)
     if use_ray:
         if importlib.util.find_spec("ray") is None:
             raise missing_extra("ray", "ray")

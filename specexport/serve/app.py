@@ -11,6 +11,7 @@ thread unchecked: a bad request never disturbs the others.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -33,6 +34,11 @@ from specexport.serve.protocol import ApiError, ChatRequest, CompletionRequest
 
 _log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 * 1024 * 1024  # more than any prompt the engines can hold
+# bodies read at once, and how long one may take: at most BODY_READERS x MAX_BODY_BYTES of
+# request bodies are in memory however many clients send, and a client that trickles its body
+# holds a reader for BODY_SECONDS at most
+BODY_READERS = 2
+BODY_SECONDS = 10.0
 _SERVED_BY = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (Ray replicas differ)
 
 
@@ -52,6 +58,7 @@ class ServerState:
         self.metrics: ServerMetrics | None = None
         self.error: str | None = None
         self.loaded = threading.Event()
+        self.readers = asyncio.Semaphore(BODY_READERS)  # request bodies being read (_read_body)
         self._loading = threading.Thread(target=self._load, name="specexport-load", daemon=True)
 
     def start(self) -> None:
@@ -121,10 +128,13 @@ def create_app(config: ServeConfig, *, loader: Callable[[ServeConfig], object] |
         return JSONResponse(ApiError(500, f"internal error: {type(err).__name__}", kind="server_error").body(),
                             status_code=500)
 
+    expected_auth = None if config.api_key is None else f"Bearer {config.api_key}".encode()
+
     def authorize(request: Request) -> None:
-        if config.api_key is None:
+        if expected_auth is None:
             return
-        if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+        # constant time: how long the comparison takes says nothing about how much of a guess was right
+        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected_auth):
             raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
                            kind="authentication_error", code="invalid_api_key")
 
@@ -160,16 +170,39 @@ def create_app(config: ServeConfig, *, loader: Callable[[ServeConfig], object] |
         body = await _parse(request, ChatRequest)
         engine = state.ready_engine()
         messages = [m.as_template_input() for m in body.messages]
-        ids = _encode(state, lambda: state.pipe.text.encode_chat(messages), "messages")
+        as_text = not config.special_tokens_in_content
+        ids = _encode(state, lambda: state.pipe.text.encode_chat(messages, content_as_text=as_text), "messages")
         return await _respond(request, state, engine, body, ids, body.token_budget, chat=True)
 
     return app
 
 
+async def _read_body(request: Request) -> bytearray:
+    """The body, never more than MAX_BODY_BYTES of it in memory: a declared Content-Length over
+    the limit is refused before reading, a stream (chunked, or lying about its length) is cut as
+    soon as it passes the limit, and BODY_READERS bodies are read at a time (ServerState.readers)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is {declared} bytes, more than {MAX_BODY_BYTES}", code="body_too_large")
+
+    async def read() -> bytearray:
+        body = bytearray()  # grown in place: no second copy when the body is whole
+        async for chunk in request.stream():
+            if len(body) + len(chunk) > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is more than {MAX_BODY_BYTES} bytes", code="body_too_large")
+            body += chunk
+        return body
+
+    async with request.app.state.server.readers:
+        try:
+            return await asyncio.wait_for(read(), BODY_SECONDS)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body took more than {BODY_SECONDS:g} s to arrive",
+                           code="body_timeout") from None
+
+
 async def _parse(request: Request, model):
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is {len(raw)} bytes, more than {MAX_BODY_BYTES}", code="body_too_large")
+    raw = await _read_body(request)
     try:
         data = json.loads(raw or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -181,7 +214,12 @@ async def _parse(request: Request, model):
     except ValidationError as err:
         first = err.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or None
-        raise ApiError(400, f"{field}: {first['msg']}", param=field) from None
+        message = first["msg"]
+        if first["type"] == "extra_forbidden":
+            message = "not a field this server knows (nothing is silently ignored here); remove it"
+        elif message.startswith("Value error, "):
+            message = message[len("Value error, "):]
+        raise ApiError(400, f"{field}: {message}", param=field) from None
     if (bad := body.unsupported()) is not None:
         raise ApiError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
     server = request.app.state.server
@@ -227,6 +265,8 @@ async def _respond(request: Request, state: ServerState, engine: EngineThread, b
     job = Job(engine.next_id("chatcmpl" if chat else "cmpl"), ids,
               Params(max_tokens, body.temperature, body.top_p, max(body.top_k, 0), body.seed, tuple(body.stops)),
               asyncio.get_running_loop(), stream=body.stream)
+    if body.identity:
+        _log.info("%s from %s", job.id, body.identity)
     try:
         engine.submit(job)
     except QueueFull as err:

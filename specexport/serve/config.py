@@ -20,6 +20,9 @@ class ServeConfig:
     schedule: bool = True  # depth by batch size (the plan's draft.schedule)
     per_sequence: bool = False  # each round's width from the rows' own acceptance
     adaptive: bool = True  # each request's own adaptive depth under the schedule (as `generate`)
+    # a message's "<|im_end|>" etc. become control tokens, as transformers renders them (default:
+    # content is encoded as text, so a user cannot write a system turn)
+    special_tokens_in_content: bool = False
 
     @property
     def served_name(self) -> str:

@@ -161,8 +161,8 @@ def app_builder(args: dict[str, Any]):
         serve run specexport.serve.ray_app:app_builder engine_dir=/models/smollm2 replicas=2
 
     Keys: ServeConfig's fields (engine_dir, model_name, drafter, max_batch, max_waiting, threads,
-    api_key, schedule, per_sequence, adaptive), replicas, autoscale=MIN:MAX, num_cpus_per_replica,
-    max_replicas_per_node. Values arrive as strings from the command line."""
+    api_key, schedule, per_sequence, adaptive, special_tokens_in_content), replicas, autoscale=MIN:MAX,
+    num_cpus_per_replica, max_replicas_per_node. Values arrive as strings from the command line."""
     args = dict(args)
     fields = {f.name: f for f in dataclasses.fields(ServeConfig)}
     unknown = sorted(set(args) - set(fields) - _BUILDER_KEYS)
