@@ -115,8 +115,11 @@ class Graphs:
         self.decoder = StaticDecoder(parts, S_MAX, attention).eval()
         self.attention = attention
         self.protos = {t: export_graph(self.decoder, 1, t, OPSET) for t in sizes}
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 2
+        from specexport.runtime.ort_engine import session_options
+
+        # the process's one onnxruntime pool, as every session of ours: a session with threads of
+        # its own is refused once another test of this worker has made that pool
+        options = session_options(ort, 2)
         self.sessions = {t: ort.InferenceSession(p.SerializeToString(), options, providers=["CPUExecutionProvider"])
                          for t, p in self.protos.items()}
         self.reset()

@@ -192,11 +192,10 @@ def test_a_mask_embedding_replaces_the_mask_token(tmp_path, target, monkeypatch)
         build_head_only(_head_recipe(tmp_path), tmp_path, tmp_path / "wrong")
 
 
-def test_a_broken_tensor_mapping_fails_parity(tmp_path, target, monkeypatch):
-    """A loader that swaps k_proj and v_proj (a silent mis-map) is caught by the build."""
+def _swap_k_and_v(monkeypatch) -> None:
+    """A loader that swaps layer 0's k_proj and v_proj: a silent mis-map."""
     from specexport.exporter.heads import block
 
-    write_speculators_dflash(tmp_path / "h", target)
     read_layers = block.read_layers
 
     def swapped(ckpt, dense, prefix="layers"):
@@ -205,6 +204,12 @@ def test_a_broken_tensor_mapping_fails_parity(tmp_path, target, monkeypatch):
         return layers
 
     monkeypatch.setattr(block, "read_layers", swapped)
+
+
+def test_a_broken_tensor_mapping_fails_parity(tmp_path, target, monkeypatch):
+    """A loader that swaps k_proj and v_proj (a silent mis-map) is caught by the build."""
+    write_speculators_dflash(tmp_path / "h", target)
+    _swap_k_and_v(monkeypatch)
     with pytest.raises(SpecexportError, match="validation failed for h.block"):
         build_head_only(_head_recipe(tmp_path), tmp_path, tmp_path / "wrong")
 
@@ -216,20 +221,11 @@ def test_an_int8_head_is_held_to_its_limits(tmp_path, target, monkeypatch, broke
     and v swapped, still fails them (quantization does not hide a wrong graph)."""
     import onnx
 
-    from specexport.exporter.heads import block
-
     write_speculators_dflash(tmp_path / "h", target)
     raw = _head_recipe(tmp_path)
     raw["drafters"] = [{**raw["drafters"][0], "precision": "int8"}]
     if broken:
-        read_layers = block.read_layers
-
-        def swapped(ckpt, dense, prefix="layers"):
-            layers = read_layers(ckpt, dense, prefix)
-            layers[0].k_w, layers[0].v_w = layers[0].v_w, layers[0].k_w
-            return layers
-
-        monkeypatch.setattr(block, "read_layers", swapped)
+        _swap_k_and_v(monkeypatch)
         with pytest.raises(SpecexportError, match=r"validation failed for h.block.*int8/head"):
             build_head_only(raw, tmp_path, tmp_path / "wrong")
         return
