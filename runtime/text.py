@@ -8,6 +8,7 @@ equal what ``apply_chat_template`` produces.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -27,6 +28,7 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 # Private-use characters put around each message's content while the template renders, so the
 # content's span in the rendered prompt is known and encoded as text (never as control tokens).
 CONTENT_OPEN, CONTENT_CLOSE = "\ue000", "\ue001"
+_MARKED = re.compile(f"{CONTENT_OPEN}([^{CONTENT_OPEN}{CONTENT_CLOSE}]*){CONTENT_CLOSE}")
 
 
 class TextCodec:
@@ -94,22 +96,9 @@ class TextCodec:
 def _segments(rendered: str) -> list[tuple[str, bool]]:
     """The rendered prompt cut at the content marks: (text, is it a message's content), marks
     removed. A template that cuts or reorders content leaves unpaired marks: refused."""
-    parts: list[tuple[str, bool]] = []
-    rest = rendered
-    while rest:
-        start = rest.find(CONTENT_OPEN)
-        end = rest.find(CONTENT_CLOSE, start + 1) if start >= 0 else -1
-        if start < 0:
-            if CONTENT_CLOSE in rest:
-                end = -2
-            else:
-                parts.append((rest, False))
-                break
-        if end < 0 or CONTENT_OPEN in rest[start + 1:end]:
-            raise BadInput("the chat template rewrites the messages' content, so it cannot be encoded as text; "
-                           "serve with --special-tokens-in-content to encode the rendered prompt whole")
-        if start:
-            parts.append((rest[:start], False))
-        parts.append((rest[start + 1:end], True))
-        rest = rest[end + 1:]
-    return [(text, content) for text, content in parts if text]
+    pieces = _MARKED.split(rendered)  # template text, content, template text, content, ...
+    if any(CONTENT_OPEN in text or CONTENT_CLOSE in text for text in pieces[::2]):
+        raise BadInput("the chat template rewrites the messages' content, so it cannot be encoded as text; "
+                       "encode the rendered prompt whole instead (serve --special-tokens-in-content, or "
+                       "encode_chat(..., content_as_text=False))")
+    return [(text, i % 2 == 1) for i, text in enumerate(pieces) if text]

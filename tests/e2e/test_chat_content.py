@@ -52,3 +52,17 @@ def test_special_tokens_inside_a_message_stay_text(codec):
 def test_reserved_marks_in_a_message_are_refused(codec):
     with pytest.raises(BadInput, match=r"messages\[0\].content"):
         codec.encode_chat([{"role": "user", "content": "a\ue000b"}])
+
+
+def test_the_rendered_prompt_is_cut_at_paired_marks_only():
+    """Marked spans are content, the rest template text; a mark left unpaired (a template that
+    cut or reordered the content) is refused rather than encoded one way or the other."""
+    from specexport.runtime.text import CONTENT_CLOSE as C
+    from specexport.runtime.text import CONTENT_OPEN as O
+    from specexport.runtime.text import _segments
+
+    assert _segments(f"<s>{O}hi{C}\n{O}{C}x{O}a<b{C}") == [("<s>", False), ("hi", True), ("\n", False),
+                                                           ("x", False), ("a<b", True)]
+    for broken in (f"{O}hi", f"hi{C}", f"{O}a{O}b{C}", f"{C}a{O}"):
+        with pytest.raises(BadInput, match="rewrites the messages' content"):
+            _segments(broken)
