@@ -36,7 +36,13 @@ from specexport.errors import BadInput, SpecexportError
 from specexport.exporter.archs import read_decoder
 from specexport.exporter.graph_model import StaticDecoder, attention_refusal
 from specexport.exporter.heads import HeadContext, LoadedHead, load_head, merged_taps
-from specexport.exporter.onnx_export import WeightStore, drop_outputs, export_graph, tensor_specs
+from specexport.exporter.onnx_export import (
+    WeightStore,
+    drop_outputs,
+    export_graph,
+    export_tree_graph,
+    tensor_specs,
+)
 from specexport.exporter.outdir import AtomicDir, existing_manifest
 from specexport.exporter.plan import DraftPlanResult, calibration_file, plan_recipe_draft
 from specexport.exporter.quantize import count_quantized, quantize_int4
@@ -67,6 +73,7 @@ from specexport.exporter.validate import (
     validate_batched,
     validate_batched_append,
     validate_model,
+    validate_tree,
 )
 from specexport.progress import Reporter
 from specexport.runtime.integrity import ensure_verified
@@ -184,6 +191,7 @@ class Builder:
         self.models: dict[str, ModelEntry] = {}
         self.graph_files: dict[str, list[GraphUnderTest]] = {}  # batch 1, checked against transformers
         self.batched_files: dict[str, list[BatchedGraph]] = {}  # larger batches, checked row by row against batch 1
+        self.tree_files: dict[str, GraphUnderTest] = {}  # the target's tree graph, checked path by path
         self.specs: dict[str, tuple] = {}
         self.timing: dict[str, ModelRunner] = {}  # model (or head part) -> its validated graphs, timed together at the end
         self.heads: dict[str, LoadedHead] = {}  # hidden-state drafters by name (exporter/heads)
@@ -285,6 +293,8 @@ class Builder:
                         self.rep.note(line)
                 if static_batch == 1 or graphs.batched(tokens):
                     self._save(tmp, name, tokens, kind, proto, stores[name], graphs, static_batch)
+            if name == "target" and self.recipe.draft.tree.max_nodes:
+                self._export_tree(tmp, name, kind, parts, taps, stores[name], quantizer)
         finally:
             for store in stores.values():
                 store.close()
@@ -305,6 +315,41 @@ class Builder:
                      "accuracy_level": q_spec.accuracy_level, "quantized_head": q_spec.quantize_head}
             self.models[q_name] = ModelEntry(q_name, "quantized-self", kv, vocab, f"{q_name}.weights",
                                              self.recipe.attention, {**untapped, **quant}, state)
+
+    def _export_tree(self, tmp: Path, name: str, kind: str, parts, taps: tuple[int, ...], store: WeightStore,
+                     quantizer) -> None:
+        """The target's tree verify graph, batch 1, the same weights (contract.TREE_*;
+        runtime/tree.py): for ort-gqa one graph with a symbolic row count and an entry for
+        every tree size 2..1 + draft.tree.max_nodes (a small tree runs only its rows); for
+        standard attention one static graph of 1 + max_nodes rows (smaller trees are padded)."""
+        largest = 1 + self.recipe.draft.tree.max_nodes
+        if largest > self.recipe.shapes.max_seq_len:
+            raise BadInput(f"recipe: draft.tree.max_nodes ({largest - 1}) must be below shapes.max_seq_len")
+        try:
+            decoder = StaticDecoder(parts, self.recipe.shapes.max_seq_len, self.recipe.attention, taps=taps,
+                                    tree=True).eval()
+        except ValueError as err:
+            raise BadInput(f"recipe: draft.tree: {err}") from None
+        shared = self.recipe.attention == "ort-gqa"
+        file_name = f"{name}.tree" if shared else engine_name(name, Role.TREE, 1, largest)
+        with self.rep.step("export", file_name) as s:
+            proto = export_tree_graph(decoder, None if shared else largest, self.recipe.opset)
+            s.detail = f"{len(proto.graph.node)} nodes" + (", row count symbolic" if shared else "")
+        if quantizer is not None:
+            proto = quantizer.apply(proto, self.recipe.shapes.max_seq_len)
+        path = tmp / f"{file_name}.onnx"
+        store.save(proto, path)
+        onnx.checker.check_model(str(path))
+        for tokens in range(2, largest + 1) if shared else [largest]:
+            graph_name = engine_name(name, Role.TREE, 1, tokens)
+            inputs, outputs = tensor_specs(proto, "inputs", tokens), tensor_specs(proto, "outputs", tokens)
+            self.specs[graph_name] = (inputs, outputs)
+            self.engines.append(EngineEntry(
+                name=graph_name, model=name, role=Role.TREE, backend="onnxruntime", path=path.name, batch=1,
+                tokens=tokens, inputs=inputs, outputs=outputs,
+                kv_update=KV_UPDATE_OF_ATTENTION[self.recipe.attention], weights=store.location,
+            ))
+        self.tree_files[name] = GraphUnderTest(engine_name(name, Role.TREE, 1, largest), path, largest)
 
     def _precision_refusal(self, parts, precision: str) -> str | None:
         """Why ``precision`` cannot be built for this model; None when it can."""
@@ -404,6 +449,14 @@ class Builder:
                 s.detail += ", rows = one-token calls bit for bit"
         for name, figures in results.items():
             self.record_parity(name, dict(figures), against, precision)
+        if model in self.tree_files:
+            with self.rep.step("validate", f"{model} tree graph") as s:
+                tree = self.tree_files[model]
+                figures = validate_tree(tree, self.specs, kept[0].cache, ids, hf_model, self.threads,
+                                        self.recipe.attention == "ort-gqa", shapes.max_seq_len)
+                s.detail = (f"each of {tree.tokens} rows against transformers on its path: "
+                            f"max |Δlogit| {figures['max_abs_logit_diff']:.2e}")
+            self.record_parity(tree.name, figures, f"{against}, each row on its root-to-node path", precision)
         batched = self.batched_files.get(model, [])
         if batched:
             with self.rep.step("validate", f"{model} batched graphs") as s:

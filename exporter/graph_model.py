@@ -350,8 +350,11 @@ HEAD_WEIGHT = "lm_head_t"  # the MatMul head's initializer (quantize.py keeps it
 
 class StaticDecoder(nn.Module):
     def __init__(self, parts: DecoderParts, max_seq_len: int, attention: str = "standard",
-                 fusions: OrtFusions | None = None, taps: tuple[int, ...] = ()):
-        """``taps``: hidden states to output as aux_hidden_states, in transformers'
+                 fusions: OrtFusions | None = None, taps: tuple[int, ...] = (), tree: bool = False):
+        """``tree``: a tree verify graph (contract.TREE_*): after cache_length it takes each
+        row's offset [B, T] and (standard) the ancestor mask [B, T, T] or (ort-gqa) the
+        additive bias [B, 1, T, cache_length + T]; rows sit at cache_length + offset and see
+        the cache and the rows the mask allows. ``taps``: hidden states to output as aux_hidden_states, in transformers'
         output_hidden_states indices (i < L: the stream entering layer i; L: after the final norm;
         L counts every layer, linear-attention ones included).
 
@@ -366,6 +369,10 @@ class StaticDecoder(nn.Module):
         if any(not 0 <= i <= len(parts.layers) for i in taps):
             raise ValueError(f"taps {list(taps)} must lie in 0..{len(parts.layers)} (the model's layer count)")
         self.taps = tuple(taps)
+        self.tree = tree
+        if tree and parts.linear_layers:
+            raise ValueError("a tree verify graph needs attention in every layer: a linear-attention layer's "
+                             "recurrence runs along one path")
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}")
         self.attention = attention
@@ -420,15 +427,19 @@ class StaticDecoder(nn.Module):
         # input_ids [B, T]; cache_length [B]; inputs: valid_tokens [B] (ort-gqa), then the past:
         # 2·kv_layers tensors [B, n_kv, S_max, head_dim], then 2·state_layers: conv [B, C, K-1]
         # and recurrent [B, Hv, dk, dv] per linear-attention layer
+        tree, inputs = (inputs[:2], inputs[2:]) if self.tree else (None, inputs)  # offsets [B, T], mask or bias
         valid_tokens, past, past_state = self._split_inputs(inputs)
         batch, tokens = input_ids.shape
-        offsets, positions, rope_index = self._positions(cache_length, tokens)  # [T], [B, T], [B, T]
-        visibility = self._visibility(cache_length, offsets, batch, tokens)  # [S_max], [B, T, S_max], [B, T, T]
+        offsets, positions, rope_index = self._positions(cache_length, tokens, tree)  # [T] | [B, T], [B, T], [B, T]
+        visibility = self._visibility(cache_length, offsets, batch, tokens, tree)  # [S_max], [B, T, S_max], [B, T, T]
         rope = self._rope(rope_index)  # name -> cos, sin [B, T, 1, rot]
         hidden = self._embed(input_ids)  # [B, T, hidden]
         masks = self._masks(positions, offsets, visibility, hidden.dtype)  # window -> [B, 1, 1, T, S_max+T]
-        # ort-gqa: seqlens_k [B], total length [], query_seqlens [B] (int32)
+        # ort-gqa: seqlens_k [B], total length [], query_seqlens [B] (int32); a tree's position
+        # ids [B, T] and bias [B, 1, T, total]
         gqa_lengths = self._gqa_lengths(cache_length, valid_tokens, tokens) if self.attention == "ort-gqa" else None
+        if gqa_lengths is not None and tree is not None:
+            gqa_lengths = self._gqa_tree(cache_length, positions, tree[1], gqa_lengths)
         hidden, presents, state_presents, tapped = self._decoder_layers(hidden, rope, masks, gqa_lengths, past,
                                                                         past_state)  # hidden [B, T, hidden]
         return self._outputs(hidden, presents, state_presents, tapped)
@@ -443,22 +454,25 @@ class StaticDecoder(nn.Module):
             past, past_state = past[: 2 * self.kv_layers], past[2 * self.kv_layers :]
         return valid_tokens, past, past_state
 
-    def _positions(self, cache_length, tokens: int):
-        """cache_length [B] -> the new tokens' offsets [T], positions [B, T] and rope table rows
-        [B, T]."""
-        offsets = torch.arange(tokens, dtype=torch.int64)  # [T]
+    def _positions(self, cache_length, tokens: int, tree=None):
+        """cache_length [B] -> the new tokens' offsets [T] (a tree's: [B, T], its depths),
+        positions [B, T] and rope table rows [B, T]."""
+        offsets = torch.arange(tokens, dtype=torch.int64) if tree is None else tree[0]  # [T] | [B, T]
         positions = cache_length.unsqueeze(1) + offsets  # [B, T]
         # Padding slots of a last, short chunk may run past the table; their outputs are unused.
         rope_index = positions.clamp(max=self.max_seq_len - 1)  # [B, T]
         return offsets, positions, rope_index
 
-    def _visibility(self, cache_length, offsets, batch: int, tokens: int):
+    def _visibility(self, cache_length, offsets, batch: int, tokens: int, tree=None):
         """Which keys each new token may see, before any sliding window: (the cache slots
-        [S_max], the filled cache slots [B, T, S_max], the new tokens causally [B, T, T])."""
+        [S_max], the filled cache slots [B, T, S_max], the new tokens causally, or a tree's
+        ancestors [B, T, T])."""
         s_max = self.max_seq_len
         past_slots = torch.arange(s_max, dtype=torch.int64)  # [S_max]
         past_visible = past_slots.view(1, 1, s_max) < cache_length.view(batch, 1, 1)  # [B, 1, S_max]
         past_visible = past_visible.expand(batch, tokens, s_max)  # [B, T, S_max]
+        if tree is not None:
+            return past_slots, past_visible, tree[1] if self.attention != "ort-gqa" else None
         new_visible = offsets.view(1, tokens) <= offsets.view(tokens, 1)  # [T, T] causal
         new_visible = new_visible.unsqueeze(0).expand(batch, tokens, tokens)  # [B, T, T]
         return past_slots, past_visible, new_visible
@@ -492,15 +506,36 @@ class StaticDecoder(nn.Module):
         past_slots, past_visible, new_visible = visibility  # [S_max], [B, T, S_max], [B, T, T]
         batch, tokens, s_max = past_visible.shape
         masks: dict[int | None, torch.Tensor] = {}
+        if self.attention == "ort-gqa":  # the op masks (and a tree graph is given its bias)
+            return masks
         for window in {layer.sliding_window for layer in self.layers if layer.linear is None}:
             mask_past, mask_new = past_visible, new_visible  # [B, T, S_max], [B, T, T]
             if window is not None:
                 mask_past = mask_past & (positions.unsqueeze(2) - past_slots.view(1, 1, s_max) < window)
-                mask_new = mask_new & (offsets.view(tokens, 1) - offsets.view(1, tokens) < window).unsqueeze(0)
+                if offsets.dim() == 1:  # a chain: new rows' distances are their offsets'
+                    mask_new = mask_new & (offsets.view(tokens, 1) - offsets.view(1, tokens) < window).unsqueeze(0)
+                else:  # a tree: their positions'
+                    mask_new = mask_new & (positions.unsqueeze(2) - positions.unsqueeze(1) < window)
             visible = torch.cat((mask_past, mask_new), dim=-1)  # [B, T, S_max+T]
             zero = torch.zeros((), dtype=dtype)  # []
             masks[window] = torch.where(visible, zero, float("-inf")).view(batch, 1, 1, tokens, s_max + tokens)
         return masks
+
+    def _gqa_tree(self, cache_length, positions, mask, lengths):
+        """A tree's GroupQueryAttention inputs: seqlens_k as for a chain, the total length as the
+        whole cache (S_max: the bias then has static columns; the op still attends to seqlens_k
+        + 1 keys, measured equal), position ids [B, T], and the bias [B, 1, T, S_max]: 0 for a
+        filled slot and for a row's ancestors (new rows sit at cache_length..+T), -inf else."""
+        seqlens_k, _, query_seqlens = lengths
+        batch, tokens, _ = mask.shape
+        s_max = self.max_seq_len
+        rel = torch.arange(s_max, dtype=torch.int64).view(1, s_max) - cache_length.view(batch, 1)  # [B, S_max]
+        inside = (rel >= 0) & (rel < tokens)  # [B, S_max] the new rows' slots
+        index = rel.clamp(0, tokens - 1).unsqueeze(1).expand(batch, tokens, s_max)  # [B, T, S_max]
+        visible = (inside.unsqueeze(1) & torch.gather(mask, 2, index)) | (rel < 0).unsqueeze(1)  # [B, T, S_max]
+        bias = torch.where(visible, torch.zeros(()), torch.tensor(float("-inf"))).unsqueeze(1)  # [B, 1, T, S_max]
+        total = torch.tensor(s_max, dtype=torch.int32)  # []
+        return seqlens_k, total, query_seqlens, positions, bias
 
     def _gqa_lengths(self, cache_length, valid_tokens, tokens: int):
         """GroupQueryAttention's lengths, int32: seqlens_k [B] (an idle row at length 0 still
@@ -685,13 +720,13 @@ class StaticDecoder(nn.Module):
         # the op checks its tables even with do_rotary=0 (half width a multiple of 8): none then
         tables = ((getattr(self, f"rope_cos_half_{layer.rope_table}"), getattr(self, f"rope_sin_half_{layer.rope_table}"))
                   if full_rotary else (None, None))
-        seqlens_k, total, query_seqlens = lengths
+        seqlens_k, total, query_seqlens, *tree = lengths  # tree: position ids [B, T], bias [B, 1, T, total]
         # the op's optional inputs between the rotary tables and query_seqlens: position_ids,
-        # attention_bias, head_sink, k_scale, v_scale, q_norm_weight, k_norm_weight (unused)
-        unused = (None,) * 7
+        # attention_bias (a tree's), head_sink, k_scale, v_scale, q_norm_weight, k_norm_weight
+        optional = (*(tree or (None, None)), *(None,) * 5)
         out, present_k, present_v = torch.onnx.ops.symbolic_multi_out(
             "com.microsoft::GroupQueryAttention",
-            (q, k, v, past_k, past_v, seqlens_k, total, *tables, *unused, query_seqlens),
+            (q, k, v, past_k, past_v, seqlens_k, total, *tables, *optional, query_seqlens),
             attrs,
             dtypes=(x.dtype, past_k.dtype, past_v.dtype),
             shapes=((batch, tokens, self.n_heads * hd), past_k.shape, past_v.shape),

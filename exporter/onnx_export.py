@@ -37,29 +37,52 @@ _ALIGN = 4096
 
 
 def graph_io(num_layers: int, taps: tuple[int, ...] = (), valid_tokens: bool = False,
-             state_layers: int = 0) -> tuple[list[str], list[str]]:
+             state_layers: int = 0, tree: bool = False) -> tuple[list[str], list[str]]:
     """Input and output names, in the order StaticDecoder.forward takes and returns them.
     ``num_layers``: the layers with a KV cache; ``state_layers``: the linear-attention layers
-    (a recurrent state: past_state.{j}.conv|recurrent in, present_state.{j}.* out)."""
-    return (graph_inputs(num_layers, valid_tokens, state_layers),
+    (a recurrent state: past_state.{j}.conv|recurrent in, present_state.{j}.* out); ``tree``: a
+    tree verify graph."""
+    return (graph_inputs(num_layers, valid_tokens, state_layers, tree),
             graph_outputs(num_layers, state_layers) + ([AUX_HIDDEN_STATES] if taps else []))
+
+
+def tree_example(batch: int, tokens: int) -> tuple[torch.Tensor, ...]:
+    """A chain as the example tree: offsets [B, T] and the causal mask [B, T, T]."""
+    offsets = torch.arange(tokens, dtype=torch.int64).expand(batch, tokens).contiguous()  # [B, T]
+    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril().expand(batch, tokens, tokens).contiguous()
+    return offsets, causal
 
 
 def example_inputs(decoder: StaticDecoder, batch: int, tokens: int) -> tuple[torch.Tensor, ...]:
     ids = torch.zeros(batch, tokens, dtype=torch.int64)  # [B, T]
     cache_length = torch.zeros(batch, dtype=torch.int64)  # [B]
+    tree = tree_example(batch, tokens) if decoder.tree else ()
     valid = (torch.full((batch,), tokens, dtype=torch.int64),) if decoder.takes_valid_tokens else ()  # [B]
     kv_shape = (batch, decoder.n_kv, decoder.max_seq_len, decoder.head_dim)
     past = [torch.zeros(kv_shape) for _ in range(2 * decoder.num_layers)]  # [B, n_kv, S_max, hd]
     layout = decoder.state_layout  # linear-attention layers: [B, C, K-1] and [B, Hv, dk, dv] each
     state = [torch.zeros(shape) for shape in layout.shapes(batch).values()] if layout is not None else []
-    return (ids, cache_length, *valid, *past, *state)
+    return (ids, cache_length, *tree, *valid, *past, *state)
 
 
 # The symbolic dimensions of a shared graph (one graph per model for every size).
 TOKENS_DIM = "tokens"
 BATCH_DIM = "batch"
 MAX_BATCH = 256
+
+
+def export_tree_graph(decoder: StaticDecoder, tokens: int | None, opset: int) -> onnx.ModelProto:
+    """A tree verify graph (decoder.tree) at batch 1: T = ``tokens`` rows, every dimension static,
+    or with ``tokens=None`` the row count symbolic (``TOKENS_DIM``, ort-gqa: one graph for every
+    tree size, so a small tree runs only its own rows)."""
+    inputs, outputs = graph_io(decoder.num_layers, decoder.taps, decoder.takes_valid_tokens, 0, tree=True)
+    if tokens is not None:
+        return export_module(decoder, example_inputs(decoder, 1, tokens), inputs, outputs, opset)
+    t = torch.export.Dim(TOKENS_DIM, min=2, max=decoder.max_seq_len)
+    # keyed by forward's argument names; the tree inputs are the first two of *inputs
+    dims = {INPUT_IDS: {1: t}, CACHE_LENGTH: None,
+            "inputs": ({1: t}, {1: t, 2: t}, *(None for _ in range(len(inputs) - 4)))}
+    return export_module(decoder, example_inputs(decoder, 1, 4), inputs, outputs, opset, dims)
 
 
 def export_graph(decoder: StaticDecoder, batch: int | None, tokens: int | None, opset: int) -> onnx.ModelProto:

@@ -30,6 +30,11 @@ class DraftPlanResult:
     # where the schedule came from: "recipe" (draft.schedule / disable_by_batch_size) or
     # "calibrated on HOST, DATE" (the calibration file's measured one); None without a schedule
     schedule_source: str | None = None
+    # token trees (recipe draft.tree): the tree graph's draft nodes (0: none built) and children
+    # per node; tile_tree_nodes is the tile rule's budget, the N with G · (1 + N) = one tile
+    tree_nodes: int = 0
+    tree_top_k: int = 4
+    tile_tree_nodes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -126,7 +131,8 @@ def plan_recipe_draft(recipe, base: Path, heads: int, kv_heads: int | None) -> D
         source = f"calibrated on {measured.get('host') or 'an unnamed host'}, {when}"
     if steps is not None:
         steps = [[bound, min(depth, plan.draft_len)] for bound, depth in steps]
-    return replace(plan, schedule=steps, schedule_source=source)
+    return replace(plan, schedule=steps, schedule_source=source, tree_nodes=draft.tree.max_nodes,
+                   tree_top_k=draft.tree.top_k, tile_tree_nodes=plan.tile_draft_len)
 
 
 def _calibration(recipe, base: Path) -> tuple[dict | None, Path | None]:

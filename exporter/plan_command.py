@@ -49,9 +49,19 @@ def render_plan(result: dict) -> None:
     table.add_row("graphs (tokens)", ", ".join(f"{k} {v}" for k, v in result["graphs"].items()))
     table.add_row("reason", result["reason"])
     table.add_row("depth by batch size", depth_by_batch_text(result))
+    table.add_row("token tree", tree_text(result))
     console.print(table)
     for warning in result["warnings"]:
         console.print(f"[yellow]warning:[/] {warning}")
+
+
+def tree_text(result: dict) -> str:
+    """The tree budget: the tile's (a GPU's 1 + N rows fill one tile) and the recipe's."""
+    tile_n = result.get("tile_tree_nodes", result["tile_draft_len"])
+    built = result.get("tree_nodes", 0)
+    recipe = (f"{built} nodes built (draft.tree.max_nodes), up to {result.get('tree_top_k', 4)} children each"
+              if built else "none built (draft.tree.max_nodes: 0, chains only)")
+    return f"tile budget N = {tile_n} (G·(1+N) = {result['group_size'] * (tile_n + 1)} rows); {recipe}"
 
 
 def depth_by_batch_text(result: dict) -> str:

@@ -231,6 +231,14 @@ class Shapes(_Strict):
         return self
 
 
+class TreePlan(_Strict):
+    """Token trees (runtime/tree.py): a tree verify graph of 1 + max_nodes rows for the target
+    (batch 1); 0 builds none (chains only). top_k: children per node at most."""
+
+    max_nodes: int = Field(0, ge=0)  # draft nodes of the tree graph (0: none built, chains only)
+    top_k: int = Field(4, ge=1)  # children per node at most when a drafter builds a tree
+
+
 class DraftPlan(_Strict):
     tile: int = Field(128, ge=1)  # rows of the attention tile: D = floor(tile / G) - 1 (the tile rule)
     max_draft: int | None = Field(None, ge=1)  # cap on D (None: the tile rule's D stands)
@@ -248,6 +256,8 @@ class DraftPlan(_Strict):
     # Verify-pass sizes besides 1 and 1+D to export (the bench's cost curve); each shares the
     # model's weights file, so they cost a small graph each.
     probe_tokens: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
+    # Token trees: several guesses per position in one verify pass (absent or max_nodes 0: chains only)
+    tree: TreePlan = Field(default_factory=TreePlan)
 
 
 class Validation(_Strict):

@@ -23,6 +23,8 @@ from specexport.contract import (
     INPUT_IDS,
     LOGITS,
     NEXT_TOKENS,
+    TREE_MASK,
+    TREE_OFFSETS,
     VALID_TOKENS,
     StateLayout,
     is_present,
@@ -33,6 +35,7 @@ from specexport.runtime.engine import EngineOptions, SharedGraphs
 from specexport.runtime.kv_cache import KVCache, open_host_cache
 from specexport.runtime.ort_engine import OrtEngine
 from specexport.runtime.runner import PAD_ID, ModelRunner
+from specexport.runtime.tree import DraftTree
 
 # Real text (prose, code, numbers) so the sequence exercises ordinary predictions.
 CORPUS = """\
@@ -352,6 +355,53 @@ def validate_model(graphs: list[GraphUnderTest], specs, num_layers: int, num_kv_
     for graph in graphs:
         results[graph.name]["cost_ms"] = round(costs[graph.tokens] * 1e3, 3)
     return results
+
+
+def validation_tree(nodes: int, ids: np.ndarray, start: int) -> DraftTree:
+    """A tree of ``nodes`` for validation: three children under the root, then two under each
+    node in turn (every depth, several siblings and cousins), its first path the reference
+    text after ``start`` and the other nodes tokens from elsewhere in it."""
+    parents = np.array([-1 if i < 3 else (i - 3) // 2 for i in range(nodes)], dtype=np.int64)
+    tree = DraftTree(np.zeros(nodes, dtype=np.int64), parents)
+    depth = tree.depths()
+    first = {0}
+    for i in range(nodes):
+        if int(parents[i]) in first and i == min(tree.children(int(parents[i]))):
+            first.add(i)
+    tokens = [ids[(start + d) % len(ids)] if i in first else ids[(start + 7 * i + 3) % len(ids)]
+              for i, d in enumerate(depth.tolist())]
+    return DraftTree(np.asarray(tokens, dtype=np.int64), parents)
+
+
+def validate_tree(graph: GraphUnderTest, specs, cache, ref_ids: np.ndarray, hf_model, threads: int | None,
+                  in_place: bool, max_seq_len: int) -> dict:
+    """A tree verify graph (Role.TREE) against transformers: at a short and a half-full cache,
+    every row of ``validation_tree`` equals transformers' last logits on the prompt and that row's
+    root-to-node path. ``cache``: the model's validation cache, filled with ``ref_ids``."""
+    engine = OrtEngine(graph.name, graph.path, *specs[graph.name], EngineOptions(threads=threads))
+    parity = Parity()
+    lengths = sorted({8, (max_seq_len - graph.tokens) // 2})
+    for length in lengths:
+        tree = validation_tree(graph.tokens - 1, ref_ids, length + 1)
+        root = int(ref_ids[length])
+        offsets, mask = tree.verify_inputs()  # [1+N], [1+N, 1+N]
+        cache.length = length
+        feeds = dict(cache.view())
+        feeds[INPUT_IDS] = np.array([[root, *tree.tokens.tolist()]], dtype=np.int64)  # [1, T]
+        feeds[CACHE_LENGTH] = np.array([length], dtype=np.int64)
+        feeds[TREE_OFFSETS] = offsets[None]  # [1, T]
+        feeds[TREE_MASK] = mask[None]  # [1, T, T]
+        if VALID_TOKENS in engine.inputs:
+            feeds[VALID_TOKENS] = np.array([graph.tokens], dtype=np.int64)
+        bound = cache.in_place_outputs() if in_place else None
+        with _restored(cache, length, graph.tokens if in_place else 0):
+            out = engine.run(feeds, [LOGITS, NEXT_TOKENS], bound)
+        want = np.stack([reference_logits(hf_model, np.array([*ref_ids[:length].tolist(), root,
+                                                              *tree.tokens[tree.path(row - 1)].tolist()]))[-1]
+                         for row in range(graph.tokens)])  # [T, V]
+        parity.add(out[LOGITS][0], want, out[NEXT_TOKENS][0])
+    return {**parity.to_dict(), "cache_lengths": lengths, "tree_parents": validation_tree(graph.tokens - 1, ref_ids, 0)
+            .parents.tolist()}
 
 
 @contextmanager

@@ -9,7 +9,7 @@
   distributed exactly as the target's p. A drafter without probabilities (n-gram) is a point
   mass: q = one-hot(x).
 
-p and q are the *warped* distributions (temperature, top-k, top-p): the output follows the
+p and q are the *warped* distributions (temperature, min-p, top-k, top-p, in vLLM's order): the output follows the
 target's distribution under those settings. ``warp_reference`` states the warp in a few dense
 lines; ``warp_row`` computes the same distribution as a ``Kept`` (the tokens that can be drawn
 and their probabilities) without float64 or sorting work over the whole vocabulary, and the
@@ -36,6 +36,7 @@ class Sampling:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
+    min_p: float = 0.0  # 0: off; keeps tokens with p >= min_p · (the most likely token's p)
 
     def __post_init__(self) -> None:
         if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -44,6 +45,8 @@ class Sampling:
             raise BadInput(f"--top-k must be >= 0 (got {self.top_k})")
         if not 0 < self.top_p <= 1:
             raise BadInput(f"--top-p must be in (0, 1] (got {self.top_p})")
+        if not 0 <= self.min_p <= 1:
+            raise BadInput(f"--min-p must be in [0, 1] (got {self.min_p})")
 
     @property
     def greedy(self) -> bool:
@@ -119,6 +122,8 @@ def warp_reference(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
     """Logits [n, V] -> probabilities [n, V]: the definition, dense and in float64."""
     scaled = logits.astype(np.float64) / sampling.temperature  # [n, V]
     vocab = scaled.shape[-1]
+    if sampling.min_p > 0:  # p / p_max >= min_p, in logits: scaled >= max + log(min_p)
+        scaled = np.where(scaled < scaled.max(axis=-1, keepdims=True) + np.log(sampling.min_p), -np.inf, scaled)
     if 0 < sampling.top_k < vocab:
         kth = np.partition(scaled, vocab - sampling.top_k, axis=-1)[:, vocab - sampling.top_k, None]  # [n, 1]
         scaled = np.where(scaled < kth, -np.inf, scaled)
@@ -149,11 +154,15 @@ def warp_row(logits: np.ndarray, sampling: Sampling) -> Kept:
     x = np.asarray(logits, dtype=np.float32)  # [V]
     vocab = x.shape[-1]
     ids = None  # [m] the tokens still in play, ascending; None: all of them
-    if 0 < sampling.top_k < vocab:
-        kth = np.partition(x, vocab - sampling.top_k)[vocab - sampling.top_k]
-        ids = np.flatnonzero(x >= kth)  # [m] ties with the k-th are all kept
-        x = x[ids]
     t = sampling.temperature
+    floor = -np.inf  # min-p and top-k are both a lowest logit kept: the higher one applies
+    if sampling.min_p > 0:
+        floor = float(x.max()) + t * float(np.log(sampling.min_p))
+    if 0 < sampling.top_k < vocab:
+        floor = max(floor, float(np.partition(x, vocab - sampling.top_k)[vocab - sampling.top_k]))
+    if floor > -np.inf:
+        ids = np.flatnonzero(x >= floor)  # [m] ties with the lowest kept are all kept
+        x = x[ids]
     top = float(x.max())
     if sampling.top_p < 1.0:
         # the mass to reach, over the tokens in play, from float32 exps (the kept probabilities

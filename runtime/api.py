@@ -30,14 +30,18 @@ from specexport.runtime.acceptance import Sampling
 from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.costs import TunedCosts, load_tuned
 from specexport.runtime.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
-from specexport.runtime.engine import EngineOptions, SharedGraphs
+from specexport.runtime.engine import EngineOptions, LazyEngine, SharedGraphs
+from specexport.runtime.grammar import Grammars
 from specexport.runtime.integrity import ensure_verified
+from specexport.runtime.logprobs import Logprobs, TokenLogprob
 from specexport.runtime.loop import BatchLoop, Request
 from specexport.runtime.memory import memory
 from specexport.runtime.model import Model, SlotCaches, open_caches, open_model, slots_refusal
+from specexport.runtime.rules import Controls, SequenceRules
 from specexport.runtime.runner import ModelRunner, monotone_costs
 from specexport.runtime.stats import DecodeStats
 from specexport.runtime.text import TextCodec
+from specexport.runtime.tree_verify import TreeVerifier
 
 
 @dataclass
@@ -52,8 +56,12 @@ class Generation:
     costs: str = "build"  # whose engine costs chose sizes and depths: "build" or "tuned (host, date)"
     first_token_s: float | None = None  # from the call to the first token
     load_to_first_token_s: float | None = None  # from load() to the first token: the pipeline's first generation only
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked for (Controls.logprobs)
 
     def to_dict(self) -> dict:
+        logprobs = None if self.logprobs is None else [
+            {"token": e.token, "logprob": round(e.logprob, 6), "top": [[t, round(lp, 6)] for t, lp in e.top]}
+            for e in self.logprobs]
         return {
             "text": self.text,
             "token_ids": self.token_ids,
@@ -66,6 +74,7 @@ class Generation:
             "load_to_first_token_s": _rounded(self.load_to_first_token_s),
             "memory": memory(),  # the process's resident memory now and at its peak
             "stats": self.stats.to_dict(),
+            **({"logprobs": logprobs} if logprobs is not None else {}),
         }
 
 
@@ -160,6 +169,8 @@ class Pipeline:
         self.tuned = tuned
         self._started = started
         self.text = TextCodec(manifest.root, manifest.tokenizer)
+        self._grammars: Grammars | None = None
+        self._trees: dict[int, TreeVerifier | None] = {}  # target slots -> its tree verifier
         self.sessions = SharedGraphs()  # graph file -> its one session, shared by the engines of its sizes
         self.backends: dict[str, str] = {}  # model -> the backend its engines run on
         self._caches: dict[tuple[str, int], SlotCaches] = {}  # (model, slots) -> its one cache
@@ -227,6 +238,34 @@ class Pipeline:
                 raise BadInput(f"{self.manifest.root}: no {self.backend} engines for model '{model}'")
         return self.backends[model]
 
+    def tree_verifier(self, target: Model) -> TreeVerifier | None:
+        """The target's tree verify graph over its first slot (None: the directory has none)."""
+        if target.slots not in self._trees:
+            entries = self.manifest.engines_of("target", self.backend_of("target"), tree=True)
+            cache = target.runners[0].cache
+            engines = {e.tokens: LazyEngine(e, self.manifest.root, self.options, cache, self.sessions) for e in entries}
+            self._trees[target.slots] = TreeVerifier(engines, entries[-1], cache) if entries else None
+        return self._trees[target.slots]
+
+    def tree_nodes(self, asked: int | None) -> int:
+        """Draft nodes per tree round: ``asked`` (0: chains), default the recipe's (draft.tree)."""
+        built = int(self.manifest.plan.get("tree_nodes", 0))
+        nodes = built if asked is None else asked
+        if nodes and not built:
+            raise BadInput("--tree-nodes: this engine directory has no tree graph; rebuild with draft.tree.max_nodes "
+                           "in the recipe")
+        if not 0 <= nodes <= built:
+            raise BadInput(f"--tree-nodes must be between 0 and {built}, the tree graph's nodes (got {nodes})")
+        return nodes
+
+    @property
+    def grammars(self) -> Grammars:
+        """Grammar compilation for this directory's tokenizer and the target's vocabulary (made on first use)."""
+        if self._grammars is None:
+            tokenizer = (self.manifest.root / self.manifest.tokenizer["file"]).read_text()
+            self._grammars = Grammars(tokenizer, self.manifest.models["target"].vocab_size, self.text.eos_ids)
+        return self._grammars
+
     def drafter(self, name: str, slots: int = 1) -> Drafter:
         """The drafter ``name`` over a loop of ``slots`` rows, made once."""
         if (name, slots) not in self._drafters:
@@ -279,18 +318,21 @@ class Pipeline:
 
     def stream(self, prompt: str | None = None, *, chat: bool = False, messages: list[dict] | None = None,
                prompt_ids: Sequence[int] | None = None, drafter: str = "none", max_new_tokens: int = 128,
-               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               stop: Sequence[str] = (), draft_len: int | None = None, adaptive: bool = True) -> Iterator[str]:
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+               seed: int | None = None, stop: Sequence[str] = (), draft_len: int | None = None, adaptive: bool = True,
+               controls: Controls | None = None, tree_nodes: int | None = None) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; the final Generation is the return value.
-        One request is the decode loop with one slot."""
+        One request is the decode loop with one slot. ``controls``: penalties, a grammar, logprobs.
+        ``tree_nodes``: draft nodes per round as a token tree, where the drafter builds trees
+        (0: chains; default: the recipe's draft.tree)."""
         if max_new_tokens < 1:
             raise BadInput(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
         ids = self.prompt_ids(prompt, chat=chat, messages=messages, ids=prompt_ids)
         request, text = self.batch_request(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                           top_p=top_p, seed=seed, stop=stop)
+                                           top_p=top_p, min_p=min_p, seed=seed, stop=stop, controls=controls)
         out: list[int] = []
         loop = self.batch_loop(drafter=drafter, draft_len=draft_len, max_batch=1, schedule=False, adaptive=adaptive,
-                               on_token=lambda key, token: out.append(token))
+                               on_token=lambda key, token: out.append(token), tree_nodes=tree_nodes)
         loop.submit(0, request)
         called, first_at, done = time.perf_counter(), None, []
         while loop.busy:
@@ -307,7 +349,8 @@ class Pipeline:
             since_load, self._started = first_at - self._started, None
         return Generation(text.text, out, ids, stats.stop_reason, loop.drafter.name, stats,
                           self._backends_of(loop.drafter.name), self.costs_source,
-                          None if first_at is None else first_at - called, since_load)
+                          None if first_at is None else first_at - called, since_load,
+                          None if request.logprobs is None else request.logprobs.entries)
 
     def _backends_of(self, drafter: str) -> dict[str, str]:
         entry = self.manifest.drafters.get(drafter)
@@ -320,7 +363,7 @@ class Pipeline:
 
     def batch_loop(self, *, drafter: str = "none", draft_len: int | None = None, max_batch: int | None = None,
                    schedule: bool = True, per_sequence: bool = False, adaptive: bool = True, on_token=None,
-                   on_round=None) -> BatchLoop:
+                   on_round=None, tree_nodes: int | None = None) -> BatchLoop:
         """A continuous-batching loop (runtime/loop.BatchLoop) over the target's slots: submit
         requests made by ``batch_request`` and step it. Rounds draft at most the manifest's depth
         for the number of running sequences (the plan's schedule, unless ``schedule`` is False)
@@ -332,28 +375,40 @@ class Pipeline:
         target = self.batched_target(max_batch)
         chosen = self.drafter(drafter, target.slots)
         policy = (lambda: self._policy(chosen)) if adaptive and chosen.name != "none" else None
+        nodes = self.tree_nodes(tree_nodes)
         return BatchLoop(target, chosen, draft_len=self._depth(draft_len),
                          eos_ids=self.text.eos_ids, on_token=on_token,
                          schedule=self.manifest.draft_schedule if schedule else None,
-                         per_sequence=per_sequence, on_round=on_round, adaptive=policy)
+                         per_sequence=per_sequence, on_round=on_round, adaptive=policy,
+                         tree=self.tree_verifier(target) if nodes else None, tree_nodes=nodes,
+                         tree_top_k=int(self.manifest.plan.get("tree_top_k", 4)))
 
     def batch_request(self, ids: Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
-                      top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                      stop: Sequence[str] = ()) -> tuple[Request, TextTracker]:
+                      top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+                      stop: Sequence[str] = (), controls: Controls | None = None) -> tuple[Request, TextTracker]:
         """A request for the loop and the text tracker that finds its stop strings (the request's
-        stop check feeds it each token)."""
+        stop check feeds it each token). ``controls``: its penalties, grammar and logprobs."""
         if max_new_tokens < 1:
             raise BadInput(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+        prompt = np.asarray(self.prompt_ids(ids=ids), dtype=np.int64)
+        sampling = Sampling(temperature, top_k, top_p, min_p)
+        controls = controls or Controls()
+        rules = None
+        if controls.rules_logits:
+            controls.penalties.check_vocab(self.manifest.models["target"].vocab_size)
+            grammar = self.grammars.start(controls.grammar) if controls.grammar is not None else None
+            rules = SequenceRules(controls.penalties, prompt, self.text.eos_ids, grammar)
         tracker = TextTracker(self.text.stream(), stop)
-        request = Request(np.asarray(self.prompt_ids(ids=ids), dtype=np.int64), max_new_tokens,
-                          Sampling(temperature, top_k, top_p), np.random.default_rng(seed), tracker.add)
+        request = Request(prompt, max_new_tokens, sampling, np.random.default_rng(seed), tracker.add, rules,
+                          None if controls.logprobs is None else Logprobs(controls.logprobs))
         return request, tracker
 
     def generate_batch(self, prompts: Sequence[str | dict | Sequence[int]], *, chat: bool = False,
                        drafter: str = "none", max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-                       top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
+                       top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop: Sequence[str] = (),
                        draft_len: int | None = None, max_batch: int | None = None,
-                       schedule: bool = True, per_sequence: bool = False, adaptive: bool = True) -> list[Generation]:
+                       schedule: bool = True, per_sequence: bool = False, adaptive: bool = True,
+                       controls: Controls | None = None) -> list[Generation]:
         """Decode many prompts together: up to ``max_batch`` (default: the largest batch size
         built) share each verify pass, joining as others finish. A prompt is text, a
         {"messages": [...]} or {"prompt": "..."} record (the bench's format), or token ids. Each
@@ -361,7 +416,7 @@ class Pipeline:
         Sequence i samples with seed ``seed + i``. Depth: as ``batch_loop``."""
         loop = self.batch_loop(drafter=drafter, draft_len=draft_len, max_batch=max_batch, schedule=schedule,
                                per_sequence=per_sequence, adaptive=adaptive)
-        trackers, ids_of = [], []
+        trackers, ids_of, requests = [], [], []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, dict):
                 ids = self.prompt_ids(prompt.get("prompt"), chat=chat, messages=prompt.get("messages"))
@@ -370,18 +425,20 @@ class Pipeline:
             else:
                 ids = self.prompt_ids(ids=prompt)
             request, tracker = self.batch_request(ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                                  top_k=top_k, top_p=top_p,
-                                                  seed=None if seed is None else seed + i, stop=stop)
+                                                  top_k=top_k, top_p=top_p, min_p=min_p,
+                                                  seed=None if seed is None else seed + i, stop=stop, controls=controls)
             loop.submit(i, request)
             trackers.append(tracker)
             ids_of.append(ids)
+            requests.append(request)
         done = {}
         while loop.busy:
             done.update(loop.step())
         backends = self._backends_of(loop.drafter.name)
         return [Generation(tracker.text, done[i].tokens, ids, done[i].stats.stop_reason, loop.drafter.name,
-                           done[i].stats, backends, self.costs_source)
-                for i, (tracker, ids) in enumerate(zip(trackers, ids_of))]
+                           done[i].stats, backends, self.costs_source,
+                           logprobs=None if request.logprobs is None else request.logprobs.entries)
+                for i, (tracker, ids, request) in enumerate(zip(trackers, ids_of, requests))]
 
     def generate(self, prompt: str | None = None, **kwargs) -> Generation:
         stream = self.stream(prompt, **kwargs)

@@ -33,7 +33,7 @@ from specexport.contract import (
     DrafterEntry,
     Role,
 )
-from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, warp_row
+from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept
 from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut
 from specexport.runtime.model import Model
 
@@ -105,7 +105,7 @@ class ChainDrafter:
         probs: dict[int, list[Kept]] = {r: [] for r in active}
         for j in range(tokens.shape[1]):
             for r in (r for r in active if j < depth[r]):
-                tokens[r, j] = self._draw(out, r, at[r], rows[r], probs[r])
+                tokens[r, j] = self._draw(out, r, at[r], rows[r], probs[r], tokens[r, :j])
             stepping = [r for r in active if depth[r] > j + 1]  # rows that want draft j+2
             if not stepping:
                 break
@@ -134,12 +134,12 @@ class ChainDrafter:
         return start, tokens, {DRAFT_FEATURES: features}
 
     @staticmethod
-    def _draw(out: dict[str, np.ndarray], r: int, at: int, row: DraftRow, probs: list[Kept]) -> int:
+    def _draw(out: dict[str, np.ndarray], r: int, at: int, row: DraftRow, probs: list[Kept], drafted: np.ndarray) -> int:
         """Row r's draft from its output at ``at``: the argmax, or drawn with the row's rng from
         the warped head distribution (kept for rejection sampling)."""
         if row.sampling.greedy:
             return int(out[NEXT_TOKENS][r, at])
-        probs.append(warp_row(out[LOGITS][r, at], row.sampling))  # over target ids (-inf outside the draft vocabulary)
+        probs.append(row.q(out[LOGITS][r, at], drafted))  # over target ids (-inf outside the draft vocabulary)
         return int(probs[-1].draw(row.rng))
 
 

@@ -24,6 +24,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 from specexport.contract import LOGITS, NEXT_TOKENS
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
 from specexport.runtime.model import Model
+from specexport.runtime.rules import SequenceRules
+from specexport.runtime.tree import DraftTree
 
 TargetOut = Mapping[str, np.ndarray]  # target output name -> [n, ...] rows of committed positions
 PartCosts = Mapping[str, Mapping[int, float]]  # a drafter's graph part ("step", "catchup", "block") -> tokens -> ms
@@ -37,6 +39,18 @@ class DraftRow:
     context: np.ndarray  # [n] committed tokens: prompt + output so far
     sampling: Sampling
     rng: np.random.Generator  # the sequence's own stream (drafts drawn from it, then its rejection)
+    rules: SequenceRules | None = None  # the request's logits rules (the target's rows get them too)
+    prompt_len: int = 0  # where the output starts in context
+
+    def q(self, logits: np.ndarray, drafted: np.ndarray) -> Kept:
+        """The distribution a sampled draft is drawn from: the drafter's logits [V] after
+        ``drafted`` [j] (this proposal's drafts so far), ruled as the target's row at that
+        position will be (where the rules leave some token), then warped."""
+        if self.rules is not None:
+            ruled = self.rules.apply(logits, np.concatenate((self.context[self.prompt_len :], drafted)))
+            if np.isfinite(ruled).any():  # else the drafter has nothing the rules allow: its draft will be rejected
+                logits = ruled
+        return warp_row(logits, self.sampling)
 
 
 class Drafter(Protocol):
@@ -134,6 +148,54 @@ class NgramDrafter(Stateless):
             return Draft(np.array(context[start : start + k], dtype=np.int64), tag=f"{self.name}/n{n}")
         return EMPTY_DRAFT
 
+    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int) -> DraftTree | None:
+        """Several continuations at once: what followed every earlier occurrence of the
+        context's last n tokens (longest n first, latest first, up to ``depth`` tokens each),
+        merged into a trie; the ``nodes`` prefixes most of them share are kept, at most
+        ``top_k`` children under a node (None: no match)."""
+        context, size = row.context, len(row.context)
+        found: list[np.ndarray] = []
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if size <= n:
+                continue
+            windows = sliding_window_view(context[: size - 1], n)  # [size-n, n]
+            hits = np.flatnonzero((windows == context[size - n :]).all(axis=1))
+            found += [context[h + n : h + n + depth] for h in hits[::-1]]
+            if len(found) >= 2 * top_k:
+                break
+        if not found:
+            return None
+        return trie_tree(found, nodes, top_k, f"{self.name}/tree")
+
+
+def trie_tree(continuations: Sequence[np.ndarray], nodes: int, top_k: int, tag: str) -> DraftTree:
+    """The trie of ``continuations`` (in priority order), cut to its ``nodes`` best prefixes:
+    best-first from the root by how many continuations share the prefix (earlier ones first on
+    a tie), at most ``top_k`` children per node. Parents come before children."""
+    trie: dict[tuple[int, ...], list[int]] = {}  # prefix -> [count, first continuation holding it]
+    for order, tokens in enumerate(continuations):
+        for end in range(1, len(tokens) + 1):
+            entry = trie.setdefault(tuple(int(t) for t in tokens[:end]), [0, order])
+            entry[0] += 1
+    children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+    for prefix in trie:
+        children.setdefault(prefix[:-1], []).append(prefix)
+    rank = {prefix: (-count, first) for prefix, (count, first) in trie.items()}
+    for kids in children.values():
+        kids.sort(key=rank.__getitem__)
+        del kids[top_k:]
+    kept: list[tuple[int, ...]] = []
+    index: dict[tuple[int, ...], int] = {(): -1}
+    frontier = list(children.get((), []))
+    while frontier and len(kept) < nodes:
+        best = min(frontier, key=rank.__getitem__)
+        frontier.remove(best)
+        index[best] = len(kept)
+        kept.append(best)
+        frontier += children.get(best, [])
+    return DraftTree(np.array([p[-1] for p in kept], dtype=np.int64),
+                     np.array([index[p[:-1]] for p in kept], dtype=np.int64), tag)
+
 
 class ModelDrafter:
     """A draft model (or the int4 copy of the target) with its own cache, whose row r follows
@@ -205,7 +267,7 @@ class ModelDrafter:
                 if row.sampling.greedy:
                     tokens[r, j] = out[NEXT_TOKENS][r, at[r]]
                 else:
-                    probs[r].append(warp_row(out[LOGITS][r, at[r]], row.sampling))
+                    probs[r].append(row.q(out[LOGITS][r, at[r]], tokens[r, :j]))
                     tokens[r, j] = probs[r][-1].draw(row.rng)
             stepping = [r for r in active if ks[r] > j + 1]  # rows that want draft j+2
             if not stepping:

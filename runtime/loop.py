@@ -21,12 +21,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specexport.contract import LOGITS, NEXT_TOKENS, DraftSchedule
-from specexport.runtime.acceptance import Draft, Sampling, Warped, greedy, rejection
+from specexport.runtime.acceptance import Draft, Sampling, Warped, greedy, rejection, warp_row
 from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.drafters import Drafter, DraftRow
 from specexport.runtime.goodput import best_width, observed
+from specexport.runtime.logprobs import Logprobs
 from specexport.runtime.model import Model
+from specexport.runtime.rules import RuledRows, SequenceRules, greedy_walk
 from specexport.runtime.stats import DecodeStats
+from specexport.runtime.tree import DraftTree, tree_greedy, tree_rejection
+from specexport.runtime.tree_verify import TreeVerifier
 
 
 @dataclass
@@ -36,6 +40,13 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
     stop: Callable[[int], bool] | None = None  # sees each token; True ends the sequence after it
+    rules: SequenceRules | None = None  # penalties, biases, grammar: applied to every row the target scores
+    logprobs: Logprobs | None = None  # filled with each emitted token's log probabilities
+
+    @property
+    def needs_logits(self) -> bool:
+        """Its rows are chosen from logits, not the graph's argmax."""
+        return not self.sampling.greedy or self.rules is not None or self.logprobs is not None
 
 
 @dataclass
@@ -77,7 +88,8 @@ class BatchLoop:
     def __init__(self, target: Model, drafter: Drafter, *, draft_len: int, eos_ids: frozenset[int],
                  on_token: Callable[[Hashable, int], None] | None = None, schedule: DraftSchedule | None = None,
                  per_sequence: bool = False, on_round: Callable[[RoundReport], None] | None = None,
-                 adaptive: Callable[[], DepthPolicy] | None = None):
+                 adaptive: Callable[[], DepthPolicy] | None = None, tree: TreeVerifier | None = None,
+                 tree_nodes: int = 0, tree_top_k: int = 4):
         if per_sequence and not target.costs:
             target.measure_costs()
         self.target, self.draft_len, self.eos_ids = target, draft_len, eos_ids
@@ -89,6 +101,10 @@ class BatchLoop:
         # as `generate` does (the same depths, so the same draws when sampled). per_sequence
         # replaces it.
         self.adaptive = None if per_sequence else adaptive
+        # token trees: a sequence running alone verifies a tree of up to tree_nodes drafts when
+        # the drafter builds one (propose_tree); otherwise, and at B > 1, chains
+        self.tree = tree if tree_nodes > 0 and hasattr(drafter, "propose_tree") else None
+        self.tree_nodes, self.tree_top_k = tree_nodes, tree_top_k
         self.waiting: deque[tuple[Hashable, Request]] = deque()
         self.running: list[_Running] = []
         self._cancelled: set[Hashable] = set()
@@ -108,14 +124,23 @@ class BatchLoop:
     def step(self) -> list[tuple[Hashable, Finished]]:
         """Join, one round over every running sequence, leave: the requests that ended."""
         ended = self._drop_cancelled()
+        last: _Prefill | None = None  # this step's last prefill: a request with the same prompt copies it (n > 1)
         while self.waiting and len(self.running) < self.target.slots:  # join: prefill alone, into the next slot
             key, request = self.waiting.popleft()
-            self.running.append(_start(self.target, self.drafter, len(self.running), key, request, self.draft_len))
+            shared = last if last is not None and np.array_equal(last.prompt, request.prompt) else None
+            seq, last = _start(self.target, self.drafter, len(self.running), key, request, self.draft_len, shared)
+            self.running.append(seq)
             if self.adaptive is not None:
                 self.running[-1].policy = self.adaptive()
         if self.running:
             depth = self.draft_len if self.schedule is None else min(self.draft_len, self.schedule.depth(len(self.running)))
-            report = _round(self.target, self.drafter, self.running, depth, self.eos_ids, self.on_token, self.widths)
+            report = None
+            if self.tree is not None and len(self.running) == 1:
+                report = _tree_round(self.target, self.drafter, self.tree, self.running[0], depth,
+                                     self.tree_nodes, self.tree_top_k, self.eos_ids, self.on_token)
+            if report is None:
+                report = _round(self.target, self.drafter, self.running, depth, self.eos_ids, self.on_token,
+                                self.widths)
             if self.on_round is not None:
                 self.on_round(report)
         return ended + self._leave()
@@ -168,19 +193,36 @@ def decode_batch(target: Model, drafter: Drafter, requests: Sequence[Request], *
     return [finished[i] for i in range(len(requests))]
 
 
-def _start(target: Model, drafter: Drafter, slot: int, key: Hashable, request: Request,
-           draft_len: int) -> _Running:
+@dataclass
+class _Prefill:
+    """A prefill of this step: its prompt, its slot and the outputs the drafter joined with."""
+
+    prompt: np.ndarray  # [n] int64
+    slot: int
+    extras: dict[str, np.ndarray]
+
+
+def _start(target: Model, drafter: Drafter, slot: int, key: Hashable, request: Request, draft_len: int,
+           shared: _Prefill | None = None) -> tuple[_Running, _Prefill]:
+    """Prefill the request into ``slot`` (all but the last prompt token). ``shared``: a prefill of
+    the same prompt this step, whose cache row is copied instead (n completions of one prompt
+    pay for one prefill; a batched target's slots are rows of one host cache)."""
     prompt = np.asarray(request.prompt, dtype=np.int64)
     context = np.zeros(target.max_seq_len + 1, dtype=np.int64)
     context[: len(prompt)] = prompt
     stats = DecodeStats(draft_len=draft_len)
     start = time.perf_counter()
     runner = target.runners[slot]
-    runner.cache.set_length(0)
-    prefill = runner.forward(prompt[:-1], want=drafter.needs)  # the last prompt token opens round one
-    drafter.join(slot, prompt, prefill.extras)
+    if shared is not None and target.caches.tensors is not None:
+        target.move(shared.slot, slot, len(prompt) - 1)
+        runner.cache.set_length(len(prompt) - 1)
+        extras = shared.extras
+    else:
+        runner.cache.set_length(0)
+        extras = runner.forward(prompt[:-1], want=drafter.needs).extras  # the last prompt token opens round one
+    drafter.join(slot, prompt, extras)
     stats.prefill_s = time.perf_counter() - start
-    return _Running(key, request, context, len(prompt), stats)
+    return _Running(key, request, context, len(prompt), stats), _Prefill(prompt, slot, extras)
 
 
 @dataclass
@@ -215,24 +257,104 @@ def _round(target: Model, drafter: Drafter, running: list[_Running], draft_len: 
     drafts = _draft(drafter, running, ks, start)
     drafts, out, report = _verify(target, drafter, running, drafts, draft_len, widths)
     for r, (seq, draft) in enumerate(zip(running, drafts)):
-        sampling = seq.request.sampling
-        if sampling.greedy:
-            n_accepted, next_token = greedy(draft.tokens, out[NEXT_TOKENS][r, : 1 + draft.size])
-        else:
-            n_accepted, next_token = rejection(draft, Warped(out[LOGITS][r, : 1 + draft.size], sampling),
-                                               seq.request.rng)
+        request = seq.request
+        n_accepted, next_token = _accept(request, draft, out, r, _output(seq))
         # the drafter sees the row's outputs of its committed positions only (first token, accepted drafts)
         drafter.accept(r, n_accepted, next_token, {name: out[name][r, : 1 + n_accepted] for name in drafter.needs})
         for policy in (widths.policy if widths else None, seq.policy):
             if policy is not None:
                 policy.update(draft.tag or drafter.name, draft.size, n_accepted)
         before = (seq.stats.proposed, seq.stats.accepted)
-        _commit(seq, draft, n_accepted, next_token, eos_ids, on_token)  # the rewind: the next run's length
+        _commit(seq, draft, n_accepted, next_token, eos_ids, on_token,
+                out[LOGITS][r] if request.logprobs is not None else None)  # the rewind: the next run's length
+        if request.rules is not None:
+            if not seq.stats.stop_reason:
+                request.rules.commit(_output(seq))
+            seq.stats.rules_s, seq.stats.ruled_rows = request.rules.seconds, request.rules.rows
+        seq.stats.verified_tokens += 1 + draft.size
         report.proposed.append(seq.stats.proposed - before[0])
         report.accepted.append(seq.stats.accepted - before[1])
         seq.stats.verify_s += report.verify_s
         seq.stats.total_s += time.perf_counter() - start
     return report
+
+
+def _tree_round(target: Model, drafter: Drafter, verifier: TreeVerifier, seq: _Running, draft_len: int,
+                max_nodes: int, top_k: int, eos_ids: frozenset[int],
+                on_token: Callable[[Hashable, int], None] | None) -> RoundReport | None:
+    """One round over a token tree for the one running sequence (runtime/tree.py): draft a tree,
+    verify it in one pass, walk it, keep the accepted path's cache (the verifier compacts it).
+    None, and nothing done, when the drafter has no tree this round (a chain round runs)."""
+    start = time.perf_counter()
+    request, length = seq.request, seq.length - 1  # the cache holds every committed token but the last
+    depth = _depths(drafter, [seq], draft_len, target.max_seq_len)[0]
+    nodes = min(max_nodes, verifier.nodes)
+    if not verifier.fits(length, nodes):  # the graph writes all its rows: near the end, chains
+        return None
+    row = DraftRow(seq.context[: seq.length], request.sampling, request.rng, request.rules, len(request.prompt))
+    tree = drafter.propose_tree(row, depth, nodes, top_k) if depth > 0 and nodes > 0 else None
+    if tree is not None and request.rules is not None:  # nodes the grammar forbids are not verified
+        tree = request.rules.valid_tree(_output(seq), tree)
+    if tree is None or tree.size == 0:
+        return None
+    seq.stats.draft_s += time.perf_counter() - start
+    before = verifier.seconds
+    out = verifier.run(length, int(seq.context[length]), tree, request.needs_logits, drafter.needs)
+    verify_s = verifier.seconds - before
+    path, next_token = _accept_tree(request, tree, out, _output(seq))
+    verifier.commit(length, path)
+    rows = [0, *(1 + p for p in path)]  # the verify rows of the committed positions
+    drafter.accept(0, len(path), next_token, {name: out[name][rows] for name in drafter.needs})
+    deepest = int(tree.depths().max())
+    if seq.policy is not None:
+        seq.policy.update(tree.tag or drafter.name, deepest, len(path))
+    # committed as a chain round whose drafts were the path, offered to the tree's depth
+    offered = Draft(np.concatenate((tree.tokens[path], np.zeros(deepest - len(path), dtype=np.int64))), tag=tree.tag)
+    counted = (seq.stats.proposed, seq.stats.accepted)
+    _commit(seq, offered, len(path), next_token, eos_ids, on_token,
+            out[LOGITS][rows] if request.logprobs is not None else None)
+    if request.rules is not None:
+        if not seq.stats.stop_reason:
+            request.rules.commit(_output(seq))
+        seq.stats.rules_s, seq.stats.ruled_rows = request.rules.seconds, request.rules.rows
+    seq.stats.tree_nodes += tree.size
+    seq.stats.verified_tokens += 1 + tree.size
+    seq.stats.verify_s += verify_s
+    seq.stats.total_s += time.perf_counter() - start
+    return RoundReport(1, 1, 1 + tree.size, draft_len, [seq.stats.proposed - counted[0]],
+                       [seq.stats.accepted - counted[1]], verify_s)
+
+
+def _accept_tree(request: Request, tree: DraftTree, out: dict[str, np.ndarray],
+                 output: np.ndarray) -> tuple[list[int], int]:
+    """The tree's acceptance rule (runtime/tree.py): greedy on the graph's argmax, or on each
+    node's logits ruled with the output and its path; sampled, rejection over siblings."""
+    if request.rules is None and request.sampling.greedy:
+        return tree_greedy(tree, lambda r: int(out[NEXT_TOKENS][r]))
+
+    def row(r: int) -> np.ndarray:  # [V] row r's logits, ruled with the output and the path to it
+        if request.rules is None:
+            return out[LOGITS][r]
+        return request.rules.apply(out[LOGITS][r], np.concatenate((output, tree.tokens[tree.path(r - 1)])))
+
+    if request.sampling.greedy:
+        return tree_greedy(tree, lambda r: int(np.argmax(row(r))))
+    return tree_rejection(tree, lambda r: warp_row(row(r), request.sampling), request.rng)
+
+
+def _accept(request: Request, draft: Draft, out: dict[str, np.ndarray], r: int,
+            output: np.ndarray) -> tuple[int, int]:
+    """Row r's acceptance rule: (accepted drafts, next token). Greedy reads the graph's argmax
+    [1+k]; with rules, or sampling, the logits [1+k, V], row i ruled with the output before it
+    (the committed ``output``, then drafts[:i]) and, sampling, warped for rejection."""
+    if request.rules is None and request.sampling.greedy:
+        return greedy(draft.tokens, out[NEXT_TOKENS][r, : 1 + draft.size])
+    rows = out[LOGITS][r, : 1 + draft.size]  # [1+k, V]
+    if request.rules is not None:
+        rows = RuledRows(rows, request.rules, output, draft.tokens)
+    if request.sampling.greedy:
+        return greedy_walk(draft.tokens, rows)
+    return rejection(draft, Warped(rows, request.sampling), request.rng)
 
 
 def _depths(drafter: Drafter, running: list[_Running], draft_len: int, max_seq_len: int) -> list[int]:
@@ -246,9 +368,12 @@ def _depths(drafter: Drafter, running: list[_Running], draft_len: int, max_seq_l
 def _draft(drafter: Drafter, running: list[_Running], ks: list[int], start: float) -> list[Draft]:
     """One proposal for every row (a prefix kept where adaptive depth trims one that exists)."""
     engine_before = drafter.engine_seconds
-    drafts = drafter.propose([DraftRow(seq.context[: seq.length], seq.request.sampling, seq.request.rng)
-                              for seq in running], ks)
+    drafts = drafter.propose([DraftRow(seq.context[: seq.length], seq.request.sampling, seq.request.rng,
+                                       seq.request.rules, len(seq.request.prompt)) for seq in running], ks)
     drafts = [seq.policy.trim(d, drafter.name) if seq.policy is not None else d for seq, d in zip(running, drafts)]
+    # a draft the grammar forbids would end the accepted run there: it is not verified at all
+    drafts = [d.trimmed(seq.request.rules.valid_drafts(_output(seq), d.tokens)) if seq.request.rules is not None
+              and d.size else d for seq, d in zip(running, drafts)]
     draft_s, draft_engine_s = time.perf_counter() - start, drafter.engine_seconds - engine_before
     for seq in running:  # every row waits for the whole draft, as for the verify pass
         seq.stats.draft_s += draft_s
@@ -269,7 +394,7 @@ def _verify(target: Model, drafter: Drafter, running: list[_Running], drafts: li
         width = widths.choose(target, drafts, n, width, drafter.name)
     holds = target.holds(n, width)
     drafts = [d if 1 + d.size <= holds else d.trimmed(holds - 1) for d in drafts]
-    sampled = any(not seq.request.sampling.greedy for seq in running)
+    sampled = any(seq.request.needs_logits for seq in running)
     rows = {r: (seq.length - 1, np.concatenate((seq.context[seq.length - 1 : seq.length], d.tokens)), {})
             for r, (seq, d) in enumerate(zip(running, drafts))}
     before = target.seconds
@@ -281,13 +406,21 @@ def _verify(target: Model, drafter: Drafter, running: list[_Running], drafts: li
     return drafts, out, RoundReport(n, graph[0], graph[1], draft_len, [], [], verify_s)
 
 
+def _output(seq: _Running) -> np.ndarray:
+    """The sequence's committed output tokens [m]."""
+    return seq.context[len(seq.request.prompt) : seq.length]
+
+
 def _commit(seq: _Running, draft: Draft, n_accepted: int, next_token: int, eos_ids: frozenset[int],
-            on_token: Callable[[Hashable, int], None] | None) -> None:
+            on_token: Callable[[Hashable, int], None] | None, logits: np.ndarray | None = None) -> None:
     """The round's tokens, cut where the sequence stops: EOS, a stop string, the token budget, a
-    full cache. Decided before any is yielded, so the stats count exactly the tokens emitted."""
+    full cache. Decided before any is yielded, so the stats count exactly the tokens emitted.
+    ``logits`` [T, V]: the row's verify logits, for the request's logprobs."""
     stats, request = seq.stats, seq.request
     emitted = 0
     for token in (*draft.tokens[:n_accepted].tolist(), next_token):
+        if logits is not None and request.logprobs is not None:
+            request.logprobs.add(logits[emitted], token)
         seq.context[seq.length] = token
         seq.length += 1
         emitted += 1

@@ -23,6 +23,10 @@ class DecodeStats:
     draft_engine_s: float = 0.0  # of which inside the drafter's engines
     verify_s: float = 0.0  # target engine time in rounds
     total_s: float = 0.0  # the rounds' wall time, prefill excluded
+    rules_s: float = 0.0  # of host time: logits rules and grammar masks (runtime/rules.py)
+    ruled_rows: int = 0  # rows they ruled
+    tree_nodes: int = 0  # draft nodes verified in tree rounds (runtime/tree.py)
+    verified_tokens: int = 0  # rows the verify passes ran for this sequence (1 + its drafts or tree nodes)
     stop_reason: str = ""
 
     def __post_init__(self) -> None:
@@ -78,5 +82,9 @@ class DecodeStats:
             "total_s": self.total_s,
             "host_fraction": self.host_s / self.total_s if self.total_s else 0.0,
             "tokens_per_s": self.tokens_per_s,
+            "rules_s": self.rules_s,
+            "tree_nodes": self.tree_nodes,
+            "verified_tokens": self.verified_tokens,
+            "ruled_rows": self.ruled_rows,
             "stop_reason": self.stop_reason,
         }

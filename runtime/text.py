@@ -52,6 +52,11 @@ class TextCodec:
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string((root / info["chat_template"]).read_text())
 
+    def token_text(self, token: int) -> str:
+        """One token's text as logprobs show it (special tokens included; a token holding part
+        of a UTF-8 character shows U+FFFD, as transformers' decode does)."""
+        return self.tokenizer.decode([int(token)], skip_special_tokens=False)
+
     def encode(self, text: str) -> list[int]:
         """A plain prompt, with the special tokens the tokenizer adds (BOS where it uses one)."""
         return self.tokenizer.encode(text, add_special_tokens=True).ids

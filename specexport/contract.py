@@ -38,6 +38,11 @@ PRESENT = "present"  # present.{i}.key|value: the T new positions, or the whole 
 LOGITS = "logits"  # [B, T, V] float32
 NEXT_TOKENS = "next_tokens"  # [B, T] int64, the in-graph argmax
 KV_KINDS = ("key", "value")
+# Tree verify graphs (Role.TREE, batch 1): the T rows are a token tree (runtime/tree.py), row 0
+# its root. Each row sits at cache_length + its offset (its depth) and attends to the cache and
+# to its ancestors (ort-gqa graphs turn the mask into GroupQueryAttention's additive bias).
+TREE_OFFSETS = "tree_offsets"  # [B, T] int64
+TREE_MASK = "tree_mask"  # [B, T, T] bool: row t sees row t' (an ancestor, or itself)
 
 # Drafters that read the target's hidden states (EAGLE-3, MTP, DFlash, DSpark).
 # The target's graphs gain one output when a recipe has such a drafter: its tapped hidden states,
@@ -121,11 +126,14 @@ def is_state(name: str) -> bool:
     return name.startswith((STATE_PAST + ".", STATE_PRESENT + "."))
 
 
-def graph_inputs(num_layers: int, valid_tokens: bool = False, state_layers: int = 0) -> list[str]:
+def graph_inputs(num_layers: int, valid_tokens: bool = False, state_layers: int = 0,
+                 tree: bool = False) -> list[str]:
     """``valid_tokens``: the graph takes VALID_TOKENS (ort-gqa graphs); ``num_layers``: the
-    attention layers (KV cache); ``state_layers``: the linear-attention layers (recurrent state)."""
-    return [INPUT_IDS, CACHE_LENGTH, *([VALID_TOKENS] if valid_tokens else []), *past_names(num_layers),
-            *state_past_names(state_layers)]
+    attention layers (KV cache); ``state_layers``: the linear-attention layers (recurrent state);
+    ``tree``: a tree verify graph (TREE_OFFSETS, TREE_MASK)."""
+    tree_inputs = [TREE_OFFSETS, TREE_MASK] if tree else []
+    return [INPUT_IDS, CACHE_LENGTH, *tree_inputs, *([VALID_TOKENS] if valid_tokens else []),
+            *past_names(num_layers), *state_past_names(state_layers)]
 
 
 def graph_outputs(num_layers: int, state_layers: int = 0) -> list[str]:
@@ -145,6 +153,7 @@ class Role(str, Enum):
     PROBE = "probe"  # cost-curve sizes: opened only by bench and calibration
     STEP = "step"  # T = 1: a chain drafter (EAGLE-3, MTP) fed its own hidden state
     BLOCK = "block"  # a block drafter (DFlash, DSpark): C context rows in, one block of drafts out
+    TREE = "tree"  # T = 1 + N: a token tree of N draft nodes under the root (TREE_* inputs), batch 1
 
     @property
     def decoding(self) -> bool:
@@ -154,7 +163,7 @@ class Role(str, Enum):
 
 # One graph per (model, token count): when two roles want the same size, the first one here
 # names it (a 2-token verify is also the catchup graph).
-ROLE_PRIORITY = (Role.DECODE, Role.VERIFY, Role.CATCHUP, Role.PREFILL, Role.PROBE, Role.STEP, Role.BLOCK)
+ROLE_PRIORITY = (Role.DECODE, Role.VERIFY, Role.CATCHUP, Role.PREFILL, Role.PROBE, Role.STEP, Role.BLOCK, Role.TREE)
 
 
 # The roles built at every batch size of the recipe (shapes.batch); the others at batch 1 only.
@@ -583,10 +592,12 @@ class Manifest:
         raw = self.plan.get("schedule")
         return DraftSchedule.parse(raw) if raw else None
 
-    def engines_of(self, model: str, backend: str, batch: int | None = 1) -> list[EngineEntry]:
-        """The model's engines on ``backend`` at ``batch`` rows (None: every batch size), by tokens."""
+    def engines_of(self, model: str, backend: str, batch: int | None = 1, tree: bool = False) -> list[EngineEntry]:
+        """The model's engines on ``backend`` at ``batch`` rows (None: every batch size), by
+        tokens: its chain graphs, or with ``tree`` its tree verify graphs (Role.TREE) alone."""
         return sorted(
-            (e for e in self.engines if e.model == model and e.backend == backend and batch in (None, e.batch)),
+            (e for e in self.engines if e.model == model and e.backend == backend and batch in (None, e.batch)
+             and (e.role is Role.TREE) == tree),
             key=lambda e: (e.batch, e.tokens),
         )
 

@@ -321,7 +321,8 @@ def _recipe_models() -> list[tuple[type[BaseModel], str]]:
                 (r.Eagle3Drafter, "drafters: [{kind: eagle3, ...}]"), (r.MtpDrafter, "drafters: [{kind: mtp, ...}]"),
                 (r.DFlashDrafter, "drafters: [{kind: dflash, ...}]"),
                 (r.DSparkDrafter, "drafters: [{kind: dspark, ...}]")]
-    sections = [(r.Shapes, "shapes"), (r.DraftPlan, "draft"), (r.Quantization, "quantization"), (r.Validation, "validation"),
+    sections = [(r.Shapes, "shapes"), (r.DraftPlan, "draft"), (r.TreePlan, "draft.tree"), (r.Quantization, "quantization"),
+                (r.Validation, "validation"),
                 (r.TensorRTSettings, "tensorrt")]
     return [(r.Recipe, "(top level)"), *sources, *drafters, *sections]
 

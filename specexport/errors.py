@@ -37,6 +37,8 @@ EXTRA_OF_MODULE = {
     **dict.fromkeys(("fastapi", "uvicorn", "prometheus_client", "httpx"), "serve"),
     "ray": "ray",
     "matplotlib": "bench",
+    "jsonschema": "bench",
+    "llguidance": "structured",
     **dict.fromkeys(("tensorrt", "cuda"), "gpu"),
 }
 

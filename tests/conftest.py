@@ -50,14 +50,14 @@ def check_one_line(code: int, err: str, *needles: str, alone: bool = False) -> N
 
 def tiny_recipe(path: Path, arch: str = "llama", *, drafters=None, name: str | None = None, seed: int = 0,
                 max_seq_len: int = 96, prefill_chunk: int = 16, max_draft: int = 4, attention: str = "standard",
-                batch: int | tuple[int, ...] = 1, precision: str = "fp32", **target) -> Path:
+                batch: int | tuple[int, ...] = 1, precision: str = "fp32", tree_nodes: int = 0, **target) -> Path:
     """Write a recipe for a tiny random model; returns its path."""
     recipe = {
         "name": name or f"tiny-{arch}",
         "target": {"source": "tiny", "arch": arch, "seed": seed, **target},
         "drafters": drafters if drafters is not None else [],
         "shapes": {"batch": list(batch) if isinstance(batch, tuple) else batch, "max_seq_len": max_seq_len, "prefill_chunk": prefill_chunk},
-        "draft": {"tile": 128, "max_draft": max_draft},
+        "draft": {"tile": 128, "max_draft": max_draft, **({"tree": {"max_nodes": tree_nodes}} if tree_nodes else {})},
         "attention": attention,
     }
     if precision != "fp32":

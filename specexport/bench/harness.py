@@ -21,6 +21,7 @@ class BenchOptions:
     max_new_tokens: int = 128
     repeats: int = 3
     drafters: list[str] | None = None  # None: every drafter in the manifest
+    tree_nodes: list[int] | None = None  # tree sizes to run each tree-building drafter at (None: the recipe's)
     temperature: float = 0.0
     threads: int = 2
     adaptive: bool = True
@@ -44,11 +45,40 @@ def load_prompts(path: Path) -> list[dict]:
             raise BadInput(f"{path}:{number}: not JSON ({err})") from None
         if not isinstance(item, dict) or "messages" not in item and "prompt" not in item:
             raise BadInput(f"{path}:{number}: each line needs 'messages' (chat) or 'prompt' (text)")
+        if "json_schema" in item and not isinstance(item["json_schema"], dict):
+            raise BadInput(f"{path}:{number}: 'json_schema' must be a JSON schema object")
         prompts.append({"id": str(item.get("id", f"line{number}")), "category": str(item.get("category", "all")),
                         **item})
     if not prompts:
         raise BadInput(f"{path}: no prompts")
     return prompts
+
+
+def controls_of(prompt: dict):
+    """A prompt's output constraint (its ``json_schema``: structured output), or None."""
+    if "json_schema" not in prompt:
+        return None
+    from specexport.runtime.grammar import GrammarSpec
+    from specexport.runtime.rules import Controls
+
+    return Controls(grammar=GrammarSpec("json_schema", json.dumps(prompt["json_schema"]),
+                                        f"prompt '{prompt['id']}' json_schema"))
+
+
+def schema_verdict(prompt: dict, text: str) -> bool | None:
+    """Whether a constrained output parses and validates against its prompt's schema (None:
+    no schema, or jsonschema not installed)."""
+    if "json_schema" not in prompt:
+        return None
+    try:
+        import jsonschema
+    except ModuleNotFoundError:
+        return None
+    try:
+        jsonschema.validate(json.loads(text), prompt["json_schema"])
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 def _curve(times: dict[int, float]) -> list[dict]:
@@ -90,9 +120,41 @@ def measure_costs(pipe, drafters: list[str], repeats: int, want_logits: bool, dr
     }
 
 
+TREE_LABEL = "+tree"  # a run at a tree size is labelled "<drafter>+tree<N>"
+
+
+def run_label(name: str, nodes: int) -> str:
+    return f"{name}{TREE_LABEL}{nodes}" if nodes else name
+
+
+def split_label(label: str) -> tuple[str, int | None]:
+    """A run's label -> (drafter name, tree nodes; None: the recipe's default)."""
+    name, _, nodes = label.partition(TREE_LABEL)
+    return name, int(nodes) if nodes else None
+
+
+def run_labels(pipe, drafters: list[str], tree_nodes: list[int] | None) -> list[str]:
+    """Every drafter, and each one that builds trees once per tree size asked for (0: its chain)."""
+    if tree_nodes is None:
+        return drafters
+    labels = []
+    for name in drafters:
+        trees = hasattr(pipe.drafter(name), "propose_tree")
+        for nodes in tree_nodes if trees else [0]:
+            pipe.tree_nodes(nodes)  # a size the directory has no tree graph for fails here
+            labels.append(run_label(name, nodes) if nodes else name)
+    return list(dict.fromkeys(labels))
+
+
 def _record(drafter: str, prompt: dict, repeat: int, result) -> dict:
     st = result.stats
     return {
+        "tree_nodes": st.tree_nodes,
+        "verified_tokens": st.verified_tokens,
+        "constrained": "json_schema" in prompt,
+        "schema_valid": schema_verdict(prompt, result.text),
+        "rules_s": st.rules_s,
+        "ruled_rows": st.ruled_rows,
         "drafter": drafter,
         "prompt_id": prompt["id"],
         "category": prompt["category"],
@@ -125,7 +187,8 @@ def _interleaved_runs(pipe, options: BenchOptions, reporter, prompts: list[dict]
                 ours_first = (index + repeat) % 2 == 0
                 if ours_first:
                     records += _our_runs(pipe, drafters, prompt, prompt_ids, repeat, options, sampling, depth)
-                peer_records += _peer_runs(peers, prompt, prompt_ids, repeat, options.max_new_tokens)
+                if "json_schema" not in prompt:  # the peers cannot constrain their output: not compared there
+                    peer_records += _peer_runs(peers, prompt, prompt_ids, repeat, options.max_new_tokens)
                 if not ours_first:
                     records += _our_runs(pipe, drafters, prompt, prompt_ids, repeat, options, sampling, depth)
             step.detail = f"{len(prompts)} prompts × {len(drafters) + len(peers)} runs"
@@ -134,10 +197,25 @@ def _interleaved_runs(pipe, options: BenchOptions, reporter, prompts: list[dict]
 
 def _our_runs(pipe, drafters: list[str], prompt: dict, prompt_ids: list[int], repeat: int, options: BenchOptions,
               sampling: dict, depth: dict) -> list[dict]:
-    """One generation of the prompt per drafter (the target alone first)."""
-    return [_record(name, prompt, repeat, pipe.generate(prompt_ids=prompt_ids, drafter=name, seed=repeat,
-                                                        max_new_tokens=options.max_new_tokens, **sampling, **depth))
-            for name in drafters]
+    """One generation of the prompt per run label (the target alone first)."""
+    records = []
+    for label in drafters:
+        name, nodes = split_label(label)
+        nodes = tree_setting(pipe, name, nodes, options)
+        result = pipe.generate(prompt_ids=prompt_ids, drafter=name, tree_nodes=nodes, seed=repeat,
+                               max_new_tokens=options.max_new_tokens, controls=controls_of(prompt), **sampling, **depth)
+        records.append({**_record(label, prompt, repeat, result), "tree_setting": nodes})
+    return records
+
+
+def tree_setting(pipe, name: str, nodes: int | None, options: BenchOptions) -> int:
+    """The tree nodes a run uses: its label's, 0 for the chain runs of --tree-nodes, else the
+    recipe's for a drafter that builds trees."""
+    if nodes is not None:
+        return nodes
+    if options.tree_nodes is not None or not hasattr(pipe.drafter(name), "propose_tree"):
+        return 0
+    return pipe.tree_nodes(None)
 
 
 def _peer_runs(peers: list, prompt: dict, prompt_ids: list[int], repeat: int, max_new_tokens: int) -> list[dict]:
@@ -160,6 +238,10 @@ def run_bench(engine_dir: Path, options: BenchOptions, reporter) -> dict:
     drafters = ["none", *(options.drafters if options.drafters is not None else pipe.manifest.drafters)]
     for name in drafters:
         pipe.drafter(name)  # unknown names fail here, before any timing
+    drafters = run_labels(pipe, drafters, options.tree_nodes)
+    for prompt in prompts:  # and a schema the grammar engine refuses
+        if (controls := controls_of(prompt)) is not None:
+            pipe.grammars.check(controls.grammar)
     ids = {
         p["id"]: pipe.prompt_ids(messages=p["messages"]) if "messages" in p else pipe.prompt_ids(p["prompt"])
         for p in prompts
@@ -186,8 +268,10 @@ def _run(pipe, options: BenchOptions, reporter, prompts: list[dict], drafters: l
 
     with reporter.step("bench", "warm-up"):
         first = ids[prompts[0]["id"]]
-        for name in drafters:
-            pipe.generate(prompt_ids=first, drafter=name, max_new_tokens=8, **sampling, **depth)
+        for label in drafters:
+            name, nodes = split_label(label)
+            pipe.generate(prompt_ids=first, drafter=name, max_new_tokens=8, controls=controls_of(prompts[0]),
+                          tree_nodes=tree_setting(pipe, name, nodes, options), **sampling, **depth)
         for peer in peers:
             peer.run(first, 8)
 
@@ -199,16 +283,19 @@ def _run(pipe, options: BenchOptions, reporter, prompts: list[dict], drafters: l
         # greedy E[L] at the fixed full depth does not: it is what the gate compares (untimed).
         with reporter.step("bench", "acceptance at the fixed full depth") as step:
             for prompt in prompts:
-                for name in drafters[1:]:
+                for label in drafters[1:]:
+                    name, nodes = split_label(label)
                     result = pipe.generate(prompt_ids=ids[prompt["id"]], drafter=name, adaptive=False,
                                            max_new_tokens=options.max_new_tokens, **sampling,
-                                           draft_len=options.draft_len)
-                    fixed_records.append({"drafter": name, "prompt_id": prompt["id"],
+                                           draft_len=options.draft_len, controls=controls_of(prompt),
+                                           tree_nodes=tree_setting(pipe, name, nodes, options))
+                    fixed_records.append({"drafter": label, "prompt_id": prompt["id"],
                                           "tokens": result.stats.tokens, "rounds": result.stats.rounds})
             step.detail = f"{len(prompts)} prompts × {len(drafters) - 1} drafters"
 
     with reporter.step("bench", "costs (cost curve, draft steps)"):
-        costs = measure_costs(pipe, drafters, options.cost_repeats, want_logits=options.temperature > 0,
+        costs = measure_costs(pipe, list(dict.fromkeys(split_label(d)[0] for d in drafters)), options.cost_repeats,
+                              want_logits=options.temperature > 0,
                               draft_len=options.draft_len or pipe.manifest.draft_len)
 
     from specexport.bench.summary import summarize

@@ -46,6 +46,15 @@ def markdown(result: dict) -> str:
             f"{_fmt(row['speedup'])}× | {_fmt(row['predicted_speedup'])}× | {_fmt(row['acceptance_length'])} | "
             f"{_fmt(row.get('acceptance_length_fixed'))} | {_fmt(row.get('host_fraction'), '.1%')} | {lossless} |"
         )
+    constrained = [r for r in result["results"] if r.get("constrained")]
+    if constrained:
+        lines += ["", "## Structured output (prompts with a json_schema)", "",
+                  "Schema-valid: the share of runs whose output parsed and validated against the prompt's "
+                  "schema. Mask: ms per ruled row (grammar mask and rules) and its share of decode time.", "",
+                  "| drafter | prompt | tokens | schema-valid | mask ms/row | mask share |", "|---|---|---|---|---|---|"]
+        for r in sorted(constrained, key=lambda r: (r["prompt_id"], r["drafter"])):
+            lines.append(f"| {r['drafter']} | {r['prompt_id']} | {r['tokens']} | {_fmt(r['schema_valid'], '.0%')} | "
+                         f"{_fmt(r['mask_ms_per_row'], '.3f')} | {_fmt(r['mask_fraction'], '.1%')} |")
     lines += ["", "## Per prompt", "",
               "| drafter | prompt | tok/s | speedup | predicted | E[L] | draft/verify/host (drafter's host) |",
               "|---|---|---|---|---|---|---|"]

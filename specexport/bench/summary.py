@@ -66,9 +66,15 @@ def _per_prompt(records: list[dict], baseline: dict[str, dict], costs: dict,
         depth = len(runs[0]["accepted_at"])
         accepted = [sum(r["accepted_at"][i] for r in runs) for i in range(depth)]
         proposed = [sum(r["proposed_at"][i] for r in runs) for i in range(depth)]
-        predicted = predict_speedup(tokens, rounds, proposed, costs["verify_ms"], costs["draft_ms"].get(drafter))
+        trees = sum(r.get("tree_nodes", 0) for r in runs)
+        # the equation's costs are a chain's: a run with tree rounds is not predicted
+        predicted = None if trees else predict_speedup(tokens, rounds, proposed, costs["verify_ms"],
+                                                       costs["draft_ms"].get(drafter))
         results.append({
             "drafter": drafter,
+            "tree_nodes": runs[0].get("tree_setting", 0),  # the setting: draft nodes per round at most
+            "tree_nodes_per_round": round(trees / rounds, 2) if rounds else 0.0,
+            "verify_tokens_per_round": round(sum(r.get("verified_tokens", 0) for r in runs) / rounds, 3) if rounds else None,
             "prompt_id": prompt_id,
             "category": runs[0]["category"],
             "tokens": tokens // len(runs),
@@ -86,8 +92,20 @@ def _per_prompt(records: list[dict], baseline: dict[str, dict], costs: dict,
             "host_fraction": _fraction(runs, "host_s"),
             "draft_host_fraction": _fraction(runs, "draft_s", minus="draft_engine_s"),
             "matches_baseline": all(r["token_ids"] == base["token_ids"] for r in runs) if base.get("greedy") else None,
+            **(_constrained(runs) if runs[0].get("constrained") else {}),
         })
     return results
+
+
+def _constrained(runs: list[dict]) -> dict:
+    """Structured output: the share of runs whose output parsed and met its schema, and the
+    grammar's cost per ruled row (its mask, the rules around it) in ms."""
+    verdicts = [r["schema_valid"] for r in runs if r.get("schema_valid") is not None]
+    rows = sum(r.get("ruled_rows", 0) for r in runs)
+    return {"constrained": True,
+            "schema_valid": round(sum(verdicts) / len(verdicts), 3) if verdicts else None,
+            "mask_ms_per_row": round(sum(r["rules_s"] for r in runs) / rows * 1e3, 4) if rows else None,
+            "mask_fraction": _fraction(runs, "rules_s")}
 
 
 def _baseline(records: list[dict], greedy: bool) -> dict[str, dict]:
@@ -123,6 +141,10 @@ def _by_category(results: list[dict]) -> list[dict]:
             "host_fraction": _median([r["host_fraction"] for r in items]),
             "matches_baseline": None if items[0]["matches_baseline"] is None
             else all(r["matches_baseline"] for r in items),
+            **({"schema_valid": _median([r["schema_valid"] for r in items]),
+                "schema_valid_all": all(r["schema_valid"] == 1.0 for r in items),
+                "mask_ms_per_row": _median([r["mask_ms_per_row"] for r in items]),
+                "mask_fraction": _median([r["mask_fraction"] for r in items])} if items[0].get("constrained") else {}),
         })
     return rows
 

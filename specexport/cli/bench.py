@@ -32,6 +32,9 @@ from specexport.cli.output import print_json
 @click.option("--draft-len", type=int, default=None, help="Maximum draft length (default: the plan's D).")
 @click.option("--adaptive/--fixed-depth", default=True, show_default=True,
               help="Choose each round's depth from measured costs and acceptance, or always draft --draft-len.")
+@click.option("--tree-nodes", default=None,
+              help="Comma-separated tree sizes (0,6): each drafter that builds token trees runs at each, side by "
+                   "side, labelled DRAFTER+treeN (0: its chain). Default: the recipe's draft.tree.")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default=None,
               help="Engines to run (default: onnxruntime when the directory has them).")
 @click.option("--host-kv", is_flag=True,
@@ -48,7 +51,8 @@ from specexport.cli.output import print_json
                    "manifest's schedule, instead of the "
                    "single-sequence bench.")
 def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, drafters: str | None, peers: str,
-          temperature: float, threads: int, draft_len: int | None, adaptive: bool, backend: str | None, host_kv: bool,
+          temperature: float, threads: int, draft_len: int | None, adaptive: bool, tree_nodes: str | None,
+          backend: str | None, host_kv: bool,
           out: Path, baseline: Path | None, update_baseline: bool, as_json: bool, batch: str | None) -> None:
     """Benchmark every drafter against the target alone (and peers) on ENGINE_DIR."""
     from specexport.bench.harness import BenchOptions, run_bench
@@ -97,7 +101,7 @@ def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, dr
     options = BenchOptions(prompts=prompts, max_new_tokens=max_new_tokens, repeats=repeats,
                            drafters=drafters.split(",") if drafters else None, temperature=temperature,
                            threads=threads, adaptive=adaptive, peers=chosen_peers, draft_len=draft_len,
-                           backend=backend, device_kv=not host_kv)
+                           backend=backend, device_kv=not host_kv, tree_nodes=_sizes(tree_nodes))
     result = run_bench(engine_dir, options, Reporter(quiet=as_json))
     files = write(result, out)
     if as_json:
@@ -118,3 +122,18 @@ def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, dr
         print_checks(checks)
         if not all(c.ok for c in checks):
             sys.exit(1)
+
+
+def _sizes(text: str | None) -> list[int] | None:
+    """--tree-nodes 0,6 -> [0, 6]."""
+    from specexport.errors import BadInput
+
+    if text is None:
+        return None
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise BadInput(f"--tree-nodes: '{text}' is not comma-separated numbers (0,6)") from None
+    if any(size < 0 for size in sizes):
+        raise BadInput("--tree-nodes: sizes are >= 0")
+    return sizes

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from specexport.cli.controls import output_options
 from specexport.cli.output import print_json
 
 
@@ -23,6 +24,9 @@ from specexport.cli.output import print_json
 @click.option("--draft-len", type=int, default=None, help="Draft tokens per round at most (default: the plan's D).")
 @click.option("--adaptive/--fixed-depth", default=True, show_default=True,
               help="Choose each round's depth from measured costs and acceptance, or always draft --draft-len.")
+@click.option("--tree-nodes", type=click.IntRange(0), default=None,
+              help="Draft up to N nodes per round as a token tree where the drafter builds trees (0: chains; "
+                   "default: the recipe's draft.tree.max_nodes). One sequence at a time.")
 @click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True, help="Tokens to generate at most.")
 @click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 is off.")
@@ -44,10 +48,12 @@ from specexport.cli.output import print_json
                    "batches (engines built with shapes.batch); with --json one line per prompt.")
 @click.option("--max-batch", type=click.IntRange(1), default=None,
               help="With --prompts-file: sequences decoded together at most (default: the largest batch built).")
+@output_options
 def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, chat: bool, drafter: str,
-             draft_len: int | None, adaptive: bool, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+             draft_len: int | None, adaptive: bool, tree_nodes: int | None, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
              seed: int | None, stop: tuple[str, ...], threads: int | None, backend: str | None, device: str,
-             host_kv: bool, stream: bool, as_json: bool, prompts_file: Path | None, max_batch: int | None) -> None:
+             host_kv: bool, stream: bool, as_json: bool, prompts_file: Path | None, max_batch: int | None,
+             controls, min_p: float) -> None:
     """Generate text from ENGINE_DIR with a drafter, losslessly."""
     from specexport.errors import BadInput
     from specexport.runtime import load
@@ -55,9 +61,12 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
     if prompts_file is not None:
         if prompt is not None or prompt_file is not None:
             raise BadInput("give --prompts-file alone, without --prompt or --prompt-file")
+        if tree_nodes:
+            raise BadInput("--tree-nodes: trees decode one sequence at a time; drop it with --prompts-file")
         _generate_batch(engine_dir, prompts_file, max_batch, as_json, dict(
             chat=chat, drafter=drafter, draft_len=draft_len, adaptive=adaptive, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop), dict(threads=threads, backend=backend, device=device))
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop, controls=controls),
+            dict(threads=threads, backend=backend, device=device))
         return
     if prompt_file is not None:
         if prompt is not None:
@@ -68,8 +77,9 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
             raise BadInput(f"{prompt_file}: cannot read the prompt file ({err.strerror})") from None
     pipe = load(engine_dir, threads=threads, backend=backend, device=device, device_kv=not host_kv)
     pieces = pipe.stream(prompt, chat=chat, drafter=drafter, draft_len=draft_len, adaptive=adaptive,
-                         max_new_tokens=max_new_tokens,
-                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+                         max_new_tokens=max_new_tokens, tree_nodes=tree_nodes,
+                         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop,
+                         controls=controls)
     while True:
         try:
             piece = next(pieces)
@@ -91,6 +101,7 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
         click.echo(
             f"[{label}] {st.tokens} tokens, {st.tokens / st.total_s if st.total_s else 0:.1f} tok/s, "
             f"E[L] {st.acceptance_length:.2f}, stop: {result.stop_reason}; "
+            + (f"tree nodes verified: {st.tree_nodes}; " if st.tree_nodes else "") +
             f"engines: draft {st.draft_engine_s * 1e3:.0f} ms, verify {st.verify_s * 1e3:.0f} ms; "
             f"host {st.host_s * 1e3:.0f} ms ({st.host_s / st.total_s if st.total_s else 0:.1%})",
             err=True,

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,6 +28,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specexport.errors import SpecexportError
+from specexport.runtime.logprobs import TokenLogprob
+from specexport.runtime.rules import Controls
 from specexport.serve.config import ServeConfig
 from specexport.serve.engine_loop import EngineThread, Event, Job, Params, QueueFull
 from specexport.serve.metrics import ServerMetrics
@@ -262,64 +265,111 @@ async def _respond(request: Request, state: ServerState, engine: EngineThread, b
         raise ApiError(400, f"max_tokens: {len(ids)} prompt tokens + {max_tokens} exceed this model's context of "
                             f"{limit}; ask for at most {limit - len(ids)}", param="max_tokens",
                        code="context_length_exceeded")
-    job = Job(engine.next_id("chatcmpl" if chat else "cmpl"), ids,
-              Params(max_tokens, body.temperature, body.top_p, max(body.top_k, 0), body.seed, tuple(body.stops)),
-              asyncio.get_running_loop(), stream=body.stream)
+    controls = _controls(state, body)
+    if controls.grammar is not None:  # compiled here, so a bad grammar is this request's 400
+        try:
+            await asyncio.to_thread(state.pipe.grammars.check, controls.grammar)
+        except SpecexportError as err:
+            raise ApiError(400, str(err), param=controls.grammar.field) from None
+    params = Params(max_tokens, body.temperature, body.top_p, max(body.top_k, 0), body.seed, tuple(body.stops),
+                    body.min_p, controls)
+    job_id = engine.next_id("chatcmpl" if chat else "cmpl")
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    # choice i samples with seed + i: n choices of one seeded request are n different draws
+    jobs = [Job(job_id if i == 0 else f"{job_id}-{i}", ids,
+                replace(params, seed=None if body.seed is None else body.seed + i), loop,
+                stream=body.stream, events=events, index=i) for i in range(body.n)]
     if body.identity:
-        _log.info("%s from %s", job.id, body.identity)
+        _log.info("%s from %s", job_id, body.identity)
     try:
-        engine.submit(job)
+        engine.submit_all(jobs)
     except QueueFull as err:
         raise ApiError(429, str(err), kind="rate_limit_error", code="queue_full") from None
-    chunks = _Chunks(job.id, state.config.served_name, chat, body.return_token_ids)
+    chunks = _Chunks(job_id, state.config.served_name, chat, body.return_token_ids, state.pipe.text.token_text,
+                     controls.logprobs)
     headers = {"x-served-by": _SERVED_BY}
     if body.stream:
-        return StreamingResponse(_stream(engine, job, chunks, len(ids), body.include_usage, body.continuous_usage),
+        return StreamingResponse(_stream(engine, jobs, chunks, len(ids), body.include_usage, body.continuous_usage),
                                  media_type="text/event-stream", headers=headers)
-    text, tokens, reason = [], [], None
-    while True:
+    choices = [_Choice() for _ in jobs]
+    while not all(c.done for c in choices):
         try:
-            event: Event = await asyncio.wait_for(job.events.get(), timeout=1.0)
+            event: Event = await asyncio.wait_for(events.get(), timeout=1.0)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
-                engine.cancel(job.id)
+                for job in jobs:
+                    engine.cancel(job.id)
                 return Response(status_code=499)
             continue
         if event.error is not None:
+            for job in jobs:
+                engine.cancel(job.id)
             raise ApiError(500, event.error, kind="server_error")
-        text.append(event.text)
-        tokens += event.token_ids
+        choices[event.index].add(event)
+    usage = _usage(len(ids), sum(len(c.tokens) for c in choices))
+    return JSONResponse(chunks.whole(choices, usage), headers=headers)
+
+
+def _controls(state: ServerState, body) -> Controls:
+    """The request's penalties, grammar and logprobs, or a 400 naming the field."""
+    try:
+        return body.controls(state.pipe.manifest.models["target"].vocab_size)
+    except (ValueError, SpecexportError) as err:
+        message = str(err)
+        field = message.split(":", 1)[0] if ":" in message else None
+        raise ApiError(400, message, param=field) from None
+
+
+@dataclass
+class _Choice:
+    """One choice of a whole (not streamed) response, as its events arrive."""
+
+    text: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    reason: str | None = None
+    done: bool = False
+
+    def add(self, event: Event) -> None:
+        self.text.append(event.text)
+        self.tokens += event.token_ids
+        self.logprobs += event.logprobs
         if event.done:
-            reason = event.finish_reason
-            break
-    return JSONResponse(chunks.whole("".join(text), reason, _usage(len(ids), len(tokens)), tokens), headers=headers)
+            self.reason, self.done = event.finish_reason, True
 
 
-async def _stream(engine: EngineThread, job: Job, chunks: _Chunks, prompt_tokens: int,
+async def _stream(engine: EngineThread, jobs: list[Job], chunks: _Chunks, prompt_tokens: int,
                   include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
-    done = False
+    """Every choice's chunks as its rounds come in (choice i's carry index i)."""
+    events = jobs[0].events
+    running = set(range(len(jobs)))
     tokens = 0
     try:
         if chunks.chat:
-            yield _sse(chunks.piece(None, None, role=True))
-        while not done:
-            event: Event = await job.events.get()
-            done = event.done
+            for job in jobs:
+                yield _sse(chunks.piece(job.index, None, None, role=True))
+        while running:
+            event: Event = await events.get()
             if event.error is not None:
                 yield _sse(ApiError(500, event.error, kind="server_error").body())
                 break
+            if event.done:
+                running.discard(event.index)
             tokens += len(event.token_ids)
-            if event.text or event.token_ids or done:
-                piece = chunks.piece(event.text, event.finish_reason if done else None, event.token_ids)
+            if event.text or event.token_ids or event.done:
+                piece = chunks.piece(event.index, event.text, event.finish_reason if event.done else None,
+                                     event.token_ids, event.logprobs)
                 if continuous_usage:
                     piece["usage"] = _usage(prompt_tokens, tokens)
                 yield _sse(piece)
-        if include_usage:
-            yield _sse(chunks.usage(_usage(prompt_tokens, tokens)))
-        yield "data: [DONE]\n\n"
+        if not running:
+            if include_usage:
+                yield _sse(chunks.usage(_usage(prompt_tokens, tokens)))
+            yield "data: [DONE]\n\n"
     finally:
-        if not done:  # the client went away: free the slot at the next round
-            engine.cancel(job.id)
+        for job in jobs:  # a choice still running: the client went away, free its slot at the next round
+            if job.index in running:
+                engine.cancel(job.id)
 
 
 def _sse(payload: dict) -> str:
@@ -334,20 +384,25 @@ class _Chunks:
     """OpenAI's response and chunk bodies for one request (with vLLM's ``return_token_ids``
     extension: each choice also carries its token ids)."""
 
-    def __init__(self, job_id: str, model: str, chat: bool, token_ids: bool):
+    def __init__(self, job_id: str, model: str, chat: bool, token_ids: bool, token_text: Callable[[int], str],
+                 logprobs: int | None):
         self.id, self.model, self.chat, self.token_ids = job_id, model, chat, token_ids
+        self.token_text, self.logprobs = token_text, logprobs
         self.created = int(time.time())
+        self._offset: dict[int, int] = {}  # choice -> characters of text before its next token (completions)
 
     def _head(self, object_: str) -> dict:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
 
-    def piece(self, text: str | None, reason: str | None, token_ids: list[int] | None = None,
-              role: bool = False) -> dict:
+    def piece(self, index: int, text: str | None, reason: str | None, token_ids: list[int] | None = None,
+              logprobs: list[TokenLogprob] | None = None, role: bool = False) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": self._logprobs(index, logprobs or [], role),
+                      "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text or "", "logprobs": self._logprobs(index, logprobs or []),
+                      "finish_reason": reason}
         if self.token_ids and not role:
             choice["token_ids"] = token_ids or []
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
@@ -356,13 +411,37 @@ class _Chunks:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
                 "usage": usage}
 
-    def whole(self, text: str, reason: str | None, usage: dict, token_ids: list[int]) -> dict:
+    def whole(self, choices: list[_Choice], usage: dict) -> dict:
+        out = []
+        for index, c in enumerate(choices):
+            text = "".join(c.text)
+            if self.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": text},
+                          "logprobs": self._logprobs(index, c.logprobs), "finish_reason": c.reason}
+            else:
+                choice = {"index": index, "text": text, "logprobs": self._logprobs(index, c.logprobs),
+                          "finish_reason": c.reason}
+            if self.token_ids:
+                choice["token_ids"] = c.tokens
+            out.append(choice)
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out, "usage": usage}
+
+    def _logprobs(self, index: int, entries: list[TokenLogprob], role: bool = False) -> dict | None:
+        """OpenAI's logprobs object for these tokens (None when the request did not ask)."""
+        if self.logprobs is None or role:
+            return None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        if self.token_ids:
-            choice["token_ids"] = token_ids
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage}
+            return {"content": [{**self._token(e.token, e.logprob),
+                                 "top_logprobs": [self._token(t, lp) for t, lp in e.top]} for e in entries]}
+        texts = [self.token_text(e.token) for e in entries]
+        offsets = []
+        for text in texts:
+            offsets.append(self._offset.get(index, 0))
+            self._offset[index] = offsets[-1] + len(text)
+        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
+
+    def _token(self, token: int, logprob: float) -> dict:
+        text = self.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}

@@ -19,7 +19,9 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from specexport.runtime.logprobs import TokenLogprob
 from specexport.runtime.loop import BatchLoop, Finished, RoundReport
+from specexport.runtime.rules import Controls
 from specexport.serve.metrics import ServerMetrics
 from specexport.serve.protocol import finish_reason
 
@@ -38,6 +40,8 @@ class Params:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    min_p: float = 0.0
+    controls: Controls = field(default_factory=Controls)  # penalties, grammar, logprobs
 
 
 @dataclass
@@ -46,6 +50,8 @@ class Event:
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)  # tokens generated this round
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when the request asked for them
+    index: int = 0  # the choice it belongs to (its job's index)
     finish_reason: str | None = None
     done: bool = False
     error: str | None = None
@@ -58,17 +64,31 @@ class Job:
     params: Params
     loop: asyncio.AbstractEventLoop  # the handler's event loop
     stream: bool = True  # False: one event at the end (no wake-up of the handler per round)
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # the n jobs of one request share it
+    index: int = 0  # which of the request's n choices
+
     arrived: float = field(default_factory=time.perf_counter)
     # engine thread only:
     tracker: object = None
+    request: object = None  # the loop's Request (its logprobs fill as tokens are emitted)
+    logprobs_sent: int = 0
     pending: list[int] = field(default_factory=list)  # this round's tokens, not yet posted
     held: list[int] = field(default_factory=list)  # a whole response's tokens, posted at the end
     first_at: float | None = None
     last_at: float | None = None
 
     def post(self, event: Event) -> None:
+        event.index = self.index
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def new_logprobs(self) -> list[TokenLogprob]:
+        """The logprobs of the tokens emitted since the last call (none if not asked for)."""
+        logprobs = getattr(self.request, "logprobs", None)
+        if logprobs is None:
+            return []
+        entries = logprobs.entries[self.logprobs_sent :]
+        self.logprobs_sent += len(entries)
+        return entries
 
 
 class EngineThread:
@@ -98,13 +118,19 @@ class EngineThread:
         return f"{prefix}-{next(self._ids)}-{time.time_ns() % 10**9:09d}"
 
     def submit(self, job: Job) -> None:
-        """Queue the job, or raise QueueFull when max_batch + max_waiting are already admitted."""
+        self.submit_all([job])
+
+    def submit_all(self, jobs: list[Job]) -> None:
+        """Queue the jobs (a request's n choices: all or none), or raise QueueFull when
+        max_batch + max_waiting would be exceeded."""
         with self._lock:
-            if self._admitted >= self.capacity:
-                raise QueueFull(f"the server has {self._admitted} requests running or waiting; retry later")
-            self._admitted += 1
-        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
-        self._inbox.put(("submit", job))
+            if self._admitted + len(jobs) > self.capacity:
+                raise QueueFull(f"the server has {self._admitted} requests running or waiting and room for "
+                                f"{self.capacity}; retry later" + (" or ask for fewer choices" if len(jobs) > 1 else ""))
+            self._admitted += len(jobs)
+        self.metrics.prompt_tokens.inc(len(jobs[0].prompt_ids))  # one prefill serves them all
+        for job in jobs:
+            self._inbox.put(("submit", job))
 
     def cancel(self, job_id: str) -> None:
         self._inbox.put(("cancel", job_id))
@@ -156,7 +182,9 @@ class EngineThread:
         try:
             request, job.tracker = self.pipe.batch_request(job.prompt_ids, max_new_tokens=p.max_tokens,
                                                            temperature=p.temperature, top_k=p.top_k,
-                                                           top_p=p.top_p, seed=p.seed, stop=p.stop)
+                                                           top_p=p.top_p, min_p=p.min_p, seed=p.seed, stop=p.stop,
+                                                           controls=p.controls)
+            job.request = request
         except Exception as err:  # noqa: BLE001 - checked before submit; a surprise fails only this job
             self._release(job, Event(done=True, error=str(err)))
             return
@@ -189,7 +217,7 @@ class EngineThread:
                 self.metrics.itl.observe(gap)
             job.last_at = now
             if job.stream:
-                job.post(Event(text=job.tracker.ready(), token_ids=tokens))
+                job.post(Event(text=job.tracker.ready(), token_ids=tokens, logprobs=job.new_logprobs()))
             else:
                 job.held += tokens
 
@@ -201,7 +229,8 @@ class EngineThread:
             self.metrics.e2e.observe(time.perf_counter() - job.arrived)
         else:  # cancelled: no one is left to answer
             self.metrics.cancelled.inc()
-        self._release(job, Event(text=job.tracker.rest(), token_ids=job.held, finish_reason=reason, done=True))
+        self._release(job, Event(text=job.tracker.rest(), token_ids=job.held, logprobs=job.new_logprobs(),
+                                 finish_reason=reason, done=True))
 
     def _release(self, job: Job, event: Event) -> None:
         job.post(event)

@@ -8,9 +8,15 @@ nothing sends (``NOT_YET``); a field it has never heard of is refused as unknown
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from specexport.runtime.grammar import GrammarSpec
+from specexport.runtime.rules import MAX_TOP_LOGPROBS, Controls, Penalties
+
+MAX_N = 16  # completions per request (each is a row of the batch)
 
 
 class ApiError(Exception):
@@ -40,26 +46,10 @@ def _neutral(*values):
 
 # field -> (is the value neutral, why anything else is refused). Checked in this order.
 NOT_YET: dict[str, tuple] = {
-    "n": (_neutral(1), "only n=1 is supported; send one request per completion"),
-    "logprobs": (_neutral(False, 0), "logprobs are not implemented yet"),
-    "top_logprobs": (_neutral(0), "top_logprobs are not implemented yet"),
-    "logit_bias": (lambda v: not v, "logit_bias is not implemented yet"),
-    "presence_penalty": (_neutral(0, 0.0), "presence_penalty is not implemented yet"),
-    "frequency_penalty": (_neutral(0, 0.0), "frequency_penalty is not implemented yet"),
-    "repetition_penalty": (_neutral(1, 1.0), "repetition_penalty is not implemented yet"),
-    "min_p": (_neutral(0, 0.0), "min_p is not implemented yet"),
-    "min_tokens": (_neutral(0), "min_tokens is not implemented yet"),
     "ignore_eos": (_neutral(False), "ignore_eos is not implemented"),
     "stop_token_ids": (lambda v: not v, "stop_token_ids is not implemented; use stop strings"),
     "include_stop_str_in_output": (_neutral(False), "include_stop_str_in_output is not implemented"),
     "skip_special_tokens": (_neutral(True), "special tokens are always left out of the text"),
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        "structured output (json_object, json_schema) is not implemented yet"),
-    "guided_json": (_neutral(), "guided decoding is not implemented yet"),
-    "guided_regex": (_neutral(), "guided decoding is not implemented yet"),
-    "guided_choice": (_neutral(), "guided decoding is not implemented yet"),
-    "guided_grammar": (_neutral(), "guided decoding is not implemented yet"),
-    "structured_outputs": (_neutral(), "structured output is not implemented yet"),
     "tools": (lambda v: not v, "tool calling is not implemented yet"),
     "tool_choice": (_neutral("none"), "tool calling is not implemented yet"),
     "functions": (lambda v: not v, "function calling is not implemented"),
@@ -74,9 +64,37 @@ NOT_YET: dict[str, tuple] = {
     "store": (_neutral(False), "this server stores no completions"),
     "service_tier": (_neutral("auto", "default"), "this server has one service tier, 'default'"),
     "echo": (_neutral(False), "echo is not supported"),
-    "best_of": (_neutral(1), "best_of is not supported"),
+    "best_of": (_neutral(1), "best_of is not supported: ask for n completions and rank them yourself"),
     "suffix": (lambda v: not v, "suffix (insertion) is not supported"),
 }
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")  # OpenAI: an empty schema allows any JSON
+    strict: bool | None = None  # always enforced: the output cannot leave the schema either way
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs: exactly one of these."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampled(_Body):
@@ -96,26 +114,26 @@ class _Sampled(_Body):
     user: str | None = None
     safety_identifier: str | None = None
     metadata: dict[str, str] | None = None
-    # not done yet: refused unless neutral (NOT_YET)
-    n: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    min_p: Any = None
-    min_tokens: Any = None
+    n: int = Field(1, ge=1, le=MAX_N)  # rows of the batch sharing the prompt's prefill
+    # rules on the target's logits, exact under speculation (runtime/rules.py)
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's
+    min_tokens: int = Field(0, ge=0)  # vLLM's
+    # structured output: at most one of these (runtime/grammar.py)
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None  # vLLM's older spellings
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # not done: refused unless neutral (NOT_YET)
     ignore_eos: Any = None
     stop_token_ids: Any = None
     include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
-    response_format: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
     store: Any = None
     service_tier: Any = None
 
@@ -125,6 +143,51 @@ class _Sampled(_Body):
             if name in type(self).model_fields and not neutral(getattr(self, name)):
                 return name, why
         return None
+
+    def grammar(self) -> GrammarSpec | None:
+        """The one structured-output constraint asked for (None: free text)."""
+        asked = []
+        if self.response_format is not None and self.response_format.type == "json_object":
+            asked.append(GrammarSpec("json_object", "", "response_format"))
+        if self.response_format is not None and self.response_format.json_schema is not None:
+            asked.append(GrammarSpec("json_schema", json.dumps(self.response_format.json_schema.schema_),
+                                     "response_format.json_schema.schema"))
+        so = self.structured_outputs
+        for field, value, kind in (("guided_json", self.guided_json, "json_schema"),
+                                   ("guided_regex", self.guided_regex, "regex"),
+                                   ("guided_choice", self.guided_choice, "choice"),
+                                   ("guided_grammar", self.guided_grammar, "grammar"),
+                                   ("structured_outputs.json", so and so.json_, "json_schema"),
+                                   ("structured_outputs.regex", so and so.regex, "regex"),
+                                   ("structured_outputs.choice", so and so.choice, "choice"),
+                                   ("structured_outputs.grammar", so and so.grammar, "grammar"),
+                                   ("structured_outputs.json_object", so and so.json_object, "json_object")):
+            if value is None or value is False:
+                continue
+            source = value if isinstance(value, str) and kind != "choice" else json.dumps(value)
+            asked.append(GrammarSpec(kind, "" if kind == "json_object" else source, field))
+        if len(asked) > 1:
+            raise ValueError(f"{asked[1].field}: give one structured-output constraint, not "
+                             f"{' and '.join(a.field for a in asked)}")
+        return asked[0] if asked else None
+
+    def penalties(self, vocab: int) -> Penalties:
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"logit_bias: keys are token ids (got '{key}')")
+            bias[int(key)] = float(value)
+        penalties = Penalties(self.repetition_penalty, self.frequency_penalty, self.presence_penalty, bias,
+                              self.min_tokens)
+        penalties.check_vocab(vocab)
+        return penalties
+
+    def top_logprobs_asked(self) -> int | None:
+        """None: no logprobs; k: each token's logprob and the k most likely."""
+        raise NotImplementedError
+
+    def controls(self, vocab: int) -> Controls:
+        return Controls(self.penalties(vocab), self.grammar(), self.top_logprobs_asked())
 
     @property
     def identity(self) -> dict:
@@ -157,6 +220,7 @@ class _Sampled(_Body):
 class CompletionRequest(_Sampled):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the k most likely at each token too
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
@@ -167,6 +231,9 @@ class CompletionRequest(_Sampled):
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
             return "prompt", "one prompt per request (a list of strings is a batch: send them as separate requests)"
         return None
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(_Body):
@@ -203,6 +270,8 @@ class ChatRequest(_Sampled):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # qualifies tools, which are refused
@@ -217,6 +286,15 @@ class ChatRequest(_Sampled):
     prompt_cache_key: Any = None
     echo: Any = None  # vLLM's chat extension
     add_generation_prompt: Literal[True] = True  # vLLM's: the template always ends with the assistant's turn opened
+
+    @model_validator(mode="after")
+    def _top_with_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: set logprobs to true to get top_logprobs")
+        return self
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_budget(self) -> int | None:

@@ -257,3 +257,51 @@ def test_a_speculative_peer_is_checked_against_its_own_plain_run():
     assert got == {("ort-genai-int4", "a"): None, ("ort-genai-int4-ngram", "a"): True,
                    ("ort-genai-int4", "b"): None, ("ort-genai-int4-ngram", "b"): False,
                    ("llama-cpp-lookup", "a"): None}
+
+
+def test_a_prompt_with_a_json_schema_is_benched_constrained(tiny_engines, tmp_path):
+    pytest.importorskip("llguidance")
+    pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "tag": {"enum": ["a", "b"]}},
+              "required": ["id", "tag"], "additionalProperties": False}
+    path = tmp_path / "structured.jsonl"
+    path.write_text(json.dumps({"id": "item", "category": "json", "json_schema": schema,
+                                "messages": [{"role": "user", "content": "An item."}]}) + "\n")
+    code, text, err = run_cli("bench", tiny_engines.get("llama", **TINY_SHAPE), "--prompts", path, "-n", "40",
+                              "--repeats", "1", "--drafters", "ngram", "--out", tmp_path / "out", "--json")
+    assert code == 0, err
+    result = json.loads(text)
+    for r in result["results"]:
+        assert r["constrained"] is True and r["schema_valid"] == 1.0, r
+        assert r["mask_ms_per_row"] > 0 and 0 < r["mask_fraction"] < 1
+        assert r["matches_baseline"] is True  # the n-gram drafter's output equals the constrained target's
+    assert all(c["schema_valid_all"] for c in result["categories"])
+    assert "Structured output" in (tmp_path / "out" / "bench.md").read_text()
+    from tests.test_docs import undocumented_bench_keys
+
+    assert undocumented_bench_keys(result) == []
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "x", "json_schema": {"type": "bogus"}, "prompt": "x"}) + "\n")
+    code, _, err = run_cli("bench", tiny_engines.get("llama", **TINY_SHAPE), "--prompts", bad, "--out", tmp_path)
+    assert code == 2 and "prompt 'x' json_schema" in err
+
+
+def test_bench_runs_tree_sizes_side_by_side(tiny_engines, prompts, tmp_path):
+    engines = tiny_engines.get("llama", drafters=("ngram",), tree_nodes=4, **TINY_SHAPE)
+    code, text, err = run_cli("bench", engines, "--prompts", prompts, "-n", "16", "--repeats", "1",
+                              "--tree-nodes", "0,4", "--out", tmp_path, "--json")
+    assert code == 0, err
+    result = json.loads(text)
+    rows = {(r["drafter"], r["prompt_id"]): r for r in result["results"]}
+    assert {d for d, _ in rows} == {"none", "ngram", "ngram+tree4"}
+    for (drafter, _), r in rows.items():
+        assert r["tree_nodes"] == (4 if drafter == "ngram+tree4" else 0)
+        assert r["matches_baseline"] is True and r["verify_tokens_per_round"] >= 1
+        assert (r["predicted_speedup"] is None) == (r["tree_nodes_per_round"] > 0)
+    assert rows[("ngram+tree4", "loop")]["tree_nodes_per_round"] > 0
+    from tests.test_docs import undocumented_bench_keys
+
+    assert undocumented_bench_keys(result) == []
+    code, _, err = run_cli("bench", engines, "--prompts", prompts, "--tree-nodes", "9", "--out", tmp_path)
+    assert code == 2 and "--tree-nodes" in err

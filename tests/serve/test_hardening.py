@@ -41,11 +41,7 @@ def server(batched_engines):
 # fields a client may send, at a value asking for something not done yet (refused, named) and at
 # the neutral value a client asking for nothing sends (served)
 REFUSED_UNLESS_NEUTRAL = [
-    ("n", 2, 1), ("logprobs", True, False), ("top_logprobs", 3, None), ("logit_bias", {"5": 10}, {}),
-    ("presence_penalty", 0.5, 0), ("frequency_penalty", 0.5, 0.0), ("repetition_penalty", 1.2, 1.0),
-    ("min_p", 0.1, 0.0), ("min_tokens", 3, 0), ("ignore_eos", True, False), ("stop_token_ids", [5], []),
-    ("response_format", {"type": "json_object"}, {"type": "text"}), ("guided_regex", "a+", None),
-    ("guided_choice", ["a", "b"], None), ("structured_outputs", {"json": {}}, None),
+    ("ignore_eos", True, False), ("stop_token_ids", [5], []),
     ("tools", [{"type": "function", "function": {"name": "f"}}], []), ("tool_choice", "auto", "none"),
     ("functions", [{"name": "f"}], None), ("audio", {"voice": "x"}, None), ("modalities", ["audio"], ["text"]),
     ("prediction", {"type": "content", "content": "x"}, None), ("web_search_options", {}, None),
@@ -76,7 +72,36 @@ def test_unknown_fields_are_named_not_ignored(server, body, param):
     assert error["param"] == param and "Traceback" not in reply.text
 
 
-@pytest.mark.parametrize("field, asked", [("echo", True), ("best_of", 2), ("suffix", "end"), ("logprobs", 2)])
+# honoured fields at values out of their range: a 400 naming the field
+OUT_OF_RANGE = [
+    ("n", 0, "n"), ("n", 17, "n"), ("presence_penalty", 2.5, "presence_penalty"),
+    ("frequency_penalty", -3, "frequency_penalty"), ("repetition_penalty", 0, "repetition_penalty"),
+    ("min_p", 1.5, "min_p"), ("min_tokens", -1, "min_tokens"), ("top_logprobs", 21, "top_logprobs"),
+    ("logit_bias", {"abc": 1}, "logit_bias"), ("logit_bias", {"999999": 1}, "logit_bias"),
+    ("logit_bias", {"5": 101}, "logit_bias"),
+    ("response_format", {"type": "json_schema"}, "response_format"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}},
+     "response_format.json_schema.schema"),
+    ("guided_regex", "(unclosed", "guided_regex"), ("guided_choice", [], "guided_choice"),
+    ("guided_grammar", "start: nowhere", "guided_grammar"),
+]
+
+
+@pytest.mark.parametrize("field, asked, param", OUT_OF_RANGE, ids=[f"{f[0]}={f[1]}" for f in OUT_OF_RANGE])
+def test_an_honoured_field_out_of_range_is_refused_by_name(server, field, asked, param):
+    body = {**CHAT, field: asked, **({"logprobs": True} if field == "top_logprobs" else {})}
+    reply = httpx.post(f"{server}/v1/chat/completions", json=body, headers=AUTH, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    assert "Traceback" not in reply.text
+
+
+def test_two_structured_output_constraints_are_refused(server):
+    body = {**CHAT, "guided_regex": "a+", "response_format": {"type": "json_object"}}
+    reply = httpx.post(f"{server}/v1/chat/completions", json=body, headers=AUTH, timeout=30)
+    assert reply.status_code == 400 and "one structured-output constraint" in reply.text, reply.text
+
+
+@pytest.mark.parametrize("field, asked", [("echo", True), ("best_of", 2), ("suffix", "end")])
 def test_completion_fields_are_refused_by_name(server, field, asked):
     body = {"model": MODEL, "prompt": "Name a river.", "max_tokens": 2, field: asked}
     reply = httpx.post(f"{server}/v1/completions", json=body, headers=AUTH, timeout=30)

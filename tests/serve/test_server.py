@@ -131,13 +131,15 @@ def _auth() -> dict:
 
 @pytest.mark.parametrize("case, status, param", [
     ({"temperature": 5}, 400, "temperature"),
-    ({"n": 2}, 400, "n"),
+    ({"n": 0}, 400, "n"),
+    ({"n": 17}, 400, "n"),
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"max_tokens": 150}, 400, "max_tokens"),  # prompt + max_tokens past the 160-token context
     ({"prompt": "x" * 400}, 413, "prompt"),
     ({"prompt": [10**9]}, 400, "prompt"),
     ({"model": "gpt-4"}, 404, "model"),
-    ({"logprobs": 3}, 400, "logprobs"),
+    ({"logprobs": 21}, 400, "logprobs"),
+    ({"frequency_penalty": 3}, 400, "frequency_penalty"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
 ])
 def test_bad_requests_get_openai_errors(server, case, status, param):
@@ -169,7 +171,8 @@ def test_bad_requests_do_not_disturb_a_running_stream(server, solo):
     with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=_auth(), timeout=60) as reply:
         for n, line in enumerate(reply.iter_lines()):
             if n == 1:  # mid-stream: a volley of bad requests
-                for bad in ({"temperature": -1}, {"prompt": [10**9]}, {"prompt": "x" * 400}, {"n": 3}):
+                for bad in ({"temperature": -1}, {"prompt": [10**9]}, {"prompt": "x" * 400}, {"n": 0},
+                            {"guided_regex": "("}):
                     assert httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "a", **bad},
                                       headers=_auth()).status_code in (400, 413)
             if line.startswith("data: {"):

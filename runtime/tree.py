@@ -1,0 +1,120 @@
+"""Token trees: several guesses per position, verified in one pass, pure numpy.
+
+A ``DraftTree`` holds N draft nodes in topological order; node i follows ``parents[i]`` (−1: the
+root, the last committed token, which the verify pass also feeds). The verify pass runs 1+N
+rows: row 0 is the root, row 1+i node i, each at position cache_length + depth and attending
+to its ancestors only (``verify_inputs``). Its rows give the target's choice after every node,
+so acceptance walks down from the root:
+
+- ``tree_greedy``: follow the child whose token is the target's argmax; the argmax after the
+  last node followed comes next. The output is exactly target-only greedy decoding, as for a
+  chain (a chain is a tree whose nodes each have one child).
+- ``tree_rejection``: the deterministic-draft rule for drafts chosen without sampling (top-k
+  children, n-gram continuations). At a node with children x_1..x_m (distinct tokens) and the
+  target's warped p: accept x_1 with probability p(x_1); if rejected, p becomes p with x_1
+  removed, renormalised, and x_2 is tried under it; and so on. If every child is rejected, the
+  next token is drawn from what is left of p. Each step is rejection sampling against a point
+  mass (accept with min(1, p(x)/1), else draw from norm(max(0, p − δ_x))), so every emitted
+  token is distributed exactly as p, whatever children were proposed. Why this rule and not
+  SpecInfer's multi-draft rule over q: tree drafters pick their children deterministically
+  (the highest joint draft probability, EAGLE-2's expansion), so there is no q they were drawn
+  from, and SpecInfer's rule needs children drawn i.i.d. from q.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from specexport.runtime.acceptance import Kept, _inverse_cdf, as_kept
+
+ROOT = -1
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: np.ndarray  # [N] int64
+    parents: np.ndarray  # [N] int64, parents[i] < i (−1: the root)
+    tag: str = ""  # what kind of guess this is (as Draft.tag)
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("a tree needs one parent per token")
+        if any(not ROOT <= int(p) < i for i, p in enumerate(self.parents)):
+            raise ValueError("parents must come before their children (topological order)")
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def chain(cls, tokens, tag: str = "") -> DraftTree:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        return cls(tokens, np.arange(-1, len(tokens) - 1, dtype=np.int64), tag)
+
+    def depths(self) -> np.ndarray:
+        """[N] each node's distance from the root (its children: 1)."""
+        depth = np.zeros(self.size, dtype=np.int64)
+        for i, parent in enumerate(self.parents.tolist()):
+            depth[i] = 1 if parent == ROOT else depth[parent] + 1
+        return depth
+
+    def children(self, node: int) -> list[int]:
+        """The nodes under ``node`` (ROOT: the first level), in order."""
+        return np.flatnonzero(self.parents == node).tolist()
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root's child down to ``node`` ([] for ROOT)."""
+        nodes = []
+        while node != ROOT:
+            nodes.append(node)
+            node = int(self.parents[node])
+        return nodes[::-1]
+
+    def verify_inputs(self) -> tuple[np.ndarray, np.ndarray]:
+        """The verify pass's tree inputs for root + nodes: depth offsets [1+N] (row 0, the
+        root: 0) and the ancestor mask [1+N, 1+N] (row r sees row c when c is r or above it)."""
+        n = self.size
+        offsets = np.concatenate(([0], self.depths()))  # [1+N]
+        mask = np.zeros((n + 1, n + 1), dtype=bool)  # [1+N, 1+N]
+        mask[:, 0] = True
+        for i, parent in enumerate(self.parents.tolist()):
+            mask[i + 1] = mask[parent + 1]
+            mask[i + 1, i + 1] = True
+        return offsets, mask
+
+
+def tree_greedy(tree: DraftTree, choice: Callable[[int], int]) -> tuple[list[int], int]:
+    """``choice(r)``: the target's argmax at row r (0: the root, 1+i: node i), read lazily.
+    Returns (the accepted nodes, root to leaf; the next token)."""
+    node, path = ROOT, []
+    while True:
+        chosen = choice(node + 1)
+        match = next((c for c in tree.children(node) if int(tree.tokens[c]) == chosen), None)
+        if match is None:
+            return path, chosen
+        node = match
+        path.append(node)
+
+
+def tree_rejection(tree: DraftTree, target: Callable[[int], Kept | np.ndarray],
+                   rng: np.random.Generator) -> tuple[list[int], int]:
+    """``target(r)``: the warped p at row r (a Kept or a dense [V] row), read lazily. The
+    module docstring states the rule. Returns (the accepted nodes, the next token)."""
+    node, path = ROOT, []
+    while True:
+        p = as_kept(target(node + 1))
+        probs = np.array(p.probs, dtype=np.float64)  # [m] what is left of p at this node
+        for child in tree.children(node):
+            at = p.index(int(tree.tokens[child]))
+            mass = probs.sum()
+            if at is not None and rng.random() * mass < probs[at]:
+                break  # accepted: descend
+            if at is not None:
+                probs[at] = 0.0  # rejected: the residual norm(max(0, p − δ_x)) is p without x
+        else:
+            return path, p.token(_inverse_cdf(probs, rng))
+        node = child
+        path.append(node)
