@@ -23,8 +23,6 @@ from specexport.contract import (
     INPUT_IDS,
     LOGITS,
     NEXT_TOKENS,
-    TREE_MASK,
-    TREE_OFFSETS,
     VALID_TOKENS,
     StateLayout,
     is_present,
@@ -36,6 +34,7 @@ from specexport.runtime.kv_cache import KVCache, open_host_cache
 from specexport.runtime.ort_engine import OrtEngine
 from specexport.runtime.runner import PAD_ID, ModelRunner
 from specexport.runtime.tree import DraftTree
+from specexport.runtime.tree_verify import tree_feeds
 
 # Real text (prose, code, numbers) so the sequence exercises ordinary predictions.
 CORPUS = """\
@@ -384,15 +383,8 @@ def validate_tree(graph: GraphUnderTest, specs, cache, ref_ids: np.ndarray, hf_m
     for length in lengths:
         tree = validation_tree(graph.tokens - 1, ref_ids, length + 1)
         root = int(ref_ids[length])
-        offsets, mask = tree.verify_inputs()  # [1+N], [1+N, 1+N]
         cache.length = length
-        feeds = dict(cache.view())
-        feeds[INPUT_IDS] = np.array([[root, *tree.tokens.tolist()]], dtype=np.int64)  # [1, T]
-        feeds[CACHE_LENGTH] = np.array([length], dtype=np.int64)
-        feeds[TREE_OFFSETS] = offsets[None]  # [1, T]
-        feeds[TREE_MASK] = mask[None]  # [1, T, T]
-        if VALID_TOKENS in engine.inputs:
-            feeds[VALID_TOKENS] = np.array([graph.tokens], dtype=np.int64)
+        feeds = {**cache.view(), **tree_feeds(tree, root, length, VALID_TOKENS in engine.inputs)}
         bound = cache.in_place_outputs() if in_place else None
         with _restored(cache, length, graph.tokens if in_place else 0):
             out = engine.run(feeds, [LOGITS, NEXT_TOKENS], bound)

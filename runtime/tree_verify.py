@@ -32,6 +32,18 @@ from specexport.runtime.runner import PAD_ID
 from specexport.runtime.tree import DraftTree
 
 
+def tree_feeds(tree: DraftTree, root: int, length: int, valid_tokens: bool) -> dict[str, np.ndarray]:
+    """A tree graph's feeds besides the cache: root + nodes at cache length ``length`` (and the
+    row count as VALID_TOKENS for an ort-gqa graph)."""
+    offsets, mask = tree.verify_inputs()  # [1+N], [1+N, 1+N]
+    feeds = {INPUT_IDS: np.concatenate(([root], tree.tokens))[None].astype(np.int64),  # [1, 1+N]
+             CACHE_LENGTH: np.array([length], dtype=np.int64),  # [1]
+             TREE_OFFSETS: offsets[None], TREE_MASK: mask[None]}  # [1, 1+N], [1, 1+N, 1+N]
+    if valid_tokens:
+        feeds[VALID_TOKENS] = np.array([1 + tree.size], dtype=np.int64)  # [1]
+    return feeds
+
+
 class TreeVerifier:
     """``engines``: rows (1 + nodes) -> its engine (LazyEngines; an ort-gqa graph has an entry
     per tree size, a standard one a single size that smaller trees are padded to)."""
@@ -65,15 +77,8 @@ class TreeVerifier:
         engine = self.engines[rows]
         padded = DraftTree(np.concatenate((tree.tokens, np.full(rows - 1 - n, PAD_ID, dtype=np.int64))),
                            np.concatenate((tree.parents, np.full(rows - 1 - n, -1, dtype=np.int64))))
-        offsets, mask = padded.verify_inputs()  # [1+N], [1+N, 1+N]
         self.cache.set_length(min(length, self.cache.length))
-        feeds = dict(self.cache.view())
-        feeds[INPUT_IDS] = np.concatenate(([root], padded.tokens))[None].astype(np.int64)  # [1, 1+N]
-        feeds[CACHE_LENGTH] = np.array([length], dtype=np.int64)  # [1]
-        feeds[TREE_OFFSETS] = offsets[None]  # [1, 1+N]
-        feeds[TREE_MASK] = mask[None]  # [1, 1+N, 1+N]
-        if VALID_TOKENS in engine.inputs:
-            feeds[VALID_TOKENS] = np.array([rows], dtype=np.int64)  # [1]
+        feeds = {**self.cache.view(), **tree_feeds(padded, root, length, VALID_TOKENS in engine.inputs)}
         names = [NEXT_TOKENS, *([LOGITS] if want_logits else []), *want]
         bound = self.cache.in_place_outputs() if self.in_place else None
         if not self.in_place:

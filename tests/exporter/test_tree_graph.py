@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specexport.contract import CACHE_LENGTH, INPUT_IDS, LOGITS, TREE_MASK, TREE_OFFSETS, VALID_TOKENS
+from specexport.contract import LOGITS, TREE_MASK
 from specexport.exporter.archs import read_decoder
 from specexport.exporter.graph_model import StaticDecoder
 from specexport.exporter.onnx_export import WeightStore, export_graph, export_tree_graph, tensor_specs
@@ -19,21 +19,17 @@ from specexport.runtime.kv_cache import KVCache
 from specexport.runtime.ort_engine import OrtEngine
 from specexport.runtime.runner import ModelRunner
 from specexport.runtime.tree import DraftTree
+from specexport.runtime.tree_verify import tree_feeds
 
 LAYERS, SEQ, PROMPT = 2, 48, 9
 # root -> 0, 1, 2; 0 -> 3, 4; 3 -> 5; 1 -> 6
 TREE = DraftTree(np.array([40, 41, 42, 43, 44, 45, 46]), np.array([-1, -1, -1, 0, 0, 3, 1]))
 
 
-def tree_feeds(tree: DraftTree, root: int, length: int, attention: str, causal: bool = False) -> dict:
-    offsets, mask = tree.verify_inputs()  # [1+N], [1+N, 1+N]
-    if causal:  # the failing control: the rows as a chain
-        mask = np.tril(np.ones_like(mask))
-    feeds = {INPUT_IDS: np.array([[root, *tree.tokens.tolist()]], dtype=np.int64),
-             CACHE_LENGTH: np.array([length], dtype=np.int64), TREE_OFFSETS: offsets[None].astype(np.int64),
-             TREE_MASK: mask[None]}
-    if attention == "ort-gqa":
-        feeds[VALID_TOKENS] = np.array([len(offsets)], dtype=np.int64)
+def causal_feeds(tree: DraftTree, root: int, length: int, valid_tokens: bool) -> dict:
+    """The failing control's feeds: the same rows as a chain (each sees every row before it)."""
+    feeds = tree_feeds(tree, root, length, valid_tokens)
+    feeds[TREE_MASK] = np.tril(np.ones_like(feeds[TREE_MASK][0]))[None]
     return feeds
 
 
@@ -61,7 +57,8 @@ def run_tree(exported, prompt: np.ndarray, causal: bool = False) -> np.ndarray:
     in_place = frozenset({"prefill"}) if attention == "ort-gqa" else frozenset()
     runner = ModelRunner("prefill", [engines["prefill"]], cache, {"prefill": PROMPT}, in_place=in_place)
     runner.forward(prompt[:PROMPT].tolist())
-    feeds = {**cache.view(), **tree_feeds(TREE, int(prompt[PROMPT]), PROMPT, attention, causal)}
+    make = causal_feeds if causal else tree_feeds
+    feeds = {**cache.view(), **make(TREE, int(prompt[PROMPT]), PROMPT, attention == "ort-gqa")}
     bound = cache.in_place_outputs() if attention == "ort-gqa" else None
     return engines["tree"].run(feeds, [LOGITS], bound)[LOGITS][0]  # [1+N, V]
 
