@@ -161,7 +161,7 @@ class GrammarState:
         if not self._follow(extra):
             return np.zeros(self.vocab, dtype=bool)
         self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab].astype(bool)  # [V]
+        return np.unpackbits(self._bits.view(np.uint8), count=self.vocab, bitorder="little").view(bool)  # [V]
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` (after the committed ones) the grammar takes."""

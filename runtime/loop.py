@@ -267,10 +267,7 @@ def _round(target: Model, drafter: Drafter, running: list[_Running], draft_len: 
         before = (seq.stats.proposed, seq.stats.accepted)
         _commit(seq, draft, n_accepted, next_token, eos_ids, on_token,
                 out[LOGITS][r] if request.logprobs is not None else None)  # the rewind: the next run's length
-        if request.rules is not None:
-            if not seq.stats.stop_reason:
-                request.rules.commit(_output(seq))
-            seq.stats.rules_s, seq.stats.ruled_rows = request.rules.seconds, request.rules.rows
+        _settle_rules(seq)
         seq.stats.verified_tokens += 1 + draft.size
         report.proposed.append(seq.stats.proposed - before[0])
         report.accepted.append(seq.stats.accepted - before[1])
@@ -313,10 +310,7 @@ def _tree_round(target: Model, drafter: Drafter, verifier: TreeVerifier, seq: _R
     counted = (seq.stats.proposed, seq.stats.accepted)
     _commit(seq, offered, len(path), next_token, eos_ids, on_token,
             out[LOGITS][rows] if request.logprobs is not None else None)
-    if request.rules is not None:
-        if not seq.stats.stop_reason:
-            request.rules.commit(_output(seq))
-        seq.stats.rules_s, seq.stats.ruled_rows = request.rules.seconds, request.rules.rows
+    _settle_rules(seq)
     seq.stats.tree_nodes += tree.size
     seq.stats.verified_tokens += 1 + tree.size
     seq.stats.verify_s += verify_s
@@ -404,6 +398,17 @@ def _verify(target: Model, drafter: Drafter, running: list[_Running], drafts: li
     if widths is not None:
         target.costs[graph] = observed(target.costs.get(graph), verify_s)
     return drafts, out, RoundReport(n, graph[0], graph[1], draft_len, [], [], verify_s)
+
+
+def _settle_rules(seq: _Running) -> None:
+    """After a round's commit: the sequence's rules (its grammar) move past the new output, and
+    their costs go to its stats."""
+    rules = seq.request.rules
+    if rules is None:
+        return
+    if not seq.stats.stop_reason:
+        rules.commit(_output(seq))
+    seq.stats.rules_s, seq.stats.ruled_rows = rules.seconds, rules.rows
 
 
 def _output(seq: _Running) -> np.ndarray:

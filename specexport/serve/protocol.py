@@ -182,12 +182,10 @@ class _Sampled(_Body):
         penalties.check_vocab(vocab)
         return penalties
 
-    def top_logprobs_asked(self) -> int | None:
-        """None: no logprobs; k: each token's logprob and the k most likely."""
-        raise NotImplementedError
-
-    def controls(self, vocab: int) -> Controls:
-        return Controls(self.penalties(vocab), self.grammar(), self.top_logprobs_asked())
+    def _controls(self, vocab: int, logprobs: int | None) -> Controls:
+        """The request's rules and grammar; ``logprobs``: each endpoint's own field (None: none;
+        k: each token's logprob and the k most likely)."""
+        return Controls(self.penalties(vocab), self.grammar(), logprobs)
 
     @property
     def identity(self) -> dict:
@@ -232,8 +230,8 @@ class CompletionRequest(_Sampled):
             return "prompt", "one prompt per request (a list of strings is a batch: send them as separate requests)"
         return None
 
-    def top_logprobs_asked(self) -> int | None:
-        return self.logprobs
+    def controls(self, vocab: int) -> Controls:
+        return self._controls(vocab, self.logprobs)
 
 
 class ContentPart(_Body):
@@ -293,8 +291,8 @@ class ChatRequest(_Sampled):
             raise ValueError("top_logprobs: set logprobs to true to get top_logprobs")
         return self
 
-    def top_logprobs_asked(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
+    def controls(self, vocab: int) -> Controls:
+        return self._controls(vocab, (self.top_logprobs or 0) if self.logprobs else None)
 
     @property
     def token_budget(self) -> int | None:
