@@ -15,10 +15,21 @@ again. A round:
 
 Sampled rows draw each draft from the warped head distribution with their own rng, so
 rejection sampling keeps every row exact.
+
+A tree (``propose_tree``, one sequence) is EAGLE-2's: candidates weigh their joint draft
+probability and the heaviest are verified. With the head's tree step (Role.TREE,
+exporter/heads/chain_tree.py) the tree grows level by level: the best ``top_k`` nodes of a level
+go in one call, each row its node's token and its parent's hidden, written into the head's cache
+after the committed rows in expansion order and seeing only the committed rows and its
+ancestors'; each row's top-k become the next level's candidates. Without that graph only the
+greedy chain is stepped (runtime/tree.py ``spine_tree``: siblings are leaves). Either way the
+rows past the committed ones are overwritten by the next catch-up, which brings the accepted
+path's rows in from the target like any committed rows.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -26,16 +37,25 @@ import numpy as np
 
 from specexport.contract import (
     AUX_HIDDEN_STATES,
+    CACHE_LENGTH,
     DRAFT_FEATURES,
     HIDDEN_OUT,
+    INPUT_IDS,
     LOGITS,
     NEXT_TOKENS,
+    TREE_OFFSETS,
+    TREE_PAST_MASK,
     DrafterEntry,
     Role,
+    past_names,
+    present_names,
 )
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept
 from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut
+from specexport.runtime.engine import LazyEngine
 from specexport.runtime.model import Model
+from specexport.runtime.runner import PAD_ID
+from specexport.runtime.tree import ROOT, DraftTree, spine_tree, top_candidates
 
 if TYPE_CHECKING:
     from specexport.runtime.api import Pipeline
@@ -47,9 +67,13 @@ STEP_ROLES = frozenset({Role.STEP})
 class ChainDrafter:
     needs = (AUX_HIDDEN_STATES,)
 
-    def __init__(self, name: str, catchup: Model, step: Model, cost_ms: PartCosts):
+    def __init__(self, name: str, catchup: Model, step: Model, cost_ms: PartCosts, tree_step: LazyEngine | None = None,
+                 tree_rows: int = 0):
         self.name = name
         self.catchup, self.step = catchup, step  # two views of one head cache
+        self.tree_step, self.tree_rows = tree_step, tree_rows  # one level of a tree, tree_rows nodes a call
+        self._tree_seconds = 0.0
+        self._draftable: np.ndarray | None = None  # [V_draft] target ids the head can draft (its finite logits)
         self.cost_ms = cost_ms  # "catchup" | "step" -> tokens -> ms of one batch-1 run
         self.max_seq_len = catchup.max_seq_len
         self._committed = [0] * catchup.slots  # committed rows in each slot's cache row
@@ -57,7 +81,7 @@ class ChainDrafter:
 
     @property
     def engine_seconds(self) -> float:
-        return self.catchup.seconds + self.step.seconds
+        return self.catchup.seconds + self.step.seconds + self._tree_seconds
 
     def round_cost(self, k: int, costs: PartCosts | None = None) -> float:
         """One catch-up call of the round's committed rows (the catch-up graph), then k-1
@@ -117,6 +141,110 @@ class ChainDrafter:
             drafts[r] = Draft(tokens[r, : depth[r]].copy(), None if rows[r].sampling.greedy else probs[r], self.name)
         return drafts
 
+    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int) -> DraftTree | None:
+        """A tree of up to ``nodes`` nodes and ``depth`` levels for the one sequence (slot 0):
+        expanded level by level with the tree step, else over the greedy chain."""
+        if not self._pending[0]:
+            return None
+        feed = {0: self._catch_up(1, 0, row.context)}
+        out = self.catchup.run(1, feed, True, (HIDDEN_OUT,))
+        at = len(feed[0][1]) - 1  # the last fed row: its logits give level 1
+        if self.tree_step is not None and depth > 1:
+            return self._expand(out[LOGITS][0, at], out[HIDDEN_OUT][0, at], depth, nodes, top_k)
+        return self._spine(out, at, depth, nodes, top_k)
+
+    def _expand(self, logits: np.ndarray, hidden: np.ndarray, depth: int, nodes: int, top_k: int) -> DraftTree:
+        """EAGLE-2's expansion from the last committed row's ``logits`` [V] and ``hidden`` [H]:
+        each level's ``tree_rows`` heaviest candidates are fed in one tree-step call (while one
+        of them can still beget a node that makes the cut), their top-k join the candidates, and
+        the ``nodes`` heaviest of all are kept (a child never outweighs its parent)."""
+        committed, width = self._committed[0], self.tree_rows
+        depth = min(depth, (self.max_seq_len - committed) // width + 1)  # expanded rows fit the cache
+        cache = self.catchup.runners[0].cache.view()  # [1, n_kv, S_max, hd] each
+        layers = len(cache) // 2
+        tokens, logp = self._top(logits, top_k)
+        token, parent, joint = tokens.tolist(), [ROOT] * len(tokens), logp.tolist()  # every candidate
+        level = list(range(len(token)))  # the candidates of the level being expanded
+        hidden_of: dict[int, np.ndarray] = {ROOT: hidden}  # expanded candidate -> its row's hidden [H]
+        slot_of: dict[int, int] = {}  # expanded candidate -> its row's cache slot
+        write = committed
+        for d in range(1, depth):
+            cut = sorted(joint, reverse=True)[nodes - 1] if len(joint) >= nodes else -np.inf
+            chosen = [c for c in sorted(level, key=lambda c: -joint[c])[:width] if joint[c] > cut]
+            if not chosen:
+                break  # no child of this level could make the cut
+            out = self._tree_call(cache, layers, chosen, token, parent, hidden_of, slot_of, write, committed + d - 1)
+            level = []
+            for i, c in enumerate(chosen):
+                slot_of[c], hidden_of[c] = write + i, out[HIDDEN_OUT][0, i]
+                kids, kid_logp = self._top(out[LOGITS][0, i], top_k)
+                level += range(len(token), len(token) + len(kids))
+                token += kids.tolist()
+                parent += [c] * len(kids)
+                joint += (joint[c] + kid_logp).tolist()
+            write += len(chosen)
+        keep = sorted(np.lexsort((np.arange(len(joint)), -np.asarray(joint)))[:nodes].tolist())  # parents first
+        index = {ROOT: ROOT, **{c: i for i, c in enumerate(keep)}}
+        return DraftTree(np.array([token[c] for c in keep], dtype=np.int64),
+                         np.array([index[parent[c]] for c in keep], dtype=np.int64), f"{self.name}/tree",
+                         np.exp([joint[c] for c in keep]))
+
+    def _tree_call(self, cache: dict[str, np.ndarray], layers: int, chosen: list[int], token: list[int],
+                   parent: list[int], hidden_of: dict[int, np.ndarray], slot_of: dict[int, int], write: int,
+                   position: int) -> dict[str, np.ndarray]:
+        """One tree-step call over the candidates ``chosen`` (one level, at ``position``), their
+        rows written at ``write`` onwards; each sees the committed rows and its ancestors'."""
+        n, rows = len(chosen), self.tree_rows
+        s_max = next(iter(cache.values())).shape[2]
+        ids = np.full((1, rows), PAD_ID, dtype=np.int64)  # [1, T]
+        ids[0, :n] = [token[c] for c in chosen]
+        features = np.zeros((1, rows, len(hidden_of[ROOT])), dtype=np.float32)  # [1, T, H]
+        offsets = np.zeros((1, rows), dtype=np.int64)  # [1, T]: position - write slot
+        mask = np.zeros((1, rows, s_max), dtype=bool)  # [1, T, S_max]
+        mask[0, :n, : self._committed[0]] = True
+        for i, c in enumerate(chosen):
+            features[0, i] = hidden_of[parent[c]]
+            offsets[0, i] = position - write
+            ancestor = parent[c]
+            while ancestor != ROOT:
+                mask[0, i, slot_of[ancestor]] = True
+                ancestor = parent[ancestor]
+        feeds = {**cache, INPUT_IDS: ids, DRAFT_FEATURES: features, CACHE_LENGTH: np.array([write], dtype=np.int64),
+                 TREE_OFFSETS: offsets, TREE_PAST_MASK: mask}
+        start = time.perf_counter()
+        out = self.tree_step.run(feeds, [LOGITS, HIDDEN_OUT, *present_names(layers)])
+        self._tree_seconds += time.perf_counter() - start
+        for past, present in zip(past_names(layers), present_names(layers)):
+            cache[past][:, :, write : write + n] = out[present][:, :, :n]  # [1, n_kv, n, hd]
+        return out
+
+    def _spine(self, out: dict[str, np.ndarray], at: int, depth: int, nodes: int, top_k: int) -> DraftTree:
+        """The tree over the greedy chain of up to ``depth`` steps (runtime/tree.py spine_tree).
+        The chain stops once no deeper node can make the cut: joint probability only falls along
+        it, and ``nodes`` candidates already weigh more."""
+        depth = min(depth, self.max_seq_len - self._committed[0] + 1)
+        tops, logps = [], []  # per level: [k] tokens, [k] log q
+        for j in range(depth):
+            tokens, logp = self._top(out[LOGITS][0, at], top_k)
+            tops.append(tokens)
+            logps.append(logp)
+            spine = np.cumsum([lp[0] for lp in logps])  # [j+1] log joint of the spine nodes
+            heavier = sum(int((spine[i] - lp[0] + lp >= spine[-1]).sum()) for i, lp in enumerate(logps))
+            if j + 1 == depth or heavier >= nodes:
+                break
+            out = self.step.run(1, {0: (self._committed[0] + j, tokens[:1],
+                                        {DRAFT_FEATURES: out[HIDDEN_OUT][0, at : at + 1]})}, True, (HIDDEN_OUT,))
+            at = 0
+        return spine_tree(np.stack(tops), np.stack(logps), nodes, f"{self.name}/tree")
+
+    def _top(self, logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The head's k best target ids after one row and their log q (logits [V_target]), over
+        its draft vocabulary only: a reduced one (-inf elsewhere) is a sixth of SmolLM2's."""
+        if self._draftable is None:
+            self._draftable = np.flatnonzero(np.isfinite(logits))  # fixed by the graph's scatter
+        tokens, logp = top_candidates(logits[self._draftable], k)
+        return self._draftable[tokens], logp
+
     def _catch_up(self, n: int, slot: int, context: np.ndarray) -> tuple[int, np.ndarray, dict[str, np.ndarray]]:
         """The slot's pending rows as its row of the catch-up call; what the call cannot take goes
         first, alone, through the slot's runner. The rows count as committed from here on."""
@@ -146,5 +274,9 @@ class ChainDrafter:
 def make(pipe: Pipeline, entry: DrafterEntry, slots: int) -> ChainDrafter:
     model = entry.model or entry.name
     costs = pipe.costs_by_role(model)
-    return ChainDrafter(entry.name, pipe.model(model, CATCHUP_ROLES, slots), pipe.model(model, STEP_ROLES, slots),
-                        {"catchup": costs.get(Role.CATCHUP, {}), "step": costs.get(Role.STEP, {})})
+    catchup = pipe.model(model, CATCHUP_ROLES, slots)
+    trees = pipe.manifest.engines_of(model, pipe.backend_of(model), tree=True)  # the tree step, if built
+    tree_step = LazyEngine(trees[0], pipe.manifest.root, pipe.options, None, pipe.sessions) if trees else None
+    return ChainDrafter(entry.name, catchup, pipe.model(model, STEP_ROLES, slots),
+                        {"catchup": costs.get(Role.CATCHUP, {}), "step": costs.get(Role.STEP, {})},
+                        tree_step, trees[0].tokens if trees else 0)

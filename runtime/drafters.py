@@ -171,7 +171,8 @@ class NgramDrafter(Stateless):
 def trie_tree(continuations: Sequence[np.ndarray], nodes: int, top_k: int, tag: str) -> DraftTree:
     """The trie of ``continuations`` (in priority order), cut to its ``nodes`` best prefixes:
     best-first from the root by how many continuations share the prefix (earlier ones first on
-    a tie), at most ``top_k`` children per node. Parents come before children."""
+    a tie), at most ``top_k`` children per node. Parents come before children; a node weighs
+    the share of continuations through it."""
     trie: dict[tuple[int, ...], list[int]] = {}  # prefix -> [count, first continuation holding it]
     for order, tokens in enumerate(continuations):
         for end in range(1, len(tokens) + 1):
@@ -194,7 +195,8 @@ def trie_tree(continuations: Sequence[np.ndarray], nodes: int, top_k: int, tag: 
         kept.append(best)
         frontier += children.get(best, [])
     return DraftTree(np.array([p[-1] for p in kept], dtype=np.int64),
-                     np.array([index[p[:-1]] for p in kept], dtype=np.int64), tag)
+                     np.array([index[p[:-1]] for p in kept], dtype=np.int64), tag,
+                     np.array([trie[p][0] / len(continuations) for p in kept], dtype=np.float64))
 
 
 class ModelDrafter:

@@ -30,6 +30,7 @@ from specexport.runtime.model import Model
 from specexport.runtime.rules import RuledRows, SequenceRules, greedy_walk
 from specexport.runtime.stats import DecodeStats
 from specexport.runtime.tree import DraftTree, tree_greedy, tree_rejection
+from specexport.runtime.tree_size import TreeSizer
 from specexport.runtime.tree_verify import TreeVerifier
 
 
@@ -63,6 +64,7 @@ class _Running:
     length: int  # committed tokens; the cache holds length - 1 of them
     stats: DecodeStats
     policy: DepthPolicy | None = None  # this sequence's own adaptive depth
+    tree_sizer: TreeSizer | None = None  # with it, its adaptive tree size
 
 
 @dataclass
@@ -289,12 +291,17 @@ def _tree_round(target: Model, drafter: Drafter, verifier: TreeVerifier, seq: _R
     if not verifier.fits(length, nodes):  # the graph writes all its rows: near the end, chains
         return None
     row = DraftRow(seq.context[: seq.length], request.sampling, request.rng, request.rules, len(request.prompt))
+    engine_before = drafter.engine_seconds
     tree = drafter.propose_tree(row, depth, nodes, top_k) if depth > 0 and nodes > 0 else None
+    seq.stats.draft_s += time.perf_counter() - start
+    seq.stats.draft_engine_s += drafter.engine_seconds - engine_before
     if tree is not None and request.rules is not None:  # nodes the grammar forbids are not verified
         tree = request.rules.valid_tree(_output(seq), tree)
     if tree is None or tree.size == 0:
         return None
-    seq.stats.draft_s += time.perf_counter() - start
+    if seq.policy is not None:  # adaptive: the tree's best size by its weights and the measured costs
+        seq.tree_sizer = seq.tree_sizer or TreeSizer(verifier.cost)
+        tree = tree.best(seq.tree_sizer.size(tree))
     before = verifier.seconds
     out = verifier.run(length, int(seq.context[length]), tree, request.needs_logits, drafter.needs)
     verify_s = verifier.seconds - before
@@ -305,6 +312,8 @@ def _tree_round(target: Model, drafter: Drafter, verifier: TreeVerifier, seq: _R
     deepest = int(tree.depths().max())
     if seq.policy is not None:
         seq.policy.update(tree.tag or drafter.name, deepest, len(path))
+    if seq.tree_sizer is not None:
+        seq.tree_sizer.update(tree, len(path))
     # committed as a chain round whose drafts were the path, offered to the tree's depth
     offered = Draft(np.concatenate((tree.tokens[path], np.zeros(deepest - len(path), dtype=np.int64))), tag=tree.tag)
     counted = (seq.stats.proposed, seq.stats.accepted)

@@ -29,7 +29,7 @@ import numpy as np
 
 from specexport.errors import BadInput
 from specexport.runtime.grammar import GrammarSpec, GrammarState
-from specexport.runtime.tree import ROOT, DraftTree
+from specexport.runtime.tree import DraftTree
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
@@ -142,16 +142,13 @@ class SequenceRules:
             return tree
         start = time.perf_counter()
         self._sync(output)
-        keep: list[int] = []
-        index = {ROOT: ROOT}
+        keep: dict[int, None] = {}  # in node order
         for node in range(tree.size):
-            parent = int(tree.parents[node])
-            if parent in index and self.grammar.valid_prefix(tree.tokens[tree.path(node)]) == len(tree.path(node)):
-                index[node] = len(keep)
-                keep.append(node)
+            path = tree.path(node)
+            if (int(tree.parents[node]) in keep or len(path) == 1) and self.grammar.valid_prefix(tree.tokens[path]) == len(path):
+                keep[node] = None
         self.seconds += time.perf_counter() - start
-        return DraftTree(tree.tokens[keep], np.array([index[int(tree.parents[n])] for n in keep], dtype=np.int64),
-                         tree.tag)
+        return tree.subset(list(keep))
 
     def commit(self, output: np.ndarray) -> None:
         """The sequence's output [m] is now final (the grammar moves past it)."""

@@ -38,10 +38,15 @@ class DraftTree:
     tokens: np.ndarray  # [N] int64
     parents: np.ndarray  # [N] int64, parents[i] < i (−1: the root)
     tag: str = ""  # what kind of guess this is (as Draft.tag)
+    # [N] the drafter's estimate that node i ends up on the accepted path (its joint draft
+    # probability; n-gram: the share of matches through it); None: no estimate
+    weights: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
             raise ValueError("a tree needs one parent per token")
+        if self.weights is not None and len(self.weights) != len(self.tokens):
+            raise ValueError("a tree needs one weight per token")
         if any(not ROOT <= int(p) < i for i, p in enumerate(self.parents)):
             raise ValueError("parents must come before their children (topological order)")
 
@@ -73,6 +78,32 @@ class DraftTree:
             node = int(self.parents[node])
         return nodes[::-1]
 
+    def subset(self, keep: list[int]) -> DraftTree:
+        """The nodes ``keep`` (increasing; each one's parent kept or the root), renumbered."""
+        index = {ROOT: ROOT, **{node: i for i, node in enumerate(keep)}}
+        return DraftTree(self.tokens[keep], np.array([index[int(self.parents[n])] for n in keep], dtype=np.int64),
+                         self.tag, None if self.weights is None else self.weights[keep])
+
+    def capped_weights(self) -> np.ndarray:
+        """[N] each node's weight, capped by its parent's (a node is on the accepted path only
+        if its parent is, whatever the drafter said); ones without weights."""
+        if self.weights is None:
+            return np.ones(self.size)
+        weight = np.array(self.weights, dtype=np.float64)  # [N]
+        for i, parent in enumerate(self.parents.tolist()):
+            if parent != ROOT:
+                weight[i] = min(weight[i], weight[parent])
+        return weight
+
+    def ranked(self) -> np.ndarray:
+        """[N] the nodes, best first by capped weight, every parent before its children: the
+        first n of them are the best tree of n nodes. Without weights, the topological order."""
+        return np.lexsort((np.arange(self.size), -self.capped_weights()))  # ties: the earlier node
+
+    def best(self, n: int) -> DraftTree:
+        """The ``n`` nodes ranked first (``ranked``), as a tree."""
+        return self if n >= self.size else self.subset(sorted(self.ranked()[:n].tolist()))
+
     def verify_inputs(self) -> tuple[np.ndarray, np.ndarray]:
         """The verify pass's tree inputs for root + nodes: depth offsets [1+N] (row 0, the
         root: 0) and the ancestor mask [1+N, 1+N] (row r sees row c when c is r or above it)."""
@@ -84,6 +115,43 @@ class DraftTree:
             mask[i + 1] = mask[parent + 1]
             mask[i + 1, i + 1] = True
         return offsets, mask
+
+
+def spine_tree(top_tokens: np.ndarray, top_logprobs: np.ndarray, nodes: int, tag: str = "") -> DraftTree:
+    """EAGLE-2's selection over a drafted chain: level j's top-k tokens after the chain's first j
+    (``top_tokens`` / ``top_logprobs`` [d, k], best first; column 0 is the chain, the spine)
+    are candidates under the spine node above; a candidate's weight is its joint draft
+    probability (the spine's probabilities down to it, times its own), and the ``nodes`` of
+    highest weight are kept. Only the spine is expanded further: a sibling is a leaf, so the
+    drafter runs one step per level, as for a chain."""
+    depth, k = top_tokens.shape
+    spine = np.concatenate(([0.0], np.cumsum(top_logprobs[:, 0])))  # [d+1] log joint of spine nodes 0..d
+    joint = spine[:-1, None] + top_logprobs  # [d, k] log joint of every candidate
+    order = np.lexsort((np.tile(np.arange(k), depth), np.repeat(np.arange(depth), k), -joint.ravel()))
+    chosen = sorted(order[:nodes].tolist())  # level-major: every spine node before the level under it
+    index: dict[int, int] = {}  # chosen spine level -> its node
+    tokens, parents, weights = [], [], []
+    for flat in chosen:
+        level, rank = divmod(flat, k)
+        if level > 0 and level - 1 not in index:
+            continue  # its spine parent was not kept (a tie); it cannot hang anywhere
+        if rank == 0:
+            index[level] = len(tokens)
+        tokens.append(int(top_tokens[level, rank]))
+        parents.append(index[level - 1] if level > 0 else ROOT)
+        weights.append(float(np.exp(joint[level, rank])))
+    return DraftTree(np.array(tokens, dtype=np.int64), np.array(parents, dtype=np.int64), tag,
+                     np.array(weights, dtype=np.float64))
+
+
+def top_candidates(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """A drafter's ``k`` best tokens after one position and their log-probabilities, best first
+    (logits [V]; -inf outside a head's draft vocabulary)."""
+    top = np.argpartition(-logits, k - 1)[:k]  # [k]
+    top = top[np.argsort(-logits[top], kind="stable")]
+    peak = logits[top[0]]
+    log_norm = peak + np.log(np.exp(logits - peak).sum())
+    return top.astype(np.int64), (logits[top] - log_norm).astype(np.float64)
 
 
 def tree_greedy(tree: DraftTree, choice: Callable[[int], int]) -> tuple[list[int], int]:

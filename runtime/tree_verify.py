@@ -8,6 +8,9 @@ acceptance the root's and the accepted path's K/V must sit at L, L+1, ...: an in
 L+1+j; p >= 1+j, so in increasing order nothing is overwritten before it is read); an
 appending graph returned the rows' K/V as presents, and the path's rows are written at L.
 Nothing else moves, and nothing cache-sized is allocated per round.
+
+Adaptive tree size (runtime/tree_size.py) reads ``cost``: every tree size timed once, then a
+running average of the passes run.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from specexport.contract import (
     KVUpdate,
     present_of,
 )
-from specexport.runtime.runner import PAD_ID
+from specexport.runtime.goodput import observed
+from specexport.runtime.runner import PAD_ID, time_interleaved
 from specexport.runtime.tree import DraftTree
 
 
@@ -54,6 +58,7 @@ class TreeVerifier:
         self.in_place = entry.kv_update == KVUpdate.IN_PLACE
         self.seconds = 0.0
         self._presents: dict[str, np.ndarray] = {}  # an appending graph's K/V of the last run
+        self._costs: dict[int, float] = {}  # rows -> seconds of one pass (empty: not timed yet)
 
     @property
     def nodes(self) -> int:
@@ -65,6 +70,30 @@ class TreeVerifier:
 
     def _size(self, nodes: int) -> int:
         return min(rows for rows in self.engines if rows >= 1 + nodes)
+
+    def cost(self, rows: int) -> float | None:
+        """Seconds of a pass over ``rows`` rows (root + nodes; the graph that holds them); the
+        first ask times every size (about a second for SmolLM2's 12 on 2 cores)."""
+        if not self._costs:
+            self._costs = time_interleaved({"tree": (self, sorted(self.engines))}, rounds=2)["tree"]
+        return self._costs.get(self._size(rows - 1)) if rows - 1 <= self.nodes else None
+
+    def time_run(self, rows: int, want_logits: bool = False) -> float:
+        """Seconds of one pass over a chain of ``rows`` rows at the cache's far end, where
+        nothing committed lies (time_interleaved's runner protocol); the cache is not moved."""
+        chain = DraftTree.chain(np.full(rows - 1, PAD_ID, dtype=np.int64))
+        engine = self.engines[rows]
+        length = self.cache.max_seq_len - rows
+        feeds = {**self.cache.view(), **tree_feeds(chain, PAD_ID, length, VALID_TOKENS in engine.inputs)}
+        names = [NEXT_TOKENS, *([LOGITS] if want_logits else [])]
+        if not self.in_place:
+            names += [present_of(p) for p in self.cache.view()]
+        start = time.perf_counter()
+        engine.run(feeds, names, self.cache.in_place_outputs() if self.in_place else None)
+        return time.perf_counter() - start
+
+    def end_timing(self, sizes) -> None:
+        pass
 
     def run(self, length: int, root: int, tree: DraftTree, want_logits: bool,
             want: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
@@ -85,7 +114,10 @@ class TreeVerifier:
             names += [present_of(p) for p in self.cache.view()]
         start = time.perf_counter()
         out = engine.run(feeds, names, bound)
-        self.seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.seconds += elapsed
+        if self._costs:
+            self._costs[rows] = observed(self._costs.get(rows), elapsed)
         self._presents = {p: out.pop(present_of(p)) for p in self.cache.view()} if not self.in_place else {}
         return {name: value[0, : 1 + n] for name, value in out.items()}
 

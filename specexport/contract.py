@@ -43,6 +43,11 @@ KV_KINDS = ("key", "value")
 # to its ancestors (ort-gqa graphs turn the mask into GroupQueryAttention's additive bias).
 TREE_OFFSETS = "tree_offsets"  # [B, T] int64
 TREE_MASK = "tree_mask"  # [B, T, T] bool: row t sees row t' (an ancestor, or itself)
+# A chain head's tree step (Role.TREE, batch 1): T draft nodes of one level, each fed the head's
+# own hidden of its parent's row. The head's cache holds the committed rows and the rows of the
+# nodes expanded before; row t sits at cache_length + TREE_OFFSETS[t] (its depth's position;
+# the offset may be negative) and sees the cache slots this mask allows, and itself.
+TREE_PAST_MASK = "tree_past_mask"  # [B, T, S_max] bool: row t sees cache slot s
 
 # Drafters that read the target's hidden states (EAGLE-3, MTP, DFlash, DSpark).
 # The target's graphs gain one output when a recipe has such a drafter: its tapped hidden states,

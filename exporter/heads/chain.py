@@ -271,17 +271,22 @@ class ChainGraph(nn.Module):
         self.register_buffer("rotate", _rotate_half_matrix(cos.shape[-1]), persistent=False)
 
     def forward(self, input_ids, features, cache_length, *past):
-        spec = self.spec
         batch, tokens = input_ids.shape
         offsets = torch.arange(tokens, dtype=torch.int64)  # [T]
         positions = cache_length.unsqueeze(1) + offsets  # [B, T]
-        rope_at = positions.clamp(max=self.s_max - 1)  # padding rows may run past the table
-        cos = nn.functional.embedding(rope_at, self.cos).unsqueeze(2)  # [B, T, 1, rot]
-        sin = nn.functional.embedding(rope_at, self.sin).unsqueeze(2)
         slots = torch.arange(self.s_max, dtype=torch.int64)
         past_visible = (slots.view(1, 1, -1) < cache_length.view(batch, 1, 1)).expand(batch, tokens, self.s_max)
         new_visible = (offsets.view(1, tokens) <= offsets.view(tokens, 1)).unsqueeze(0).expand(batch, tokens, tokens)
-        visible = torch.cat((past_visible, new_visible), dim=-1)  # [B, T, S_max+T]
+        return self.decode(input_ids, features, positions, torch.cat((past_visible, new_visible), dim=-1), past)
+
+    def decode(self, input_ids, features, positions, visible, past):
+        """The rows ``input_ids`` [B, T] with ``features`` at ``positions`` [B, T], row t seeing
+        the cache slots and new rows that ``visible`` [B, T, S_max+T] allows."""
+        spec = self.spec
+        batch, tokens = input_ids.shape
+        rope_at = positions.clamp(max=self.s_max - 1)  # padding rows may run past the table
+        cos = nn.functional.embedding(rope_at, self.cos).unsqueeze(2)  # [B, T, 1, rot]
+        sin = nn.functional.embedding(rope_at, self.sin).unsqueeze(2)
         mask = torch.where(visible, torch.zeros(()), float("-inf")).view(batch, 1, 1, tokens, self.s_max + tokens)
 
         emb = nn.functional.embedding(input_ids, self.embed)  # [B, T, H]
@@ -501,20 +506,28 @@ class ChainHead:
                 rounds = {1: Role.STEP} if step else {ctx.plan.tokens_per_verify: Role.CATCHUP}
                 for name, (b, tokens) in ctx.save_batched(proto, next(iter(saved.values())), rounds, store).items():
                     batched[name], paths[name] = (b, tokens, step), next(iter(saved.values()))
+            tree = None
+            if ctx.recipe.draft.tree.max_nodes:  # EAGLE-2's level-by-level expansion (chain_tree.py)
+                from specexport.exporter.heads.chain_tree import build_chain_tree
+
+                rows = ctx.recipe.draft.tree.top_k
+                tree = (*build_chain_tree(ctx, spec, store, rows), rows)
         finally:
             store.close()
         kv = KVLayout(len(spec.layers), spec.kv_heads, spec.head_dim, ctx.max_seq_len, "float32")
         info = {"hidden_size": spec.hidden, "feature_width": width, "taps": list(spec.taps),
                 "draft_vocab_size": int(spec.lm_head.shape[0]), **spec.info}
         ctx.add_model(ModelEntry(ctx.name, spec.kind, kv, spec.target_vocab, f"{ctx.name}.weights", "standard", info))
-        validate_chain(ctx, self.reference, spec, graphs, paths, width, batched)
+        validate_chain(ctx, self.reference, spec, graphs, paths, width, batched, tree)
 
 
 def validate_chain(ctx: HeadContext, reference: Reference, spec: ChainSpec, graphs: dict[str, tuple[int, bool]],
-                   paths: dict, width: int, batched: dict[str, tuple[int, int, bool]] | None = None) -> None:
+                   paths: dict, width: int, batched: dict[str, tuple[int, int, bool]] | None = None,
+                   tree: tuple[str, Path, int] | None = None) -> None:
     """Every graph against the reference on real text, at several cache lengths, through the
     runtime's ModelRunner (the cache filled by the catch-up graphs, chunk by chunk); then each
-    batched graph row by row against the batch-1 graph (``validate_chain_batched``)."""
+    batched graph row by row against the batch-1 graph (``validate_chain_batched``); then the
+    tree step (``tree``: its engine name, path and rows; chain_tree.validate_chain_tree)."""
     from specexport.runtime.engine import EngineOptions, SharedGraphs
     from specexport.runtime.kv_cache import KVCache
     from specexport.runtime.ort_engine import OrtEngine
@@ -577,6 +590,10 @@ def validate_chain(ctx: HeadContext, reference: Reference, spec: ChainSpec, grap
                                          "rows": [[int(r[CACHE_LENGTH][0]), v] for r, v in zip(rows, valid)]},
                                   reference="the batch-1 graph, row by row")
             s.detail = f"{len(batched)} graphs, ragged rows and an idle row against batch 1"
+    if tree is not None:  # last: it writes the cache past the rows it keeps
+        from specexport.exporter.heads.chain_tree import validate_chain_tree
+
+        validate_chain_tree(ctx, reference, *tree, cache)
     # every graph timed in the builder's one schedule (one size per graph: catch-up sizes are
     # 1+D and the prefill chunk, the step 1; a chunk of 1 leaves the step untimed)
     timed = {graphs[n][0]: engines[n] for n in graphs if not graphs[n][1]}

@@ -46,20 +46,26 @@ def context_states(target, context: np.ndarray, extra: int):
     return target_states(SimpleNamespace(target=target), ids)  # it reads ctx.target only
 
 
-def reference_chain(head, target, context: np.ndarray, k: int) -> list[int]:
-    """The head's greedy chain of ``k`` drafts after ``context`` by its reference forward. The
-    reference's logits are over target ids (-inf off a reduced draft vocabulary: d2t applied)."""
+def reference_levels(head, target, context: np.ndarray, k: int) -> list[torch.Tensor]:
+    """The head's logits [V_target] at each of the ``k`` levels of its greedy chain after
+    ``context``, by its reference forward (over target ids: -inf off a reduced draft
+    vocabulary, d2t applied)."""
     states = context_states(target, context, k)
     tokens = [int(t) for t in context[1:]]  # rows 0..m-2: token x_{p+1}
     own: list[torch.Tensor] = []  # [H] each: the features of the step rows
-    drafts: list[int] = []
+    levels: list[torch.Tensor] = []
     with torch.no_grad():
         for _ in range(k):
             logits, hidden = head.reference.run(torch.tensor(tokens), states, torch.stack(own) if own else None)
-            drafts.append(int(logits[-1].argmax()))  # logits [rows, V_target], hidden [rows, H]
+            levels.append(logits[-1])  # logits [rows, V_target], hidden [rows, H]
             own.append(hidden[-1])
-            tokens.append(drafts[-1])
-    return drafts
+            tokens.append(int(levels[-1].argmax()))
+    return levels
+
+
+def reference_chain(head, target, context: np.ndarray, k: int) -> list[int]:
+    """The head's greedy chain of ``k`` drafts after ``context`` by its reference forward."""
+    return [int(logits.argmax()) for logits in reference_levels(head, target, context, k)]
 
 
 @contextmanager

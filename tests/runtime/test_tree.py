@@ -121,3 +121,56 @@ def test_a_rejected_child_is_never_the_next_token():
     for _ in range(200):
         path, nxt = tree_rejection(tree, lambda r: p, rng)
         assert (path == [0]) or nxt == 1
+
+
+def test_spine_tree_keeps_the_heaviest_joint_candidates():
+    """Level j's top-k under the spine node above, weighed by joint probability: with a sure
+    first level and an unsure second one, the second level's runners-up beat the third level."""
+    from specexport.runtime.tree import spine_tree
+
+    tops = np.array([[10, 11, 12], [20, 21, 22], [30, 31, 32]])  # [d, k] tokens, best first
+    probs = np.array([[0.9, 0.05, 0.05], [0.4, 0.35, 0.25], [0.5, 0.3, 0.2]])
+    tree = spine_tree(tops, np.log(probs), nodes=4)
+    # joints: 10 .9 | 20 .36, 21 .315, 22 .225 | 30 .18 ...; 11 and 12 .05
+    assert tree.tokens.tolist() == [10, 20, 21, 22] and tree.parents.tolist() == [-1, 0, 0, 0]
+    assert tree.weights == pytest.approx([0.9, 0.36, 0.315, 0.225])
+    deeper = spine_tree(tops, np.log(probs), nodes=6)  # 30 (.18) under 20, then 31 (.108)
+    assert deeper.tokens.tolist() == [10, 20, 21, 22, 30, 31] and deeper.parents.tolist() == [-1, 0, 0, 0, 1, 1]
+
+
+def test_top_candidates_are_normalised_over_the_finite_logits():
+    from specexport.runtime.tree import top_candidates
+
+    logits = np.array([1.0, -np.inf, 3.0, 2.0, -np.inf])
+    tokens, logp = top_candidates(logits, 2)
+    assert tokens.tolist() == [2, 3]
+    assert np.exp(logp) == pytest.approx(np.exp([3.0, 2.0]) / np.exp([1.0, 2.0, 3.0]).sum())
+
+
+def test_the_best_n_nodes_keep_their_ancestors():
+    """A node never outranks its parent, whatever weight the drafter gave it."""
+    tree = DraftTree(TREE.tokens, TREE.parents, weights=np.array([0.5, 0.3, 0.1, 0.4, 0.05, 0.2, 0.9]))
+    # capped: node 6 (0.9) under 3 (0.4) under 0 (0.5): 0.4
+    assert tree.capped_weights() == pytest.approx([0.5, 0.3, 0.1, 0.4, 0.05, 0.2, 0.4])
+    best = tree.best(4)
+    assert best.tokens.tolist() == TREE.tokens[[0, 1, 3, 6]].tolist() and best.parents.tolist() == [-1, -1, 0, 2]
+    assert best.weights == pytest.approx([0.5, 0.3, 0.4, 0.9])
+    for n in range(1, tree.size + 1):
+        kept = set(tree.ranked()[:n].tolist())
+        assert all(int(TREE.parents[i]) in kept | {ROOT} for i in kept), n
+
+
+def test_the_tree_size_follows_the_costs_and_the_record():
+    """Flat costs: every node pays. Steep costs: only heavy nodes. A drafter whose weights
+    keep failing is trusted less, so its trees shrink."""
+    from specexport.runtime.tree_size import TreeSizer
+
+    tree = DraftTree(np.arange(6), np.array([-1, 0, 1, 2, 3, 4]), weights=np.array([0.9, 0.7, 0.5, 0.3, 0.2, 0.1]))
+    assert TreeSizer(lambda rows: 1.0).size(tree) == 6
+    steep = TreeSizer(lambda rows: 1.0 + 0.4 * (rows - 1))
+    # tokens per cost for n = 1..4: 1.9/1.4, 2.6/1.8, 3.1/2.2, 3.4/2.6: n = 2 is best
+    assert steep.size(tree) == 2
+    for _ in range(20):
+        steep.update(tree.best(2), accepted=0)
+    assert steep.scale < 0.2 and steep.size(tree) == 1
+    assert TreeSizer(lambda rows: None).size(tree) == 6  # no costs: the whole tree

@@ -1,0 +1,149 @@
+"""A chain head's tree step (EAGLE-3, MTP): one level of a draft tree in one call (Role.TREE).
+
+EAGLE-2's expansion drafts a tree level by level: the best nodes of a level are fed to the head
+together, each as one row (its token, the head's own hidden of its parent's row), and each row's
+logits give that node's children. Their ancestors differ, so the head's cache is no longer a
+line: the committed rows sit at 0..L-1, and every expanded node's row is appended after them in
+expansion order. Row t of a call therefore takes its position (L + its depth - 1, passed as an
+offset from the write slot, contract.TREE_OFFSETS) and the cache slots it may see
+(TREE_PAST_MASK: the committed rows and its ancestors' rows); it sees itself among the new rows,
+and not its siblings. Everything else is the step graph's module (chain.ChainGraph.decode).
+
+Validated at build time against the kind's reference forward run on each node's own path (its
+ancestors as the chain's step rows), two levels deep on real text.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specexport.contract import (
+    CACHE_LENGTH,
+    DRAFT_FEATURES,
+    HIDDEN_OUT,
+    INPUT_IDS,
+    LOGITS,
+    NEXT_TOKENS,
+    TREE_OFFSETS,
+    TREE_PAST_MASK,
+    Role,
+    past_names,
+    present_names,
+)
+from specexport.exporter.heads.base import HeadContext
+from specexport.exporter.heads.chain import ChainGraph, _draftable, target_states
+from specexport.exporter.onnx_export import export_module
+from specexport.exporter.validate import Parity
+from specexport.runtime.runner import PAD_ID
+
+
+class ChainTreeGraph(ChainGraph):
+    """forward(input_ids [1,T], draft_features [1,T,H], cache_length [1], tree_offsets [1,T],
+    tree_past_mask [1,T,S_max], *past) -> the step graph's outputs; presents are the T rows, to
+    be written at cache_length onwards."""
+
+    def __init__(self, spec, target_taps: tuple[int, ...], max_seq_len: int):
+        super().__init__(spec, target_taps, max_seq_len, step=True)
+
+    def forward(self, input_ids, features, cache_length, tree_offsets, tree_past_mask, *past):
+        batch, tokens = input_ids.shape
+        positions = cache_length.unsqueeze(1) + tree_offsets  # [B, T]
+        itself = torch.eye(tokens, dtype=torch.bool).unsqueeze(0).expand(batch, tokens, tokens)  # [B, T, T]
+        return self.decode(input_ids, features, positions, torch.cat((tree_past_mask, itself), dim=-1), past)
+
+
+def tree_graph_io(num_layers: int) -> tuple[list[str], list[str]]:
+    inputs = [INPUT_IDS, DRAFT_FEATURES, CACHE_LENGTH, TREE_OFFSETS, TREE_PAST_MASK, *past_names(num_layers)]
+    return inputs, [LOGITS, NEXT_TOKENS, *present_names(num_layers), HIDDEN_OUT]
+
+
+def export_chain_tree(graph: ChainTreeGraph, rows: int, opset: int):
+    """One static graph: batch 1, ``rows`` nodes per call (the recipe's draft.tree.top_k)."""
+    spec = graph.spec
+    example = (torch.zeros(1, rows, dtype=torch.int64), torch.zeros(1, rows, spec.hidden),
+               torch.zeros(1, dtype=torch.int64), torch.zeros(1, rows, dtype=torch.int64),
+               torch.zeros(1, rows, graph.s_max, dtype=torch.bool),
+               *[torch.zeros(1, spec.kv_heads, graph.s_max, spec.head_dim) for _ in range(2 * len(spec.layers))])
+    return export_module(graph, example, *tree_graph_io(len(spec.layers)), opset)
+
+
+def build_chain_tree(ctx: HeadContext, spec, store, rows: int) -> tuple[str, object]:
+    """Export and register the head's tree step of ``rows`` nodes; returns (engine name, path)."""
+    module = ChainTreeGraph(spec, ctx.target_taps, ctx.max_seq_len).eval()
+    with ctx.step("export", f"{ctx.name} tree step t{rows}") as s:
+        proto = export_chain_tree(module, rows, ctx.opset)
+        s.detail = f"{len(proto.graph.node)} nodes"
+    return ctx.save_graph(proto, Role.TREE, rows, store)
+
+
+def level_feeds(cache_view: dict[str, np.ndarray], tokens: list[int], features: np.ndarray, write_at: int,
+                positions: list[int], visible: list[list[int]], committed: int, rows: int) -> dict[str, np.ndarray]:
+    """The feeds of one tree-step call: ``tokens`` (at most ``rows``) with ``features`` [n, H] at
+    ``positions``, written from slot ``write_at``; node i sees slots < ``committed`` and the
+    slots ``visible[i]`` (its ancestors'). Missing rows are pads that see nothing but themselves."""
+    s_max = next(iter(cache_view.values())).shape[2]
+    n = len(tokens)
+    ids = np.full((1, rows), PAD_ID, dtype=np.int64)  # [1, T]
+    ids[0, :n] = tokens
+    feats = np.zeros((1, rows, features.shape[-1]), dtype=np.float32)  # [1, T, H]
+    feats[0, :n] = features
+    offsets = np.zeros((1, rows), dtype=np.int64)  # [1, T]
+    offsets[0, :n] = np.asarray(positions) - write_at
+    mask = np.zeros((1, rows, s_max), dtype=bool)  # [1, T, S_max]
+    mask[0, :n, :committed] = True
+    for i, slots in enumerate(visible):
+        mask[0, i, slots] = True
+    return {**cache_view, INPUT_IDS: ids, DRAFT_FEATURES: feats, CACHE_LENGTH: np.array([write_at], dtype=np.int64),
+            TREE_OFFSETS: offsets, TREE_PAST_MASK: mask}
+
+
+def validate_chain_tree(ctx: HeadContext, reference, name: str, path, rows: int, cache) -> None:
+    """The tree step against the reference on each node's path. ``cache`` holds the catch-up
+    rows of the builder's reference text (chain.validate_chain's); it is written past L. With
+    L rows committed, level 1 is ``rows`` siblings under the last committed row (the text's next
+    token among them), level 2 the children of two of them, written after level 1 (so a row that
+    saw its siblings' or its cousins' slots would differ)."""
+    from specexport.runtime.engine import EngineOptions
+    from specexport.runtime.ort_engine import OrtEngine
+
+    engine = OrtEngine(name, path, *ctx.builder.specs[name], EngineOptions(threads=ctx.threads))
+    s_max = ctx.max_seq_len
+    ids = ctx.reference_ids(s_max)  # [S]
+    states = target_states(ctx, ids)
+    length = min(s_max // 2, s_max - 2 * rows - 2)  # L: committed rows
+    context = ids[1 : length + 1].tolist()  # rows 0..L-1: token x_{p+1}
+    with torch.no_grad():
+        _, hidden = reference.run(torch.tensor(context), states, None)  # [L, H]
+    parity = Parity()
+    with ctx.step("validate", f"{ctx.name} tree step") as s:
+        level1 = [int(ids[length + 1 + i]) for i in range(rows)]  # distinct enough: the text's next tokens
+        feeds = level_feeds(cache.view(), level1, np.repeat(hidden[-1:].numpy(), rows, 0), length,
+                            [length] * rows, [[] for _ in level1], length, rows)
+        layers = len(cache.view()) // 2
+        out = engine.run(feeds, [LOGITS, NEXT_TOKENS, HIDDEN_OUT, *present_names(layers)])
+        for past, present in zip(past_names(layers), present_names(layers)):
+            cache.view()[past][:, :, length : length + rows] = out[present]  # [1, n_kv, T, hd]
+        paths = {i: ([level1[i]], [hidden[-1]], out[HIDDEN_OUT][0, i]) for i in range(rows)}
+        _check_rows(reference, states, context, paths, out, range(rows), parity)
+        # level 2: children of nodes 0 and 1 alternately, at slot L + rows onwards
+        parents = [i % 2 for i in range(rows)]
+        level2 = [int(ids[length + 2 + i]) for i in range(rows)]
+        feeds = level_feeds(cache.view(), level2, np.stack([out[HIDDEN_OUT][0, p] for p in parents]),
+                            length + rows, [length + 1] * rows, [[length + p] for p in parents], length, rows)
+        out2 = engine.run(feeds, [LOGITS, NEXT_TOKENS, HIDDEN_OUT])
+        deeper = {i: (paths[p][0] + [level2[i]], paths[p][1] + [torch.from_numpy(paths[p][2])], None)
+                  for i, p in enumerate(parents)}
+        _check_rows(reference, states, context, deeper, out2, range(rows), parity)
+        figures = {**parity.to_dict(), "cache_lengths": [length], "levels": 2}
+        ctx.record_parity(name, figures, reference=f"{reference.name}, each node's path")
+        s.detail = f"{2 * rows} nodes on their paths, argmax agreement {figures['argmax_agreement']:.1%}"
+
+
+def _check_rows(reference, states, context: list[int], paths: dict, out: dict, rows, parity: Parity) -> None:
+    """Row i of ``out`` against the reference over context + its path (tokens, own rows)."""
+    for i in rows:
+        tokens, own, _ = paths[i]
+        with torch.no_grad():
+            want, _ = reference.run(torch.tensor(context + tokens), states, torch.stack(own))
+        parity.add(*_draftable(out[LOGITS][0, i : i + 1], want[-1:].numpy(), out[NEXT_TOKENS][0, i : i + 1]))

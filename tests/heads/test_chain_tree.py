@@ -1,0 +1,183 @@
+"""Chain heads' token trees, EAGLE-3 and MTP (runtime/chain_drafter.py propose_tree, the head's
+tree step of exporter/heads/chain_tree.py, runtime/tree.py spine_tree): what the head drafts as a
+tree is the reference's own choice, and decoding with it stays the target's.
+
+The reference runs the head's greedy chain after the committed context in plain torch; level j's
+top-k tokens are the candidates under the spine node above, each weighing its joint draft
+probability, and the tree keeps the N heaviest. A drafter that picked siblings by anything else
+(the wrong level's distribution, unnormalised logits, the lightest nodes) fails here."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.heads.chain_checkpoints import write_eagle3, write_mtp_target
+from tests.heads.chain_reference import context_states, load_chain_heads, one_torch_thread, reference_levels
+from tests.heads.common import PROMPTS, build
+from tests.heads.test_eagle3 import TARGET, target_config
+from tests.lossless import assert_lossless
+
+NODES, TOP_K = 5, 3
+TREE = {"max_draft": 3, "tree": {"max_nodes": NODES, "top_k": TOP_K}}
+# head name -> its recipe: EAGLE-3 (SafeAILab layout) over the tiny llama, MTP (MiMo layout)
+# inside a tiny qwen2 target
+RECIPES = {
+    "e-safe": {"name": "eagle3-tree", "target": TARGET, "attention": "ort-gqa", "draft": TREE,
+               "drafters": [{"kind": "eagle3", "name": "e-safe", "path": "safe"}]},
+    "m-mimo": {"name": "mtp-tree", "target": {"source": "hf", "path": "t-qwen2"}, "draft": TREE,
+               "drafters": [{"kind": "mtp", "name": "m-mimo"}]},
+}
+
+
+@pytest.fixture(scope="module", params=list(RECIPES))
+def case(request, tmp_path_factory):
+    """(head name, its checkpoint folder, its recipe, the loaded pipeline)."""
+    from specexport.runtime import load
+
+    name, root = request.param, tmp_path_factory.mktemp(request.param)
+    if name == "e-safe":
+        write_eagle3(root / "safe", target_config(), "safeailab")
+    else:
+        write_mtp_target(root / "t-qwen2", "qwen2", "mimo")
+    return name, root, RECIPES[name], load(build(RECIPES[name], root, root / "out"))
+
+
+def trees_drafted(pipe, head: str, prompt: str, new_tokens: int = 12) -> list[tuple[np.ndarray, object, int]]:
+    """Greedy tree decoding at fixed depth, recording every tree with the context it followed
+    and the depth asked for (less than D near the end of the output)."""
+    drafter = pipe.drafter(head)
+    seen = []
+    propose_tree = drafter.propose_tree
+
+    def spy(row, depth, nodes, top_k):
+        tree = propose_tree(row, depth, nodes, top_k)
+        if tree is not None:
+            seen.append((np.array(row.context), tree, depth))
+        return tree
+
+    drafter.propose_tree = spy
+    try:
+        pipe.generate(prompt, drafter=head, max_new_tokens=new_tokens, adaptive=False, tree_nodes=NODES)
+    finally:
+        del drafter.propose_tree
+    return seen
+
+
+def spine_nodes(levels: list[torch.Tensor]) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    """Without the tree step: the reference's choice over its greedy chain (level j's top-k under
+    the spine node above), as root-to-node token paths of the NODES heaviest, and every
+    candidate's log joint probability, heaviest first."""
+    spine, path, found = 0.0, (), []
+    for logits in levels:
+        top = torch.topk(torch.log_softmax(logits.double(), dim=-1), TOP_K)
+        found += [(spine + float(v), path + (int(t),)) for v, t in zip(top.values, top.indices)]
+        spine, path = spine + float(top.values[0]), path + (int(top.indices[0]),)
+    found.sort(key=lambda c: -c[0])
+    return [p for _, p in found[:NODES]], np.array([j for j, _ in found])
+
+
+def expanded_nodes(head, target, context: np.ndarray, depth: int) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    """With the tree step: EAGLE-2's expansion by the reference, each expanded node run on its
+    own path (its ancestors as the chain's step rows): a level's TOP_K heaviest candidates are
+    expanded while their joint probability beats the NODES-th heaviest so far."""
+    states = context_states(target, context, depth * TOP_K)
+    rows = [int(t) for t in context[1:]]
+    with torch.no_grad():
+        logits, hidden = head.reference.run(torch.tensor(rows), states, None)
+    found = {}  # path -> (log joint, own rows of its children)
+    level = []
+    top = torch.topk(torch.log_softmax(logits[-1].double(), dim=-1), TOP_K)
+    for v, t in zip(top.values, top.indices):
+        found[(int(t),)] = (float(v), [hidden[-1]])
+        level.append((int(t),))
+    for _ in range(1, depth):
+        joints = sorted((j for j, _ in found.values()), reverse=True)
+        cut = joints[NODES - 1] if len(joints) >= NODES else -np.inf
+        chosen = [p for p in sorted(level, key=lambda p: -found[p][0])[:TOP_K] if found[p][0] > cut]
+        if not chosen:
+            break
+        level = []
+        for path in chosen:
+            joint, own = found[path]
+            with torch.no_grad():
+                logits, hidden = head.reference.run(torch.tensor(rows + list(path)), states, torch.stack(own))
+            top = torch.topk(torch.log_softmax(logits[-1].double(), dim=-1), TOP_K)
+            for v, t in zip(top.values, top.indices):
+                found[path + (int(t),)] = (joint + float(v), own + [hidden[-1]])
+                level.append(path + (int(t),))
+    ranked = sorted(found, key=lambda p: -found[p][0])
+    return ranked[:NODES], np.array([found[p][0] for p in ranked])
+
+
+def node_paths(tree) -> list[tuple[int, ...]]:
+    return [tuple(int(tree.tokens[n]) for n in tree.path(i)) for i in range(tree.size)]
+
+
+@pytest.mark.parametrize("grown", ["expanded", "spine"])
+def test_the_tree_is_the_references_heaviest_candidates(case, grown):
+    """Every tree is the reference's own: the same nodes (as token paths) and weights equal to
+    their joint draft probabilities. "spine": a build without the head's tree step, where only
+    the greedy chain is stepped."""
+    name, root, recipe, pipe = case
+    target, heads = load_chain_heads(recipe, root)
+    head, drafter = heads[name], pipe.drafter(name)
+    saved = drafter.tree_step
+    assert saved is not None, "the build has no tree step for the head"
+    if grown == "spine":
+        drafter.tree_step = None
+    checked = 0
+    try:
+        with one_torch_thread():
+            for prompt in PROMPTS:
+                for context, tree, depth in trees_drafted(pipe, name, prompt):
+                    if grown == "spine":
+                        want, joints = spine_nodes(reference_levels(head, target, context, depth))
+                    else:
+                        want, joints = expanded_nodes(head, target, context, depth)
+                    if len(joints) > NODES and joints[NODES - 1] - joints[NODES] < 1e-3:
+                        continue  # a near-tie at the cut: torch and onnxruntime may keep either
+                    got = node_paths(tree)
+                    assert sorted(got) == sorted(want), (prompt, len(context), got, want)
+                    weight = dict(zip(got, tree.weights))
+                    assert [weight[p] for p in want] == pytest.approx(np.exp(joints[: len(want)]), rel=1e-3)
+                    checked += 1
+    finally:
+        drafter.tree_step = saved
+    assert checked >= 6, f"only {checked} trees checked"
+
+
+def off_spine(tree) -> int:
+    """Nodes whose parent is not the first node of the level above (the spine)."""
+    depths = tree.depths()
+    return sum(parent >= 0 and parent != int(np.flatnonzero(depths == depths[node] - 1)[0])
+               for node, parent in enumerate(tree.parents.tolist()))
+
+
+def test_the_tree_step_expands_siblings_and_the_spine_does_not(case):
+    """With the tree step some trees grow under a sibling; without it every node hangs under the
+    root or the spine, and trees still branch."""
+    name, _, _, pipe = case
+    drafter = pipe.drafter(name)
+    expanded = [tree for prompt in PROMPTS for _, tree, _ in trees_drafted(pipe, name, prompt)]
+    saved, drafter.tree_step = drafter.tree_step, None
+    try:
+        spine = [tree for prompt in PROMPTS for _, tree, _ in trees_drafted(pipe, name, prompt)]
+    finally:
+        drafter.tree_step = saved
+    assert sum(off_spine(t) for t in expanded) > 0, "no tree grew under a sibling"
+    assert sum(off_spine(t) for t in spine) == 0
+    assert max(int(np.bincount(t.depths()).max()) for t in spine) > 1, "no tree branched"
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_tree_decoding_is_the_target_alone(case, adaptive):
+    name, _, _, pipe = case
+    for prompt in PROMPTS:
+        ids = pipe.prompt_ids(prompt)
+        base = pipe.generate(prompt_ids=ids, max_new_tokens=20).token_ids
+        spec = pipe.generate(prompt_ids=ids, max_new_tokens=20, drafter=name, adaptive=adaptive,
+                             tree_nodes=NODES)
+        assert spec.stats.tree_nodes > 0, "no tree round ran"
+        assert_lossless(pipe, ids, base, spec.token_ids, f"{name} tree on {prompt!r}")
