@@ -15,6 +15,13 @@ where the product falls below it (a depth signal on top of the adaptive depth's 
 Sampling stays exact: each draft's q is the warped distribution it was drawn from, over target
 ids (a reduced draft vocabulary is mapped back through d2t).
 
+A tree (``propose_tree``, one sequence) branches where the block is unsure: the greedy block is
+the spine, each position's top-k hang under the spine node before it as leaves, and the nodes
+of highest joint draft probability are verified (runtime/tree.py ``spine_tree``). A block's
+positions are drafted together (DSpark's serial head conditions each on the spine's token
+before it), so only the spine can be extended; nothing is cached for the block's positions, so
+nothing changes for the cache.
+
 Rows of a batch: each slot keeps a ``BlockSlot`` (its pending features, its cache row, its
 numpy heads). One running row proposes through its slot alone, at batch 1. With more, every
 drafting row whose pending context fits a round's graph (C = 1+D) joins one call of the
@@ -51,6 +58,7 @@ from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut
 from specexport.runtime.engine import Engine
 from specexport.runtime.kv_cache import CacheLength
 from specexport.runtime.model import BatchedCall
+from specexport.runtime.tree import DraftTree, spine_tree, top_candidates
 
 PAD_ID = 0  # the anchor of a call whose drafts are thrown away (a prompt chunk)
 
@@ -269,6 +277,23 @@ class BlockSlot:
             return self._serial(out, anchor, k, sampling, rng)
         return self._parallel(out, k, sampling, rng)
 
+    def tree(self, context: np.ndarray, k: int, nodes: int, top_k: int) -> DraftTree:
+        """Up to ``nodes`` of the block's top-k per position over its greedy spine of up to ``k``."""
+        anchor = int(context[-1])
+        out = self._flush(anchor, True)
+        base = out[LOGITS][0]  # [n, V_d]
+        hidden = out[BLOCK_HIDDEN][0] if self.heads.serial else None  # [n, H]
+        if self.heads.serial:
+            self.heads.start()
+        tops, logps, prev = [], [], anchor
+        for j in range(min(k, self.drafts)):
+            logits = self.heads.step(base[j], hidden[j], prev)[0] if hidden is not None else base[j]  # [V_d]
+            ids, logp = top_candidates(logits, top_k)
+            tops.append(np.array([self.heads.target_id(int(i)) for i in ids], dtype=np.int64))
+            logps.append(logp)
+            prev = int(tops[-1][0])  # the spine: greedy, as a greedy block drafts it
+        return spine_tree(np.stack(tops), np.stack(logps), nodes, f"{self.name}/tree")
+
     def _parallel(self, out, k, sampling, rng) -> Draft:
         """DFlash: every slot's distribution is fixed by the block; each is drawn on its own."""
         if sampling.greedy:
@@ -347,6 +372,13 @@ class BlockDrafter:
         for array in (self.tensors or {}).values():
             array[dst, :, :length] = array[src, :, :length]
         self.slots[dst].adopt(self.slots[src])
+
+    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int) -> DraftTree | None:
+        """A tree for the one sequence (slot 0): BlockSlot.tree."""
+        slot = self.slots[0]
+        if slot.pending_rows == 0 or min(depth, slot.drafts) <= 0:
+            return None
+        return slot.tree(row.context, depth, nodes, top_k)
 
     def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
         n = len(rows)

@@ -55,7 +55,7 @@ from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut
 from specexport.runtime.engine import LazyEngine
 from specexport.runtime.model import Model
 from specexport.runtime.runner import PAD_ID
-from specexport.runtime.tree import ROOT, DraftTree, spine_tree, top_candidates
+from specexport.runtime.tree import ROOT, DraftTree, spine_settled, spine_tree, top_candidates
 
 if TYPE_CHECKING:
     from specexport.runtime.api import Pipeline
@@ -228,9 +228,7 @@ class ChainDrafter:
             tokens, logp = self._top(out[LOGITS][0, at], top_k)
             tops.append(tokens)
             logps.append(logp)
-            spine = np.cumsum([lp[0] for lp in logps])  # [j+1] log joint of the spine nodes
-            heavier = sum(int((spine[i] - lp[0] + lp >= spine[-1]).sum()) for i, lp in enumerate(logps))
-            if j + 1 == depth or heavier >= nodes:
+            if j + 1 == depth or spine_settled(logps, nodes):
                 break
             out = self.step.run(1, {0: (self._committed[0] + j, tokens[:1],
                                         {DRAFT_FEATURES: out[HIDDEN_OUT][0, at : at + 1]})}, True, (HIDDEN_OUT,))

@@ -25,7 +25,7 @@ from specexport.contract import LOGITS, NEXT_TOKENS
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
 from specexport.runtime.model import Model
 from specexport.runtime.rules import SequenceRules
-from specexport.runtime.tree import DraftTree
+from specexport.runtime.tree import DraftTree, spine_settled, spine_tree, top_candidates
 
 TargetOut = Mapping[str, np.ndarray]  # target output name -> [n, ...] rows of committed positions
 PartCosts = Mapping[str, Mapping[int, float]]  # a drafter's graph part ("step", "catchup", "block") -> tokens -> ms
@@ -280,6 +280,31 @@ class ModelDrafter:
             self._base[r], self._k[r] = len(rows[r].context), ks[r]
             drafts[r] = Draft(tokens[r, : ks[r]].copy(), None if rows[r].sampling.greedy else probs[r], self.name)
         return drafts
+
+    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int) -> DraftTree | None:
+        """The model's greedy chain of up to ``depth`` as the spine, each step's top-k hanging
+        under it as leaves (runtime/tree.py spine_tree): the tree branches where the model is
+        unsure, and the chain stops once no deeper node can make the cut. A path may end on a
+        leaf the cache never held, so the round keeps only the context in the cache: the next
+        round feeds what was accepted."""
+        context = row.context
+        depth = min(depth, self.model.max_seq_len - len(context))
+        if depth <= 0:
+            return None
+        self._length[0] = min(self._length[0], len(context) - 1)  # always feed the last token
+        fed = context[self._length[0] :]
+        out = self._run(1, {0: fed}, True)
+        at = len(fed) - 1
+        tops, logps = [], []  # per level: [k] tokens, [k] log q
+        for j in range(depth):
+            tokens, logp = top_candidates(out[LOGITS][0, at], top_k)
+            tops.append(tokens)
+            logps.append(logp)
+            if j + 1 == depth or spine_settled(logps, nodes):
+                break
+            out, at = self._run(1, {0: tokens[:1]}, True), 0
+        self._base[0], self._k[0] = len(context), 1  # accept keeps base + min(n, 0): the context
+        return spine_tree(np.stack(tops), np.stack(logps), nodes, f"{self.name}/tree")
 
     def accept(self, slot: int, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
         # The row holds the context and drafts 1..k-1; keep those the target accepted.

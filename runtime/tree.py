@@ -144,6 +144,16 @@ def spine_tree(top_tokens: np.ndarray, top_logprobs: np.ndarray, nodes: int, tag
                      np.array(weights, dtype=np.float64))
 
 
+def spine_settled(logps: list[np.ndarray], nodes: int) -> bool:
+    """Drafting a chain for ``spine_tree`` level by level (``logps``: each level's log q so far,
+    best first): can a deeper level still place a node among the ``nodes`` heaviest? No once
+    ``nodes`` candidates weigh at least the deepest spine node, since joint probability only
+    falls along the spine."""
+    spine = np.cumsum([lp[0] for lp in logps])  # [j] log joint of the spine nodes
+    heavier = sum(int((spine[i] - lp[0] + lp >= spine[-1]).sum()) for i, lp in enumerate(logps))
+    return heavier >= nodes
+
+
 def top_candidates(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """A drafter's ``k`` best tokens after one position and their log-probabilities, best first
     (logits [V]; -inf outside a head's draft vocabulary)."""

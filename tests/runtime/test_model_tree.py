@@ -1,0 +1,93 @@
+"""A draft model's token trees (runtime/drafters.py ModelDrafter.propose_tree): the int4 copy of
+the target and a separate draft model draft their greedy chain as the spine with each step's
+top-k as leaves. Every tree is checked against the same model run from an empty cache on the
+committed context (so a round that left a stale draft row in the cache, after a path that ended
+on a leaf, is caught), and decoding with trees stays exactly the target's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.conftest import TINY_SHAPE
+from tests.lossless import assert_lossless
+
+NODES, TOP_K = 6, 4
+DRAFTERS = ("quantized-self", "draft-model")
+PROMPTS = ["a b a b a b a b", "The cat sat on the mat. The cat", "1, 2, 3, 1, 2, 3"]
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_engines):
+    from specexport.runtime import load
+
+    engines = tiny_engines.get("llama", drafters=DRAFTERS, attention="ort-gqa", tree_nodes=NODES, **TINY_SHAPE)
+    return load(engines, threads=2)
+
+
+def trees_drafted(pipe, name: str, prompt: str) -> list[tuple[np.ndarray, object, int]]:
+    drafter = pipe.drafter(name)
+    seen = []
+    propose_tree = drafter.propose_tree
+
+    def spy(row, depth, nodes, top_k):
+        tree = propose_tree(row, depth, nodes, top_k)
+        if tree is not None:
+            seen.append((np.array(row.context), tree, depth))
+        return tree
+
+    drafter.propose_tree = spy
+    try:
+        pipe.generate(prompt, drafter=name, max_new_tokens=16, adaptive=False, tree_nodes=NODES)
+    finally:
+        del drafter.propose_tree
+    return seen
+
+
+def fresh_levels(pipe, name: str, context: np.ndarray, depth: int) -> list[np.ndarray]:
+    """The draft model's log q at each level of its greedy chain after ``context``, from an empty
+    cache (its batch-1 runner; the decode that used it is over)."""
+    runner = pipe.drafter(name).model.runners[0]
+    runner.cache.set_length(0)
+    logits = runner.forward(context, want_logits=True).logits[-1]  # [V]
+    levels = []
+    for _ in range(depth):
+        levels.append(logits - np.logaddexp.reduce(logits.astype(np.float64)))
+        logits = runner.forward([int(np.argmax(logits))], want_logits=True).logits[-1]
+    return levels
+
+
+def spine_paths(levels: list[np.ndarray]) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    spine, path, found = 0.0, (), []
+    for logp in levels:
+        top = np.argsort(-logp, kind="stable")[:TOP_K]
+        found += [(spine + float(logp[t]), path + (int(t),)) for t in top]
+        spine, path = spine + float(logp[top[0]]), path + (int(top[0]),)
+    found.sort(key=lambda c: -c[0])
+    return [p for _, p in found[:NODES]], np.array([j for j, _ in found])
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_each_tree_is_the_models_own_spine_and_siblings(pipe, name):
+    checked = 0
+    for prompt in PROMPTS:
+        for context, tree, depth in trees_drafted(pipe, name, prompt):
+            want, joints = spine_paths(fresh_levels(pipe, name, context, depth))
+            if len(joints) > NODES and joints[NODES - 1] - joints[NODES] < 1e-4:
+                continue  # a near-tie at the cut
+            got = [tuple(int(tree.tokens[n]) for n in tree.path(i)) for i in range(tree.size)]
+            assert sorted(got) == sorted(want), (name, prompt, len(context), got, want)
+            weight = dict(zip(got, tree.weights))
+            assert [weight[p] for p in want] == pytest.approx(np.exp(joints[: len(want)]), rel=1e-4)
+            checked += 1
+    assert checked >= 6, f"only {checked} trees checked"
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_greedy_model_trees_decode_as_the_target_alone(pipe, name):
+    for prompt in PROMPTS:
+        ids = pipe.prompt_ids(prompt)
+        base = pipe.generate(prompt_ids=ids, max_new_tokens=24).token_ids
+        spec = pipe.generate(prompt_ids=ids, max_new_tokens=24, drafter=name, adaptive=False, tree_nodes=NODES)
+        assert spec.stats.tree_nodes > 0, "no tree round ran"
+        assert_lossless(pipe, ids, base, spec.token_ids, f"{name} tree on {prompt!r}")
