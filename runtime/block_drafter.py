@@ -58,7 +58,7 @@ from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut
 from specexport.runtime.engine import Engine
 from specexport.runtime.kv_cache import CacheLength
 from specexport.runtime.model import BatchedCall
-from specexport.runtime.tree import DraftTree, spine_tree, top_candidates
+from specexport.runtime.tree import DraftTree, grow_spine, top_candidates
 
 PAD_ID = 0  # the anchor of a call whose drafts are thrown away (a prompt chunk)
 
@@ -278,21 +278,27 @@ class BlockSlot:
         return self._parallel(out, k, sampling, rng)
 
     def tree(self, context: np.ndarray, k: int, nodes: int, top_k: int) -> DraftTree:
-        """Up to ``nodes`` of the block's top-k per position over its greedy spine of up to ``k``."""
+        """Up to ``nodes`` of the block's top-k per position over its greedy spine of up to ``k``
+        (runtime/tree.py grow_spine; DSpark's serial head conditions each position on the spine's
+        token before it)."""
         anchor = int(context[-1])
         out = self._flush(anchor, True)
         base = out[LOGITS][0]  # [n, V_d]
         hidden = out[BLOCK_HIDDEN][0] if self.heads.serial else None  # [n, H]
-        if self.heads.serial:
+        if hidden is not None:
             self.heads.start()
-        tops, logps, prev = [], [], anchor
-        for j in range(min(k, self.drafts)):
-            logits = self.heads.step(base[j], hidden[j], prev)[0] if hidden is not None else base[j]  # [V_d]
-            ids, logp = top_candidates(logits, top_k)
-            tops.append(np.array([self.heads.target_id(int(i)) for i in ids], dtype=np.int64))
-            logps.append(logp)
-            prev = int(tops[-1][0])  # the spine: greedy, as a greedy block drafts it
-        return spine_tree(np.stack(tops), np.stack(logps), nodes, f"{self.name}/tree")
+        position = iter(range(len(base)))
+
+        def next_logits(token: int | None) -> np.ndarray:  # [V_d] the next position's
+            j = next(position)
+            return self.heads.step(base[j], hidden[j], anchor if token is None else token)[0] \
+                if hidden is not None else base[j]
+
+        def top(logits: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:  # over target ids
+            ids, logp = top_candidates(logits, count)
+            return np.array([self.heads.target_id(int(i)) for i in ids], dtype=np.int64), logp
+
+        return grow_spine(next_logits, min(k, self.drafts), nodes, top_k, f"{self.name}/tree", top)
 
     def _parallel(self, out, k, sampling, rng) -> Draft:
         """DFlash: every slot's distribution is fixed by the block; each is drawn on its own."""

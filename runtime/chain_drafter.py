@@ -55,7 +55,7 @@ from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut
 from specexport.runtime.engine import LazyEngine
 from specexport.runtime.model import Model
 from specexport.runtime.runner import PAD_ID
-from specexport.runtime.tree import ROOT, DraftTree, spine_settled, spine_tree, top_candidates
+from specexport.runtime.tree import ROOT, DraftTree, grow_spine, top_candidates
 
 if TYPE_CHECKING:
     from specexport.runtime.api import Pipeline
@@ -194,46 +194,37 @@ class ChainDrafter:
                    position: int) -> dict[str, np.ndarray]:
         """One tree-step call over the candidates ``chosen`` (one level, at ``position``), their
         rows written at ``write`` onwards; each sees the committed rows and its ancestors'."""
-        n, rows = len(chosen), self.tree_rows
-        s_max = next(iter(cache.values())).shape[2]
-        ids = np.full((1, rows), PAD_ID, dtype=np.int64)  # [1, T]
-        ids[0, :n] = [token[c] for c in chosen]
-        features = np.zeros((1, rows, len(hidden_of[ROOT])), dtype=np.float32)  # [1, T, H]
-        offsets = np.zeros((1, rows), dtype=np.int64)  # [1, T]: position - write slot
-        mask = np.zeros((1, rows, s_max), dtype=bool)  # [1, T, S_max]
-        mask[0, :n, : self._committed[0]] = True
-        for i, c in enumerate(chosen):
-            features[0, i] = hidden_of[parent[c]]
-            offsets[0, i] = position - write
-            ancestor = parent[c]
+        seen = []  # each row's ancestors' slots
+        for c in chosen:
+            slots, ancestor = [], parent[c]
             while ancestor != ROOT:
-                mask[0, i, slot_of[ancestor]] = True
+                slots.append(slot_of[ancestor])
                 ancestor = parent[ancestor]
-        feeds = {**cache, INPUT_IDS: ids, DRAFT_FEATURES: features, CACHE_LENGTH: np.array([write], dtype=np.int64),
-                 TREE_OFFSETS: offsets, TREE_PAST_MASK: mask}
+            seen.append(slots)
+        feeds = tree_step_feeds(cache, self.tree_rows, [token[c] for c in chosen],
+                                np.stack([hidden_of[parent[c]] for c in chosen]), write,
+                                [position] * len(chosen), self._committed[0], seen)
         start = time.perf_counter()
         out = self.tree_step.run(feeds, [LOGITS, HIDDEN_OUT, *present_names(layers)])
         self._tree_seconds += time.perf_counter() - start
         for past, present in zip(past_names(layers), present_names(layers)):
-            cache[past][:, :, write : write + n] = out[present][:, :, :n]  # [1, n_kv, n, hd]
+            cache[past][:, :, write : write + len(chosen)] = out[present][:, :, : len(chosen)]  # [1, n_kv, n, hd]
         return out
 
     def _spine(self, out: dict[str, np.ndarray], at: int, depth: int, nodes: int, top_k: int) -> DraftTree:
-        """The tree over the greedy chain of up to ``depth`` steps (runtime/tree.py spine_tree).
-        The chain stops once no deeper node can make the cut: joint probability only falls along
-        it, and ``nodes`` candidates already weigh more."""
+        """The tree over the head's greedy chain of up to ``depth`` steps (runtime/tree.py grow_spine)."""
+        steps = 0
+
+        def next_logits(token: int | None) -> np.ndarray:  # [V] level 1, then one step per spine token
+            nonlocal out, at, steps
+            if token is not None:
+                out = self.step.run(1, {0: (self._committed[0] + steps, np.array([token]),
+                                            {DRAFT_FEATURES: out[HIDDEN_OUT][0, at : at + 1]})}, True, (HIDDEN_OUT,))
+                at, steps = 0, steps + 1
+            return out[LOGITS][0, at]
+
         depth = min(depth, self.max_seq_len - self._committed[0] + 1)
-        tops, logps = [], []  # per level: [k] tokens, [k] log q
-        for j in range(depth):
-            tokens, logp = self._top(out[LOGITS][0, at], top_k)
-            tops.append(tokens)
-            logps.append(logp)
-            if j + 1 == depth or spine_settled(logps, nodes):
-                break
-            out = self.step.run(1, {0: (self._committed[0] + j, tokens[:1],
-                                        {DRAFT_FEATURES: out[HIDDEN_OUT][0, at : at + 1]})}, True, (HIDDEN_OUT,))
-            at = 0
-        return spine_tree(np.stack(tops), np.stack(logps), nodes, f"{self.name}/tree")
+        return grow_spine(next_logits, depth, nodes, top_k, f"{self.name}/tree", self._top)
 
     def _top(self, logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The head's k best target ids after one row and their log q (logits [V_target]), over
@@ -267,6 +258,28 @@ class ChainDrafter:
             return int(out[NEXT_TOKENS][r, at])
         probs.append(row.q(out[LOGITS][r, at], drafted))  # over target ids (-inf outside the draft vocabulary)
         return int(probs[-1].draw(row.rng))
+
+
+def tree_step_feeds(cache: dict[str, np.ndarray], rows: int, tokens: Sequence[int], features: np.ndarray, write: int,
+                    positions: Sequence[int], committed: int, seen: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
+    """A head's tree-step feeds (exporter/heads/chain_tree.py): ``tokens`` (at most ``rows``)
+    with ``features`` [n, H] at ``positions``, written from cache slot ``write``; node i sees the
+    ``committed`` rows and the slots ``seen[i]`` (its ancestors'). Missing rows are pads that see
+    nothing but themselves. The runtime's expansion and the build's validation both feed
+    through here."""
+    n, s_max = len(tokens), next(iter(cache.values())).shape[2]
+    ids = np.full((1, rows), PAD_ID, dtype=np.int64)  # [1, T]
+    ids[0, :n] = tokens
+    feats = np.zeros((1, rows, features.shape[-1]), dtype=np.float32)  # [1, T, H]
+    feats[0, :n] = features
+    offsets = np.zeros((1, rows), dtype=np.int64)  # [1, T]: position - write slot
+    offsets[0, :n] = np.asarray(positions) - write
+    mask = np.zeros((1, rows, s_max), dtype=bool)  # [1, T, S_max]
+    mask[0, :n, :committed] = True
+    for i, slots in enumerate(seen):
+        mask[0, i, list(slots)] = True
+    return {**cache, INPUT_IDS: ids, DRAFT_FEATURES: feats, CACHE_LENGTH: np.array([write], dtype=np.int64),
+            TREE_OFFSETS: offsets, TREE_PAST_MASK: mask}
 
 
 def make(pipe: Pipeline, entry: DrafterEntry, slots: int) -> ChainDrafter:

@@ -25,7 +25,7 @@ from specexport.contract import LOGITS, NEXT_TOKENS
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
 from specexport.runtime.model import Model
 from specexport.runtime.rules import SequenceRules
-from specexport.runtime.tree import DraftTree, spine_settled, spine_tree, top_candidates
+from specexport.runtime.tree import DraftTree, grow_spine
 
 TargetOut = Mapping[str, np.ndarray]  # target output name -> [n, ...] rows of committed positions
 PartCosts = Mapping[str, Mapping[int, float]]  # a drafter's graph part ("step", "catchup", "block") -> tokens -> ms
@@ -292,19 +292,14 @@ class ModelDrafter:
         if depth <= 0:
             return None
         self._length[0] = min(self._length[0], len(context) - 1)  # always feed the last token
-        fed = context[self._length[0] :]
-        out = self._run(1, {0: fed}, True)
-        at = len(fed) - 1
-        tops, logps = [], []  # per level: [k] tokens, [k] log q
-        for j in range(depth):
-            tokens, logp = top_candidates(out[LOGITS][0, at], top_k)
-            tops.append(tokens)
-            logps.append(logp)
-            if j + 1 == depth or spine_settled(logps, nodes):
-                break
-            out, at = self._run(1, {0: tokens[:1]}, True), 0
+
+        def next_logits(token: int | None) -> np.ndarray:  # [V]: the context's last row, then each step's
+            fed = context[self._length[0] :] if token is None else np.array([token])
+            return self._run(1, {0: fed}, True)[LOGITS][0, len(fed) - 1]
+
+        tree = grow_spine(next_logits, depth, nodes, top_k, f"{self.name}/tree")
         self._base[0], self._k[0] = len(context), 1  # accept keeps base + min(n, 0): the context
-        return spine_tree(np.stack(tops), np.stack(logps), nodes, f"{self.name}/tree")
+        return tree
 
     def accept(self, slot: int, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
         # The row holds the context and drafts 1..k-1; keep those the target accepted.

@@ -144,14 +144,26 @@ def spine_tree(top_tokens: np.ndarray, top_logprobs: np.ndarray, nodes: int, tag
                      np.array(weights, dtype=np.float64))
 
 
-def spine_settled(logps: list[np.ndarray], nodes: int) -> bool:
-    """Drafting a chain for ``spine_tree`` level by level (``logps``: each level's log q so far,
-    best first): can a deeper level still place a node among the ``nodes`` heaviest? No once
-    ``nodes`` candidates weigh at least the deepest spine node, since joint probability only
-    falls along the spine."""
-    spine = np.cumsum([lp[0] for lp in logps])  # [j] log joint of the spine nodes
-    heavier = sum(int((spine[i] - lp[0] + lp >= spine[-1]).sum()) for i, lp in enumerate(logps))
-    return heavier >= nodes
+def grow_spine(next_logits: Callable[[int | None], np.ndarray], depth: int, nodes: int, top_k: int,
+               tag: str = "", top: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]] | None = None) -> DraftTree:
+    """``spine_tree`` over a chain drafted here: ``next_logits(None)`` gives level 1's logits,
+    ``next_logits(token)`` the next level's after the spine's ``token``; ``top`` picks a level's
+    candidates (default ``top_candidates``). The chain stops at ``depth`` levels, or once no
+    deeper node can make the cut: ``nodes`` candidates already weigh at least the deepest spine
+    node, and joint probability only falls along the spine."""
+    top = top or top_candidates
+    tops, logps = [], []  # per level: [k] tokens, [k] log q
+    logits = next_logits(None)
+    for j in range(depth):
+        tokens, logp = top(logits, top_k)
+        tops.append(tokens)
+        logps.append(logp)
+        spine = np.cumsum([lp[0] for lp in logps])  # [j+1] log joint of the spine nodes
+        heavier = sum(int((spine[i] - lp[0] + lp >= spine[-1]).sum()) for i, lp in enumerate(logps))
+        if j + 1 == depth or heavier >= nodes:
+            break
+        logits = next_logits(int(tokens[0]))
+    return spine_tree(np.stack(tops), np.stack(logps), nodes, tag)
 
 
 def top_candidates(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -81,15 +81,9 @@ class TreeVerifier:
     def time_run(self, rows: int, want_logits: bool = False) -> float:
         """Seconds of one pass over a chain of ``rows`` rows at the cache's far end, where
         nothing committed lies (time_interleaved's runner protocol); the cache is not moved."""
-        chain = DraftTree.chain(np.full(rows - 1, PAD_ID, dtype=np.int64))
-        engine = self.engines[rows]
-        length = self.cache.max_seq_len - rows
-        feeds = {**self.cache.view(), **tree_feeds(chain, PAD_ID, length, VALID_TOKENS in engine.inputs)}
-        names = [NEXT_TOKENS, *([LOGITS] if want_logits else [])]
-        if not self.in_place:
-            names += [present_of(p) for p in self.cache.view()]
         start = time.perf_counter()
-        engine.run(feeds, names, self.cache.in_place_outputs() if self.in_place else None)
+        self._call(DraftTree.chain(np.full(rows - 1, PAD_ID, dtype=np.int64)), PAD_ID,
+                   self.cache.max_seq_len - rows, want_logits, ())
         return time.perf_counter() - start
 
     def end_timing(self, sizes) -> None:
@@ -103,23 +97,27 @@ class TreeVerifier:
         if not self.fits(length, n):
             raise ValueError(f"a tree of {n} nodes at length {length} does not fit the tree graph")
         rows = self._size(n)
-        engine = self.engines[rows]
         padded = DraftTree(np.concatenate((tree.tokens, np.full(rows - 1 - n, PAD_ID, dtype=np.int64))),
                            np.concatenate((tree.parents, np.full(rows - 1 - n, -1, dtype=np.int64))))
         self.cache.set_length(min(length, self.cache.length))
-        feeds = {**self.cache.view(), **tree_feeds(padded, root, length, VALID_TOKENS in engine.inputs)}
-        names = [NEXT_TOKENS, *([LOGITS] if want_logits else []), *want]
-        bound = self.cache.in_place_outputs() if self.in_place else None
-        if not self.in_place:
-            names += [present_of(p) for p in self.cache.view()]
         start = time.perf_counter()
-        out = engine.run(feeds, names, bound)
+        out = self._call(padded, root, length, want_logits, want)
         elapsed = time.perf_counter() - start
         self.seconds += elapsed
         if self._costs:
             self._costs[rows] = observed(self._costs.get(rows), elapsed)
         self._presents = {p: out.pop(present_of(p)) for p in self.cache.view()} if not self.in_place else {}
         return {name: value[0, : 1 + n] for name, value in out.items()}
+
+    def _call(self, tree: DraftTree, root: int, length: int, want_logits: bool,
+              want: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """One pass of the graph holding ``tree`` (already padded to its rows) at ``length``."""
+        engine = self.engines[1 + tree.size]
+        feeds = {**self.cache.view(), **tree_feeds(tree, root, length, VALID_TOKENS in engine.inputs)}
+        names = [NEXT_TOKENS, *([LOGITS] if want_logits else []), *want]
+        if not self.in_place:
+            names += [present_of(p) for p in self.cache.view()]
+        return engine.run(feeds, names, self.cache.in_place_outputs() if self.in_place else None)
 
     def commit(self, length: int, path: list[int]) -> None:
         """Keep the root and the accepted nodes ``path`` (root to leaf) at ``length``, ``length``+1, ...:

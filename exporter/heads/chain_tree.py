@@ -35,7 +35,7 @@ from specexport.exporter.heads.base import HeadContext
 from specexport.exporter.heads.chain import ChainGraph, _draftable, target_states
 from specexport.exporter.onnx_export import export_module
 from specexport.exporter.validate import Parity
-from specexport.runtime.runner import PAD_ID
+from specexport.runtime.chain_drafter import tree_step_feeds
 
 
 class ChainTreeGraph(ChainGraph):
@@ -77,27 +77,6 @@ def build_chain_tree(ctx: HeadContext, spec, store, rows: int) -> tuple[str, obj
     return ctx.save_graph(proto, Role.TREE, rows, store)
 
 
-def level_feeds(cache_view: dict[str, np.ndarray], tokens: list[int], features: np.ndarray, write_at: int,
-                positions: list[int], visible: list[list[int]], committed: int, rows: int) -> dict[str, np.ndarray]:
-    """The feeds of one tree-step call: ``tokens`` (at most ``rows``) with ``features`` [n, H] at
-    ``positions``, written from slot ``write_at``; node i sees slots < ``committed`` and the
-    slots ``visible[i]`` (its ancestors'). Missing rows are pads that see nothing but themselves."""
-    s_max = next(iter(cache_view.values())).shape[2]
-    n = len(tokens)
-    ids = np.full((1, rows), PAD_ID, dtype=np.int64)  # [1, T]
-    ids[0, :n] = tokens
-    feats = np.zeros((1, rows, features.shape[-1]), dtype=np.float32)  # [1, T, H]
-    feats[0, :n] = features
-    offsets = np.zeros((1, rows), dtype=np.int64)  # [1, T]
-    offsets[0, :n] = np.asarray(positions) - write_at
-    mask = np.zeros((1, rows, s_max), dtype=bool)  # [1, T, S_max]
-    mask[0, :n, :committed] = True
-    for i, slots in enumerate(visible):
-        mask[0, i, slots] = True
-    return {**cache_view, INPUT_IDS: ids, DRAFT_FEATURES: feats, CACHE_LENGTH: np.array([write_at], dtype=np.int64),
-            TREE_OFFSETS: offsets, TREE_PAST_MASK: mask}
-
-
 def validate_chain_tree(ctx: HeadContext, reference, name: str, path, rows: int, cache) -> None:
     """The tree step against the reference on each node's path. ``cache`` holds the catch-up
     rows of the builder's reference text (chain.validate_chain's); it is written past L. With
@@ -118,8 +97,8 @@ def validate_chain_tree(ctx: HeadContext, reference, name: str, path, rows: int,
     parity = Parity()
     with ctx.step("validate", f"{ctx.name} tree step") as s:
         level1 = [int(ids[length + 1 + i]) for i in range(rows)]  # distinct enough: the text's next tokens
-        feeds = level_feeds(cache.view(), level1, np.repeat(hidden[-1:].numpy(), rows, 0), length,
-                            [length] * rows, [[] for _ in level1], length, rows)
+        feeds = tree_step_feeds(cache.view(), rows, level1, np.repeat(hidden[-1:].numpy(), rows, 0), length,
+                                [length] * rows, length, [[] for _ in level1])
         layers = len(cache.view()) // 2
         out = engine.run(feeds, [LOGITS, NEXT_TOKENS, HIDDEN_OUT, *present_names(layers)])
         for past, present in zip(past_names(layers), present_names(layers)):
@@ -129,8 +108,8 @@ def validate_chain_tree(ctx: HeadContext, reference, name: str, path, rows: int,
         # level 2: children of nodes 0 and 1 alternately, at slot L + rows onwards
         parents = [i % 2 for i in range(rows)]
         level2 = [int(ids[length + 2 + i]) for i in range(rows)]
-        feeds = level_feeds(cache.view(), level2, np.stack([out[HIDDEN_OUT][0, p] for p in parents]),
-                            length + rows, [length + 1] * rows, [[length + p] for p in parents], length, rows)
+        feeds = tree_step_feeds(cache.view(), rows, level2, np.stack([out[HIDDEN_OUT][0, p] for p in parents]),
+                                length + rows, [length + 1] * rows, length, [[length + p] for p in parents])
         out2 = engine.run(feeds, [LOGITS, NEXT_TOKENS, HIDDEN_OUT])
         deeper = {i: (paths[p][0] + [level2[i]], paths[p][1] + [torch.from_numpy(paths[p][2])], None)
                   for i, p in enumerate(parents)}

@@ -18,6 +18,7 @@ from tests.heads.block_checkpoints import (
     write_zlab_dflash,
 )
 from tests.lossless import assert_lossless
+from tests.tree_checks import check_trees, spine_choice, trees_drafted
 
 NODES, TOP_K = 5, 3
 HEADS = {"zlab": ("z-lab", write_zlab_dflash), "ds": ("deepspec", write_deepspec_dspark)}
@@ -44,28 +45,9 @@ def pipe(folders):
     return load(build(raw, root, root / "engines"))
 
 
-def trees_drafted(pipe, head: str, prompt: str) -> list[tuple[np.ndarray, object, int]]:
-    drafter = pipe.drafter(head)
-    seen = []
-    propose_tree = drafter.propose_tree
-
-    def spy(row, depth, nodes, top_k):
-        tree = propose_tree(row, depth, nodes, top_k)
-        if tree is not None:
-            seen.append((np.array(row.context), tree, depth))
-        return tree
-
-    drafter.propose_tree = spy
-    try:
-        pipe.generate(prompt, drafter=head, max_new_tokens=12, adaptive=False, tree_nodes=NODES)
-    finally:
-        del drafter.propose_tree
-    return seen
-
-
 def reference_nodes(folder, layout: str, target, context: np.ndarray, depth: int):
     """The published math's block after ``context``: each position's top-k (target ids) under
-    the greedy spine, the NODES heaviest as token paths, and every candidate's log joint."""
+    the greedy spine (tests/tree_checks.spine_choice)."""
     from specexport.exporter.heads.block import read_checkpoint
     from specexport.exporter.heads.block_reference import reference_block
 
@@ -75,29 +57,20 @@ def reference_nodes(folder, layout: str, target, context: np.ndarray, depth: int
     hidden = tuple(h[0].numpy() for h in out.hidden_states)
     logits, _ = reference_block(layout, ckpt.config, ckpt.tensors, target, hidden, context, len(context) - 1)
     d2t = ckpt.tensors["d2t"].numpy() if "d2t" in ckpt.tensors else None
-    spine, path, found = 0.0, (), []
+    levels = []
     for row in torch.from_numpy(np.asarray(logits[:depth])):
         top = torch.topk(torch.log_softmax(row.double(), dim=-1), TOP_K)
         ids = [int(i) + (int(d2t[i]) if d2t is not None else 0) for i in top.indices]
-        found += [(spine + float(v), path + (t,)) for v, t in zip(top.values, ids)]
-        spine, path = spine + float(top.values[0]), path + (ids[0],)
-    found.sort(key=lambda c: -c[0])
-    return [p for _, p in found[:NODES]], np.array([j for j, _ in found])
+        levels.append((ids, top.values.tolist()))
+    return spine_choice(levels, NODES)
 
 
 def test_dflash_trees_are_the_references_heaviest_candidates(pipe, folders, target):
     _, paths = folders
-    checked = 0
-    for prompt in PROMPTS:
-        for context, tree, depth in trees_drafted(pipe, "zlab", prompt):
-            want, joints = reference_nodes(paths["zlab"], "z-lab", target, context, depth)
-            if len(joints) > NODES and joints[NODES - 1] - joints[NODES] < 1e-3:
-                continue  # a near-tie at the cut
-            got = [tuple(int(tree.tokens[n]) for n in tree.path(i)) for i in range(tree.size)]
-            assert sorted(got) == sorted(want), (prompt, len(context), got, want)
-            weight = dict(zip(got, tree.weights))
-            assert [weight[p] for p in want] == pytest.approx(np.exp(joints[: len(want)]), rel=1e-3)
-            checked += 1
+    checked = sum(check_trees(trees_drafted(pipe, "zlab", prompt, NODES),
+                              lambda context, depth: reference_nodes(paths["zlab"], "z-lab", target, context, depth),
+                              NODES, 1e-3, 1e-3)
+                  for prompt in PROMPTS)
     assert checked >= 6, f"only {checked} trees checked"
 
 
@@ -110,5 +83,5 @@ def test_greedy_block_trees_decode_as_the_target_alone(pipe, head):
         spec = pipe.generate(prompt_ids=ids, max_new_tokens=20, drafter=head, adaptive=False, tree_nodes=NODES)
         assert spec.stats.tree_nodes > 0, "no tree round ran"
         assert_lossless(pipe, ids, base, spec.token_ids, f"{head} tree on {prompt!r}")
-        branched += max(int(np.bincount(t.depths()).max()) for _, t, _ in trees_drafted(pipe, head, prompt)) > 1
+        branched += max(int(np.bincount(t.depths()).max()) for _, t, _ in trees_drafted(pipe, head, prompt, NODES)) > 1
     assert branched, "no tree branched"

@@ -18,6 +18,7 @@ from tests.heads.chain_reference import context_states, load_chain_heads, one_to
 from tests.heads.common import PROMPTS, build
 from tests.heads.test_eagle3 import TARGET, target_config
 from tests.lossless import assert_lossless
+from tests.tree_checks import check_trees, spine_choice, trees_drafted
 
 NODES, TOP_K = 5, 3
 TREE = {"max_draft": 3, "tree": {"max_nodes": NODES, "top_k": TOP_K}}
@@ -44,38 +45,11 @@ def case(request, tmp_path_factory):
     return name, root, RECIPES[name], load(build(RECIPES[name], root, root / "out"))
 
 
-def trees_drafted(pipe, head: str, prompt: str, new_tokens: int = 12) -> list[tuple[np.ndarray, object, int]]:
-    """Greedy tree decoding at fixed depth, recording every tree with the context it followed
-    and the depth asked for (less than D near the end of the output)."""
-    drafter = pipe.drafter(head)
-    seen = []
-    propose_tree = drafter.propose_tree
-
-    def spy(row, depth, nodes, top_k):
-        tree = propose_tree(row, depth, nodes, top_k)
-        if tree is not None:
-            seen.append((np.array(row.context), tree, depth))
-        return tree
-
-    drafter.propose_tree = spy
-    try:
-        pipe.generate(prompt, drafter=head, max_new_tokens=new_tokens, adaptive=False, tree_nodes=NODES)
-    finally:
-        del drafter.propose_tree
-    return seen
-
-
 def spine_nodes(levels: list[torch.Tensor]) -> tuple[list[tuple[int, ...]], np.ndarray]:
     """Without the tree step: the reference's choice over its greedy chain (level j's top-k under
-    the spine node above), as root-to-node token paths of the NODES heaviest, and every
-    candidate's log joint probability, heaviest first."""
-    spine, path, found = 0.0, (), []
-    for logits in levels:
-        top = torch.topk(torch.log_softmax(logits.double(), dim=-1), TOP_K)
-        found += [(spine + float(v), path + (int(t),)) for v, t in zip(top.values, top.indices)]
-        spine, path = spine + float(top.values[0]), path + (int(top.indices[0]),)
-    found.sort(key=lambda c: -c[0])
-    return [p for _, p in found[:NODES]], np.array([j for j, _ in found])
+    the spine node above)."""
+    tops = [torch.topk(torch.log_softmax(logits.double(), dim=-1), TOP_K) for logits in levels]
+    return spine_choice([(top.indices.tolist(), top.values.tolist()) for top in tops], NODES)
 
 
 def expanded_nodes(head, target, context: np.ndarray, depth: int) -> tuple[list[tuple[int, ...]], np.ndarray]:
@@ -111,10 +85,6 @@ def expanded_nodes(head, target, context: np.ndarray, depth: int) -> tuple[list[
     return ranked[:NODES], np.array([found[p][0] for p in ranked])
 
 
-def node_paths(tree) -> list[tuple[int, ...]]:
-    return [tuple(int(tree.tokens[n]) for n in tree.path(i)) for i in range(tree.size)]
-
-
 @pytest.mark.parametrize("grown", ["expanded", "spine"])
 def test_the_tree_is_the_references_heaviest_candidates(case, grown):
     """Every tree is the reference's own: the same nodes (as token paths) and weights equal to
@@ -127,22 +97,15 @@ def test_the_tree_is_the_references_heaviest_candidates(case, grown):
     assert saved is not None, "the build has no tree step for the head"
     if grown == "spine":
         drafter.tree_step = None
-    checked = 0
     try:
         with one_torch_thread():
-            for prompt in PROMPTS:
-                for context, tree, depth in trees_drafted(pipe, name, prompt):
-                    if grown == "spine":
-                        want, joints = spine_nodes(reference_levels(head, target, context, depth))
-                    else:
-                        want, joints = expanded_nodes(head, target, context, depth)
-                    if len(joints) > NODES and joints[NODES - 1] - joints[NODES] < 1e-3:
-                        continue  # a near-tie at the cut: torch and onnxruntime may keep either
-                    got = node_paths(tree)
-                    assert sorted(got) == sorted(want), (prompt, len(context), got, want)
-                    weight = dict(zip(got, tree.weights))
-                    assert [weight[p] for p in want] == pytest.approx(np.exp(joints[: len(want)]), rel=1e-3)
-                    checked += 1
+            def reference(context, depth):
+                if grown == "spine":
+                    return spine_nodes(reference_levels(head, target, context, depth))
+                return expanded_nodes(head, target, context, depth)
+
+            checked = sum(check_trees(trees_drafted(pipe, name, prompt, NODES), reference, NODES, 1e-3, 1e-3)
+                          for prompt in PROMPTS)
     finally:
         drafter.tree_step = saved
     assert checked >= 6, f"only {checked} trees checked"
@@ -160,10 +123,10 @@ def test_the_tree_step_expands_siblings_and_the_spine_does_not(case):
     root or the spine, and trees still branch."""
     name, _, _, pipe = case
     drafter = pipe.drafter(name)
-    expanded = [tree for prompt in PROMPTS for _, tree, _ in trees_drafted(pipe, name, prompt)]
+    expanded = [tree for prompt in PROMPTS for _, tree, _ in trees_drafted(pipe, name, prompt, NODES)]
     saved, drafter.tree_step = drafter.tree_step, None
     try:
-        spine = [tree for prompt in PROMPTS for _, tree, _ in trees_drafted(pipe, name, prompt)]
+        spine = [tree for prompt in PROMPTS for _, tree, _ in trees_drafted(pipe, name, prompt, NODES)]
     finally:
         drafter.tree_step = saved
     assert sum(off_spine(t) for t in expanded) > 0, "no tree grew under a sibling"

@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import TINY_SHAPE
 from tests.lossless import assert_lossless
+from tests.tree_checks import check_trees, spine_choice, trees_drafted
 
 NODES, TOP_K = 6, 4
 DRAFTERS = ("quantized-self", "draft-model")
@@ -23,25 +24,6 @@ def pipe(tiny_engines):
 
     engines = tiny_engines.get("llama", drafters=DRAFTERS, attention="ort-gqa", tree_nodes=NODES, **TINY_SHAPE)
     return load(engines, threads=2)
-
-
-def trees_drafted(pipe, name: str, prompt: str) -> list[tuple[np.ndarray, object, int]]:
-    drafter = pipe.drafter(name)
-    seen = []
-    propose_tree = drafter.propose_tree
-
-    def spy(row, depth, nodes, top_k):
-        tree = propose_tree(row, depth, nodes, top_k)
-        if tree is not None:
-            seen.append((np.array(row.context), tree, depth))
-        return tree
-
-    drafter.propose_tree = spy
-    try:
-        pipe.generate(prompt, drafter=name, max_new_tokens=16, adaptive=False, tree_nodes=NODES)
-    finally:
-        del drafter.propose_tree
-    return seen
 
 
 def fresh_levels(pipe, name: str, context: np.ndarray, depth: int) -> list[np.ndarray]:
@@ -57,29 +39,15 @@ def fresh_levels(pipe, name: str, context: np.ndarray, depth: int) -> list[np.nd
     return levels
 
 
-def spine_paths(levels: list[np.ndarray]) -> tuple[list[tuple[int, ...]], np.ndarray]:
-    spine, path, found = 0.0, (), []
-    for logp in levels:
-        top = np.argsort(-logp, kind="stable")[:TOP_K]
-        found += [(spine + float(logp[t]), path + (int(t),)) for t in top]
-        spine, path = spine + float(logp[top[0]]), path + (int(top[0]),)
-    found.sort(key=lambda c: -c[0])
-    return [p for _, p in found[:NODES]], np.array([j for j, _ in found])
-
-
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_each_tree_is_the_models_own_spine_and_siblings(pipe, name):
-    checked = 0
-    for prompt in PROMPTS:
-        for context, tree, depth in trees_drafted(pipe, name, prompt):
-            want, joints = spine_paths(fresh_levels(pipe, name, context, depth))
-            if len(joints) > NODES and joints[NODES - 1] - joints[NODES] < 1e-4:
-                continue  # a near-tie at the cut
-            got = [tuple(int(tree.tokens[n]) for n in tree.path(i)) for i in range(tree.size)]
-            assert sorted(got) == sorted(want), (name, prompt, len(context), got, want)
-            weight = dict(zip(got, tree.weights))
-            assert [weight[p] for p in want] == pytest.approx(np.exp(joints[: len(want)]), rel=1e-4)
-            checked += 1
+    def reference(context, depth):
+        levels = fresh_levels(pipe, name, context, depth)  # [V] log q each
+        return spine_choice([(np.argsort(-logp, kind="stable")[:TOP_K], np.sort(logp)[::-1][:TOP_K])
+                             for logp in levels], NODES)
+
+    checked = sum(check_trees(trees_drafted(pipe, name, prompt, NODES, new_tokens=16), reference, NODES, 1e-4, 1e-4)
+                  for prompt in PROMPTS)
     assert checked >= 6, f"only {checked} trees checked"
 
 

@@ -1,0 +1,67 @@
+"""Checks shared by the drafters' tree tests: the trees a greedy decode drafts, and each tree
+against a reference's own choice (the same nodes as token paths, weights equal to their joint
+draft probabilities)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pytest
+
+
+def trees_drafted(pipe, drafter: str, prompt: str, nodes: int, new_tokens: int = 12) -> list[tuple[np.ndarray, object, int]]:
+    """Greedy tree decoding at fixed depth, recording every tree with the context it followed
+    and the depth asked for (less than D near the end of the output)."""
+    chosen = pipe.drafter(drafter)
+    seen = []
+    propose_tree = chosen.propose_tree
+
+    def spy(row, depth, count, top_k):
+        tree = propose_tree(row, depth, count, top_k)
+        if tree is not None:
+            seen.append((np.array(row.context), tree, depth))
+        return tree
+
+    chosen.propose_tree = spy
+    try:
+        pipe.generate(prompt, drafter=drafter, max_new_tokens=new_tokens, adaptive=False, tree_nodes=nodes)
+    finally:
+        del chosen.propose_tree
+    return seen
+
+
+def node_paths(tree) -> list[tuple[int, ...]]:
+    """Each node as the tokens from the root's child down to it."""
+    return [tuple(int(tree.tokens[n]) for n in tree.path(i)) for i in range(tree.size)]
+
+
+def spine_choice(levels: Sequence[tuple[Sequence[int], Sequence[float]]],
+                 nodes: int) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    """A spine tree by hand: level j's candidates (ids, log q; best first, the first on the
+    spine) under the spine node above. Returns the ``nodes`` heaviest as token paths and every
+    candidate's log joint probability, heaviest first."""
+    spine, path, found = 0.0, (), []
+    for ids, logp in levels:
+        found += [(spine + float(v), path + (int(t),)) for t, v in zip(ids, logp)]
+        spine, path = spine + float(logp[0]), path + (int(ids[0]),)
+    found.sort(key=lambda c: -c[0])
+    return [p for _, p in found[:nodes]], np.array([j for j, _ in found])
+
+
+def check_trees(trees, reference: Callable[[np.ndarray, int], tuple[list, np.ndarray]], nodes: int,
+                near_tie: float, rel: float) -> int:
+    """Every drafted tree (``trees_drafted``) against ``reference(context, depth)`` -> (the
+    paths it keeps, every candidate's log joint, heaviest first); a cut at a near-tie (two
+    candidates within ``near_tie`` of each other) is skipped. Returns the trees checked."""
+    checked = 0
+    for context, tree, depth in trees:
+        want, joints = reference(context, depth)
+        if len(joints) > nodes and joints[nodes - 1] - joints[nodes] < near_tie:
+            continue  # torch and onnxruntime may keep either
+        got = node_paths(tree)
+        assert sorted(got) == sorted(want), (len(context), got, want)
+        weight = dict(zip(got, tree.weights))
+        assert [weight[p] for p in want] == pytest.approx(np.exp(joints[: len(want)]), rel=rel)
+        checked += 1
+    return checked
