@@ -14,6 +14,7 @@ import torch
 
 from specexport.contract import StateLayout
 from specexport.errors import BadInput
+from specexport.exporter.rope import rotary_tables
 
 
 @dataclass
@@ -255,17 +256,10 @@ def _layer_window(config, index: int) -> int | None:
 
 def _rope_tables(model, max_positions: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     rotary = model.model.rotary_emb
-    positions = torch.arange(max_positions).unsqueeze(0)  # [1, S]
-    probe = torch.zeros(1, dtype=torch.float32)
     layer_types = sorted(set(getattr(model.config, "layer_types", None) or []))
     if "layer_type" in inspect.signature(rotary.forward).parameters and layer_types:
-        tables = {}
-        for layer_type in layer_types:
-            cos, sin = rotary(probe, positions, layer_type)
-            tables[layer_type] = (cos[0].float(), sin[0].float())
-        return tables
-    cos, sin = rotary(probe, positions)
-    return {"default": (cos[0].float(), sin[0].float())}
+        return {layer_type: rotary_tables(rotary, max_positions, layer_type) for layer_type in layer_types}
+    return {"default": rotary_tables(rotary, max_positions)}
 
 
 def _t(x: torch.Tensor | None) -> torch.Tensor | None:

@@ -72,6 +72,7 @@ from specexport.exporter.validate import (
     reference_ids,
     validate_batched,
     validate_batched_append,
+    validate_batched_tree,
     validate_model,
     validate_tree,
 )
@@ -192,6 +193,7 @@ class Builder:
         self.graph_files: dict[str, list[GraphUnderTest]] = {}  # batch 1, checked against transformers
         self.batched_files: dict[str, list[BatchedGraph]] = {}  # larger batches, checked row by row against batch 1
         self.tree_files: dict[str, GraphUnderTest] = {}  # the target's tree graph, checked path by path
+        self.tree_batched: dict[str, list[BatchedGraph]] = {}  # its larger batches, checked row by row against it
         self.specs: dict[str, tuple] = {}
         self.timing: dict[str, ModelRunner] = {}  # model (or head part) -> its validated graphs, timed together at the end
         self.heads: dict[str, LoadedHead] = {}  # hidden-state drafters by name (exporter/heads)
@@ -318,10 +320,12 @@ class Builder:
 
     def _export_tree(self, tmp: Path, name: str, kind: str, parts, taps: tuple[int, ...], store: WeightStore,
                      quantizer) -> None:
-        """The target's tree verify graph, batch 1, the same weights (contract.TREE_*;
-        runtime/tree.py): for ort-gqa one graph with a symbolic row count and an entry for
-        every tree size 2..1 + draft.tree.max_nodes (a small tree runs only its rows); for
-        standard attention one static graph of 1 + max_nodes rows (smaller trees are padded)."""
+        """The target's tree verify graphs, the same weights (contract.TREE_*; runtime/tree.py), at
+        every batch size of the recipe: for ort-gqa one graph with a symbolic row count (and batch,
+        when batched) and an entry for every tree size 2..1 + draft.tree.max_nodes at each batch
+        (a small tree runs only its rows); for standard attention one static graph of 1 + max_nodes
+        rows per batch size (smaller trees are padded). Batch 1 is checked against transformers
+        path by path, larger batches row by row against batch 1."""
         largest = 1 + self.recipe.draft.tree.max_nodes
         if largest > self.recipe.shapes.max_seq_len:
             raise BadInput(f"recipe: draft.tree.max_nodes ({largest - 1}) must be below shapes.max_seq_len")
@@ -331,25 +335,36 @@ class Builder:
         except ValueError as err:
             raise BadInput(f"recipe: draft.tree: {err}") from None
         shared = self.recipe.attention == "ort-gqa"
-        file_name = f"{name}.tree" if shared else engine_name(name, Role.TREE, 1, largest)
-        with self.rep.step("export", file_name) as s:
-            proto = export_tree_graph(decoder, None if shared else largest, self.recipe.opset)
-            s.detail = f"{len(proto.graph.node)} nodes" + (", row count symbolic" if shared else "")
-        if quantizer is not None:
-            proto = quantizer.apply(proto, self.recipe.shapes.max_seq_len)
-        path = tmp / f"{file_name}.onnx"
-        store.save(proto, path)
-        onnx.checker.check_model(str(path))
-        for tokens in range(2, largest + 1) if shared else [largest]:
-            graph_name = engine_name(name, Role.TREE, 1, tokens)
-            inputs, outputs = tensor_specs(proto, "inputs", tokens), tensor_specs(proto, "outputs", tokens)
-            self.specs[graph_name] = (inputs, outputs)
-            self.engines.append(EngineEntry(
-                name=graph_name, model=name, role=Role.TREE, backend="onnxruntime", path=path.name, batch=1,
-                tokens=tokens, inputs=inputs, outputs=outputs,
-                kv_update=KV_UPDATE_OF_ATTENTION[self.recipe.attention], weights=store.location,
-            ))
-        self.tree_files[name] = GraphUnderTest(engine_name(name, Role.TREE, 1, largest), path, largest)
+        batches = self.recipe.shapes.batches
+        batched = batches != [1]
+        # (file batch: None symbolic, the batch sizes its entries serve)
+        files = [(None if batched else 1, batches)] if shared else [(b, [b]) for b in batches]
+        for file_batch, served in files:
+            file_name = f"{name}.tree" if shared else engine_name(name, Role.TREE, file_batch, largest)
+            with self.rep.step("export", file_name) as s:
+                proto = export_tree_graph(decoder, None if shared else largest, self.recipe.opset, file_batch)
+                s.detail = f"{len(proto.graph.node)} nodes" + (
+                    f", {'batch and ' if batched else ''}row count symbolic" if shared else "")
+            if quantizer is not None:
+                proto = quantizer.apply(proto, self.recipe.shapes.max_seq_len)
+            path = tmp / f"{file_name}.onnx"
+            store.save(proto, path)
+            onnx.checker.check_model(str(path))
+            for batch in served:
+                for tokens in range(2, largest + 1) if shared else [largest]:
+                    graph_name = engine_name(name, Role.TREE, batch, tokens)
+                    inputs, outputs = tensor_specs(proto, "inputs", tokens, batch), tensor_specs(proto, "outputs", tokens, batch)
+                    self.specs[graph_name] = (inputs, outputs)
+                    self.engines.append(EngineEntry(
+                        name=graph_name, model=name, role=Role.TREE, backend="onnxruntime", path=path.name, batch=batch,
+                        tokens=tokens, inputs=inputs, outputs=outputs,
+                        kv_update=KV_UPDATE_OF_ATTENTION[self.recipe.attention], weights=store.location,
+                    ))
+                graph = engine_name(name, Role.TREE, batch, largest)
+                if batch == 1:
+                    self.tree_files[name] = GraphUnderTest(graph, path, largest)
+                else:
+                    self.tree_batched.setdefault(name, []).append(BatchedGraph(graph, path, largest, batch))
 
     def _precision_refusal(self, parts, precision: str) -> str | None:
         """Why ``precision`` cannot be built for this model; None when it can."""
@@ -457,6 +472,13 @@ class Builder:
                 s.detail = (f"each of {tree.tokens} rows against transformers on its path: "
                             f"max |Δlogit| {figures['max_abs_logit_diff']:.2e}")
             self.record_parity(tree.name, figures, f"{against}, each row on its root-to-node path", precision)
+            for graph in self.tree_batched.get(model, []):
+                with self.rep.step("validate", f"{model} tree graph, batch {graph.batch}") as s:
+                    figures = validate_batched_tree(graph, tree, self.specs, kept[0].cache, ids, self.threads,
+                                                    self.recipe.attention == "ort-gqa")
+                    s.detail = (f"{graph.batch} rows, each its own tree and cache length, against batch 1: "
+                                f"max |Δlogit| {figures['max_abs_logit_diff']:.2e}")
+                self.record_parity(graph.name, figures, "the batch-1 tree graph, row by row", precision)
         batched = self.batched_files.get(model, [])
         if batched:
             with self.rep.step("validate", f"{model} batched graphs") as s:

@@ -71,18 +71,26 @@ BATCH_DIM = "batch"
 MAX_BATCH = 256
 
 
-def export_tree_graph(decoder: StaticDecoder, tokens: int | None, opset: int) -> onnx.ModelProto:
-    """A tree verify graph (decoder.tree) at batch 1: T = ``tokens`` rows, every dimension static,
-    or with ``tokens=None`` the row count symbolic (``TOKENS_DIM``, ort-gqa: one graph for every
-    tree size, so a small tree runs only its own rows)."""
+def export_tree_graph(decoder: StaticDecoder, tokens: int | None, opset: int, batch: int | None = 1) -> onnx.ModelProto:
+    """A tree verify graph (decoder.tree): ``batch`` rows of T = ``tokens`` tree rows, every
+    dimension static, or with ``tokens=None`` the row count symbolic (``TOKENS_DIM``, ort-gqa:
+    one graph for every tree size, so a small tree runs only its own rows) and with
+    ``batch=None`` the batch too (``BATCH_DIM``: every batch size shares the weights)."""
     inputs, outputs = graph_io(decoder.num_layers, decoder.taps, decoder.takes_valid_tokens, 0, tree=True)
-    if tokens is not None:
-        return export_module(decoder, example_inputs(decoder, 1, tokens), inputs, outputs, opset)
-    t = torch.export.Dim(TOKENS_DIM, min=2, max=decoder.max_seq_len)
-    # keyed by forward's argument names; the tree inputs are the first two of *inputs
-    dims = {INPUT_IDS: {1: t}, CACHE_LENGTH: None,
-            "inputs": ({1: t}, {1: t, 2: t}, *(None for _ in range(len(inputs) - 4)))}
-    return export_module(decoder, example_inputs(decoder, 1, 4), inputs, outputs, opset, dims)
+    if tokens is not None and batch is not None:
+        return export_module(decoder, example_inputs(decoder, batch, tokens), inputs, outputs, opset)
+    # Traced at 2 rows of 4 tree rows (torch.export specializes sizes 0 and 1).
+    t = torch.export.Dim(TOKENS_DIM, min=2, max=decoder.max_seq_len) if tokens is None else None
+    b = torch.export.Dim(BATCH_DIM, min=1, max=MAX_BATCH) if batch is None else None
+    rows = {0: b} if b is not None else {}
+    per_token = {**rows, **({1: t} if t is not None else {})} or None
+    # keyed by forward's argument names; the tree inputs (offsets [B, T], mask [B, T, T]) are
+    # the first two of *inputs
+    mask = {**rows, **({1: t, 2: t} if t is not None else {})} or None
+    dims = {INPUT_IDS: per_token, CACHE_LENGTH: rows or None,
+            "inputs": (per_token, mask, *((rows or None) for _ in range(len(inputs) - 4)))}
+    example = example_inputs(decoder, 2 if batch is None else batch, 4 if tokens is None else tokens)
+    return export_module(decoder, example, inputs, outputs, opset, dims)
 
 
 def export_graph(decoder: StaticDecoder, batch: int | None, tokens: int | None, opset: int) -> onnx.ModelProto:

@@ -232,8 +232,9 @@ class Shapes(_Strict):
 
 
 class TreePlan(_Strict):
-    """Token trees (runtime/tree.py): a tree verify graph of 1 + max_nodes rows for the target
-    (batch 1); 0 builds none (chains only). top_k: children per node at most."""
+    """Token trees (runtime/tree.py): tree verify graphs of 1 + max_nodes rows for the target, at
+    every batch size of shapes.batch (at B > 1 a row's tree has at most the schedule's depth in
+    nodes); 0 builds none (chains only). top_k: children per node at most."""
 
     max_nodes: int = Field(0, ge=0)  # draft nodes of the tree graph (0: none built, chains only)
     top_k: int = Field(4, ge=1)  # children per node at most when a drafter builds a tree

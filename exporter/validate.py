@@ -396,6 +396,66 @@ def validate_tree(graph: GraphUnderTest, specs, cache, ref_ids: np.ndarray, hf_m
             .parents.tolist()}
 
 
+def validate_batched_tree(graph: BatchedGraph, single: GraphUnderTest, specs, cache, ref_ids: np.ndarray,
+                          threads: int | None, in_place: bool, tolerance: float = 1e-4) -> dict:
+    """A batched tree verify graph against the batch-1 tree graph (itself checked against
+    transformers) on each row alone: rows at spread cache lengths, each with its own tree (the
+    validation tree, and a chain in every other row, so the rows' masks differ), and with 3 rows
+    or more the last one idle. Each row's logits (the Parity figures) and the K/V it writes
+    (in place: its slots; appended: its presents) must agree to fp32 rounding, else a one-line
+    error naming the row; an idle row's cache must stay untouched. ``cache``: the batch-1
+    validation cache, filled with ``ref_ids``."""
+    shared, options = SharedGraphs(), EngineOptions(threads=threads)
+    engine = OrtEngine(graph.name, graph.path, *specs[graph.name], options, shared)
+    one = OrtEngine(single.name, single.path, *specs[single.name], options, shared)
+    nodes, batch = graph.tokens - 1, graph.batch
+    valid = VALID_TOKENS in engine.inputs
+    idle = batch - 1 if batch >= 3 else None
+    last = cache.max_seq_len - graph.tokens
+    rows = []  # (cache length, root, tree) of each row
+    for r in range(batch):
+        length = 0 if r == idle else (last * (r + 1)) // batch
+        if r == idle:
+            tree = DraftTree(np.full(nodes, PAD_ID, dtype=np.int64), np.full(nodes, -1, dtype=np.int64))
+        elif r % 2:
+            tree = DraftTree.chain(ref_ids[(length + 1 + np.arange(nodes)) % len(ref_ids)])
+        else:
+            tree = validation_tree(nodes, ref_ids, length + 1)
+        rows.append((length, int(ref_ids[length]), tree))
+    per_row = [tree_feeds(tree, root, length, valid) for length, root, tree in rows]  # each [1, ...]
+    feeds = {name: np.concatenate([f[name] for f in per_row]) for name in per_row[0]}  # [B, ...]
+    if idle is not None and valid:
+        feeds[VALID_TOKENS][idle] = 0  # idle: nothing read, nothing written
+    filled = cache.view()  # name -> [1, n_kv, S_max, hd]
+    past = {name: np.repeat(array, batch, axis=0) for name, array in filled.items()}  # [B, n_kv, S_max, hd]
+    before = {name: array.copy() for name, array in past.items()}
+    names = [LOGITS, NEXT_TOKENS] + ([] if in_place else [present_of(p) for p in past])
+    out = engine.run({**past, **feeds}, names, {present_of(p): a for p, a in past.items()} if in_place else None)
+    parity, worst = Parity(), 0.0
+    for r, ((length, _, tree), row_feeds) in enumerate(zip(rows, per_row)):
+        if r == idle:
+            if any(not np.array_equal(past[name][r], before[name][r]) for name in past):
+                raise SpecexportError(f"{graph.name}: the idle row {r} wrote into its cache; its valid_tokens "
+                                      "input is not honoured")
+            continue
+        with _restored(cache, length, graph.tokens if in_place else 0):
+            alone = one.run({**filled, **row_feeds}, names, cache.in_place_outputs() if in_place else None)
+            pairs = [(LOGITS, out[LOGITS][r], alone[LOGITS][0])]
+            span = slice(length, length + graph.tokens)
+            pairs += [(name, past[name][r, :, span], filled[name][0, :, span]) if in_place else
+                      (name, out[present_of(name)][r], alone[present_of(name)][0]) for name in past]
+            for name, got, want in pairs:
+                agree = _rows_agree(got, want, tolerance)
+                if agree is None:
+                    raise SpecexportError(f"{graph.name}: row {r} (a tree of {tree.size} nodes at cache length "
+                                          f"{length}) differs in {name} from the batch-1 tree graph run on that row "
+                                          "alone; the batched graph mixes or misplaces rows")
+                worst = max(worst, agree)
+        parity.add(out[LOGITS][r], alone[LOGITS][0], out[NEXT_TOKENS][r])
+    return {**parity.to_dict(), "rows": [[length, tree.size] for length, _, tree in rows], "idle_row": idle,
+            "max_rel_output_diff": worst}
+
+
 @contextmanager
 def _restored(cache, start: int, count: int):
     """Put back the cache positions [start, start + count) after the block (in-place writes)."""

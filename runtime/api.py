@@ -239,12 +239,18 @@ class Pipeline:
         return self.backends[model]
 
     def tree_verifier(self, target: Model) -> TreeVerifier | None:
-        """The target's tree verify graph over its first slot (None: the directory has none)."""
+        """The target's tree verify graphs over its slots, at every batch size built up to them
+        (None: the directory has none)."""
         if target.slots not in self._trees:
-            entries = self.manifest.engines_of("target", self.backend_of("target"), tree=True)
-            cache = target.runners[0].cache
-            engines = {e.tokens: LazyEngine(e, self.manifest.root, self.options, cache, self.sessions) for e in entries}
-            self._trees[target.slots] = TreeVerifier(engines, entries[-1], cache) if entries else None
+            entries = [e for e in self.manifest.engines_of("target", self.backend_of("target"), batch=None, tree=True)
+                       if e.batch <= target.slots]
+            self._trees[target.slots] = None
+            if entries:
+                cache = target.runners[0].cache
+                engines = {(e.batch, e.tokens): LazyEngine(e, self.manifest.root, self.options, cache, self.sessions)
+                           for e in entries}
+                tensors = target.caches.tensors if target.caches.tensors is not None else cache.view()
+                self._trees[target.slots] = TreeVerifier(engines, entries[-1], target.caches.slots, tensors)
         return self._trees[target.slots]
 
     def tree_nodes(self, asked: int | None) -> int:
@@ -408,14 +414,14 @@ class Pipeline:
                        top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop: Sequence[str] = (),
                        draft_len: int | None = None, max_batch: int | None = None,
                        schedule: bool = True, per_sequence: bool = False, adaptive: bool = True,
-                       controls: Controls | None = None) -> list[Generation]:
+                       controls: Controls | None = None, tree_nodes: int | None = None) -> list[Generation]:
         """Decode many prompts together: up to ``max_batch`` (default: the largest batch size
         built) share each verify pass, joining as others finish. A prompt is text, a
         {"messages": [...]} or {"prompt": "..."} record (the bench's format), or token ids. Each
         result is what ``generate`` gives for that prompt alone (greedy: the same tokens).
-        Sequence i samples with seed ``seed + i``. Depth: as ``batch_loop``."""
+        Sequence i samples with seed ``seed + i``. Depth and ``tree_nodes``: as ``batch_loop``."""
         loop = self.batch_loop(drafter=drafter, draft_len=draft_len, max_batch=max_batch, schedule=schedule,
-                               per_sequence=per_sequence, adaptive=adaptive)
+                               per_sequence=per_sequence, adaptive=adaptive, tree_nodes=tree_nodes)
         trackers, ids_of, requests = [], [], []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, dict):

@@ -15,7 +15,7 @@ where the product falls below it (a depth signal on top of the adaptive depth's 
 Sampling stays exact: each draft's q is the warped distribution it was drawn from, over target
 ids (a reduced draft vocabulary is mapped back through d2t).
 
-A tree (``propose_tree``, one sequence) branches where the block is unsure: the greedy block is
+A tree (``propose_tree``, one slot at a time) branches where the block is unsure: the greedy block is
 the spine, each position's top-k hang under the spine node before it as leaves, and the nodes
 of highest joint draft probability are verified (runtime/tree.py ``spine_tree``). A block's
 positions are drafted together (DSpark's serial head conditions each on the spine's token
@@ -379,12 +379,12 @@ class BlockDrafter:
             array[dst, :, :length] = array[src, :, :length]
         self.slots[dst].adopt(self.slots[src])
 
-    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int) -> DraftTree | None:
-        """A tree for the one sequence (slot 0): BlockSlot.tree."""
-        slot = self.slots[0]
-        if slot.pending_rows == 0 or min(depth, slot.drafts) <= 0:
+    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
+        """A tree for the sequence in ``slot``: BlockSlot.tree."""
+        state = self.slots[slot]
+        if state.pending_rows == 0 or min(depth, state.drafts) <= 0:
             return None
-        return slot.tree(row.context, depth, nodes, top_k)
+        return state.tree(row.context, depth, nodes, top_k)
 
     def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
         n = len(rows)

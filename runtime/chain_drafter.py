@@ -16,7 +16,7 @@ again. A round:
 Sampled rows draw each draft from the warped head distribution with their own rng, so
 rejection sampling keeps every row exact.
 
-A tree (``propose_tree``, one sequence) is EAGLE-2's: candidates weigh their joint draft
+A tree (``propose_tree``, one sequence at a time) is EAGLE-2's: candidates weigh their joint draft
 probability and the heaviest are verified. With the head's tree step (Role.TREE,
 exporter/heads/chain_tree.py) the tree grows level by level: the best ``top_k`` nodes of a level
 go in one call, each row its node's token and its parent's hidden, written into the head's cache
@@ -141,26 +141,27 @@ class ChainDrafter:
             drafts[r] = Draft(tokens[r, : depth[r]].copy(), None if rows[r].sampling.greedy else probs[r], self.name)
         return drafts
 
-    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int) -> DraftTree | None:
-        """A tree of up to ``nodes`` nodes and ``depth`` levels for the one sequence (slot 0):
-        expanded level by level with the tree step, else over the greedy chain."""
-        if not self._pending[0]:
+    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
+        """A tree of up to ``nodes`` nodes and ``depth`` levels for the sequence in ``slot`` (its
+        runners alone): expanded level by level with the tree step, else over the greedy chain."""
+        if not self._pending[slot]:
             return None
-        feed = {0: self._catch_up(1, 0, row.context)}
-        out = self.catchup.run(1, feed, True, (HIDDEN_OUT,))
-        at = len(feed[0][1]) - 1  # the last fed row: its logits give level 1
+        fed = self._catch_up(1, slot, row.context)
+        out = self.catchup.run_slot(slot, fed, True, (HIDDEN_OUT,))
+        at = len(fed[1]) - 1  # the last fed row: its logits give level 1
         if self.tree_step is not None and depth > 1:
-            return self._expand(out[LOGITS][0, at], out[HIDDEN_OUT][0, at], depth, nodes, top_k)
-        return self._spine(out, at, depth, nodes, top_k)
+            return self._expand(out[LOGITS][0, at], out[HIDDEN_OUT][0, at], depth, nodes, top_k, slot)
+        return self._spine(out, at, depth, nodes, top_k, slot)
 
-    def _expand(self, logits: np.ndarray, hidden: np.ndarray, depth: int, nodes: int, top_k: int) -> DraftTree:
+    def _expand(self, logits: np.ndarray, hidden: np.ndarray, depth: int, nodes: int, top_k: int,
+                slot: int) -> DraftTree:
         """EAGLE-2's expansion from the last committed row's ``logits`` [V] and ``hidden`` [H]:
         each level's ``tree_rows`` heaviest candidates are fed in one tree-step call (while one
         of them can still beget a node that makes the cut), their top-k join the candidates, and
         the ``nodes`` heaviest of all are kept (a child never outweighs its parent)."""
-        committed, width = self._committed[0], self.tree_rows
+        committed, width = self._committed[slot], self.tree_rows
         depth = min(depth, (self.max_seq_len - committed) // width + 1)  # expanded rows fit the cache
-        cache = self.catchup.runners[0].cache.view()  # [1, n_kv, S_max, hd] each
+        cache = self.catchup.runners[slot].cache.view()  # [1, n_kv, S_max, hd] each: the slot's row
         layers = len(cache) // 2
         tokens, logp = self._top(logits, top_k)
         token, parent, joint = tokens.tolist(), [ROOT] * len(tokens), logp.tolist()  # every candidate
@@ -173,7 +174,8 @@ class ChainDrafter:
             chosen = [c for c in sorted(level, key=lambda c: -joint[c])[:width] if joint[c] > cut]
             if not chosen:
                 break  # no child of this level could make the cut
-            out = self._tree_call(cache, layers, chosen, token, parent, hidden_of, slot_of, write, committed + d - 1)
+            out = self._tree_call(cache, layers, chosen, token, parent, hidden_of, slot_of, write, committed + d - 1,
+                                  committed)
             level = []
             for i, c in enumerate(chosen):
                 slot_of[c], hidden_of[c] = write + i, out[HIDDEN_OUT][0, i]
@@ -191,7 +193,7 @@ class ChainDrafter:
 
     def _tree_call(self, cache: dict[str, np.ndarray], layers: int, chosen: list[int], token: list[int],
                    parent: list[int], hidden_of: dict[int, np.ndarray], slot_of: dict[int, int], write: int,
-                   position: int) -> dict[str, np.ndarray]:
+                   position: int, committed: int) -> dict[str, np.ndarray]:
         """One tree-step call over the candidates ``chosen`` (one level, at ``position``), their
         rows written at ``write`` onwards; each sees the committed rows and its ancestors'."""
         seen = []  # each row's ancestors' slots
@@ -203,7 +205,7 @@ class ChainDrafter:
             seen.append(slots)
         feeds = tree_step_feeds(cache, self.tree_rows, [token[c] for c in chosen],
                                 np.stack([hidden_of[parent[c]] for c in chosen]), write,
-                                [position] * len(chosen), self._committed[0], seen)
+                                [position] * len(chosen), committed, seen)
         start = time.perf_counter()
         out = self.tree_step.run(feeds, [LOGITS, HIDDEN_OUT, *present_names(layers)])
         self._tree_seconds += time.perf_counter() - start
@@ -211,19 +213,20 @@ class ChainDrafter:
             cache[past][:, :, write : write + len(chosen)] = out[present][:, :, : len(chosen)]  # [1, n_kv, n, hd]
         return out
 
-    def _spine(self, out: dict[str, np.ndarray], at: int, depth: int, nodes: int, top_k: int) -> DraftTree:
+    def _spine(self, out: dict[str, np.ndarray], at: int, depth: int, nodes: int, top_k: int,
+               slot: int) -> DraftTree:
         """The tree over the head's greedy chain of up to ``depth`` steps (runtime/tree.py grow_spine)."""
         steps = 0
 
         def next_logits(token: int | None) -> np.ndarray:  # [V] level 1, then one step per spine token
             nonlocal out, at, steps
             if token is not None:
-                out = self.step.run(1, {0: (self._committed[0] + steps, np.array([token]),
-                                            {DRAFT_FEATURES: out[HIDDEN_OUT][0, at : at + 1]})}, True, (HIDDEN_OUT,))
+                out = self.step.run_slot(slot, (self._committed[slot] + steps, np.array([token]),
+                                                {DRAFT_FEATURES: out[HIDDEN_OUT][0, at : at + 1]}), True, (HIDDEN_OUT,))
                 at, steps = 0, steps + 1
             return out[LOGITS][0, at]
 
-        depth = min(depth, self.max_seq_len - self._committed[0] + 1)
+        depth = min(depth, self.max_seq_len - self._committed[slot] + 1)
         return grow_spine(next_logits, depth, nodes, top_k, f"{self.name}/tree", self._top)
 
     def _top(self, logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

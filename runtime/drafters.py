@@ -148,7 +148,7 @@ class NgramDrafter(Stateless):
             return Draft(np.array(context[start : start + k], dtype=np.int64), tag=f"{self.name}/n{n}")
         return EMPTY_DRAFT
 
-    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int) -> DraftTree | None:
+    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
         """Several continuations at once: what followed every earlier occurrence of the
         context's last n tokens (longest n first, latest first, up to ``depth`` tokens each),
         merged into a trie; the ``nodes`` prefixes most of them share are kept, at most
@@ -281,7 +281,7 @@ class ModelDrafter:
             drafts[r] = Draft(tokens[r, : ks[r]].copy(), None if rows[r].sampling.greedy else probs[r], self.name)
         return drafts
 
-    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int) -> DraftTree | None:
+    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
         """The model's greedy chain of up to ``depth`` as the spine, each step's top-k hanging
         under it as leaves (runtime/tree.py spine_tree): the tree branches where the model is
         unsure, and the chain stops once no deeper node can make the cut. A path may end on a
@@ -291,14 +291,16 @@ class ModelDrafter:
         depth = min(depth, self.model.max_seq_len - len(context))
         if depth <= 0:
             return None
-        self._length[0] = min(self._length[0], len(context) - 1)  # always feed the last token
+        self._length[slot] = min(self._length[slot], len(context) - 1)  # always feed the last token
 
         def next_logits(token: int | None) -> np.ndarray:  # [V]: the context's last row, then each step's
-            fed = context[self._length[0] :] if token is None else np.array([token])
-            return self._run(1, {0: fed}, True)[LOGITS][0, len(fed) - 1]
+            fed = context[self._length[slot] :] if token is None else np.array([token])
+            out = self.model.run_slot(slot, (self._length[slot], fed, {}), True)
+            self._length[slot] += len(fed)
+            return out[LOGITS][0, len(fed) - 1]
 
         tree = grow_spine(next_logits, depth, nodes, top_k, f"{self.name}/tree")
-        self._base[0], self._k[0] = len(context), 1  # accept keeps base + min(n, 0): the context
+        self._base[slot], self._k[slot] = len(context), 1  # accept keeps base + min(n, 0): the context
         return tree
 
     def accept(self, slot: int, n_accepted: int, next_token: int, target_out: TargetOut) -> None:

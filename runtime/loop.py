@@ -30,7 +30,7 @@ from specexport.runtime.model import Model
 from specexport.runtime.rules import RuledRows, SequenceRules, greedy_walk
 from specexport.runtime.stats import DecodeStats
 from specexport.runtime.tree import DraftTree, tree_greedy, tree_rejection
-from specexport.runtime.tree_size import TreeSizer
+from specexport.runtime.tree_size import TreeSizer, shared_size
 from specexport.runtime.tree_verify import TreeVerifier
 
 
@@ -103,8 +103,9 @@ class BatchLoop:
         # as `generate` does (the same depths, so the same draws when sampled). per_sequence
         # replaces it.
         self.adaptive = None if per_sequence else adaptive
-        # token trees: a sequence running alone verifies a tree of up to tree_nodes drafts when
-        # the drafter builds one (propose_tree); otherwise, and at B > 1, chains
+        # token trees: each row verifies a tree of up to tree_nodes drafts (at B > 1 at most the
+        # schedule's depth) when the drafter builds one (propose_tree) and the batch size has a
+        # tree graph; otherwise chains
         self.tree = tree if tree_nodes > 0 and hasattr(drafter, "propose_tree") else None
         self.tree_nodes, self.tree_top_k = tree_nodes, tree_top_k
         self.waiting: deque[tuple[Hashable, Request]] = deque()
@@ -137,8 +138,8 @@ class BatchLoop:
         if self.running:
             depth = self.draft_len if self.schedule is None else min(self.draft_len, self.schedule.depth(len(self.running)))
             report = None
-            if self.tree is not None and len(self.running) == 1:
-                report = _tree_round(self.target, self.drafter, self.tree, self.running[0], depth,
+            if self.tree is not None:
+                report = _tree_round(self.target, self.drafter, self.tree, self.running, depth,
                                      self.tree_nodes, self.tree_top_k, self.eos_ids, self.on_token)
             if report is None:
                 report = _round(self.target, self.drafter, self.running, depth, self.eos_ids, self.on_token,
@@ -278,39 +279,73 @@ def _round(target: Model, drafter: Drafter, running: list[_Running], draft_len: 
     return report
 
 
-def _tree_round(target: Model, drafter: Drafter, verifier: TreeVerifier, seq: _Running, draft_len: int,
+def _tree_round(target: Model, drafter: Drafter, verifier: TreeVerifier, running: list[_Running], draft_len: int,
                 max_nodes: int, top_k: int, eos_ids: frozenset[int],
                 on_token: Callable[[Hashable, int], None] | None) -> RoundReport | None:
-    """One round over a token tree for the one running sequence (runtime/tree.py): draft a tree,
-    verify it in one pass, walk it, keep the accepted path's cache (the verifier compacts it).
-    None, and nothing done, when the drafter has no tree this round (a chain round runs)."""
+    """One round over token trees (runtime/tree.py) for every running row: draft a tree per row,
+    verify them all in one pass of the batch's tree graph, walk each, keep each accepted path's
+    cache (the verifier compacts it). Rows share the pass's width; each row's tree has its own
+    shape (a confident drafter's is a chain). None, and nothing done, when the batch size has
+    no tree graph, a row's cache cannot take it, or no row has a tree this round (a chain
+    round runs)."""
     start = time.perf_counter()
-    request, length = seq.request, seq.length - 1  # the cache holds every committed token but the last
-    depth = _depths(drafter, [seq], draft_len, target.max_seq_len)[0]
-    nodes = min(max_nodes, verifier.nodes)
-    if not verifier.fits(length, nodes):  # the graph writes all its rows: near the end, chains
+    n = len(running)
+    batch = verifier.batch_for(n)
+    # one sequence: the tree's own budget; more: at most the schedule's width per row, as chains
+    nodes = min(max_nodes, verifier.nodes, draft_len if n > 1 else max_nodes)
+    if batch is None or nodes <= 0 or not all(verifier.fits(seq.length - 1, nodes, batch) for seq in running):
         return None
-    row = DraftRow(seq.context[: seq.length], request.sampling, request.rng, request.rules, len(request.prompt))
+    depths = _depths(drafter, running, draft_len, target.max_seq_len)
     engine_before = drafter.engine_seconds
-    tree = drafter.propose_tree(row, depth, nodes, top_k) if depth > 0 and nodes > 0 else None
-    seq.stats.draft_s += time.perf_counter() - start
-    seq.stats.draft_engine_s += drafter.engine_seconds - engine_before
-    if tree is not None and request.rules is not None:  # nodes the grammar forbids are not verified
-        tree = request.rules.valid_tree(_output(seq), tree)
-    if tree is None or tree.size == 0:
+    trees: list[DraftTree | None] = []
+    for r, (seq, depth) in enumerate(zip(running, depths)):
+        request = seq.request
+        row = DraftRow(seq.context[: seq.length], request.sampling, request.rng, request.rules, len(request.prompt))
+        tree = drafter.propose_tree(row, depth, nodes, top_k, slot=r) if depth > 0 else None
+        if tree is not None and request.rules is not None:  # nodes the grammar forbids are not verified
+            tree = request.rules.valid_tree(_output(seq), tree)
+        trees.append(tree)
+    draft_s, draft_engine_s = time.perf_counter() - start, drafter.engine_seconds - engine_before
+    for seq in running:  # every row waits for the whole draft, as for the verify pass
+        seq.stats.draft_s += draft_s
+        seq.stats.draft_engine_s += draft_engine_s
+    if all(tree is None or tree.size == 0 for tree in trees):
         return None
-    if seq.policy is not None:  # adaptive: the tree's best size by its weights and the measured costs
-        seq.tree_sizer = seq.tree_sizer or TreeSizer(verifier.cost)
-        tree = tree.best(seq.tree_sizer.size(tree))
+    drafted = [tree if tree is not None else _NO_TREE for tree in trees]
+    adaptive = [seq for seq in running if seq.policy is not None]
+    if adaptive:  # the trees' best shared size by their weights and the measured costs at this batch
+        for seq in adaptive:
+            seq.tree_sizer = seq.tree_sizer or TreeSizer(verifier.cost)
+        sizers = [seq.tree_sizer or TreeSizer(verifier.cost) for seq in running]
+        keep = shared_size(sizers, drafted, lambda rows: verifier.cost(rows, batch))
+        drafted = [tree.best(keep) if tree.size > keep else tree for tree in drafted]
+    sampled = any(seq.request.needs_logits for seq in running)
     before = verifier.seconds
-    out = verifier.run(length, int(seq.context[length]), tree, request.needs_logits, drafter.needs)
+    outs = verifier.run_rows(batch, {r: (seq.length - 1, int(seq.context[seq.length - 1]), tree)
+                                     for r, (seq, tree) in enumerate(zip(running, drafted))}, sampled, drafter.needs)
     verify_s = verifier.seconds - before
+    report = RoundReport(n, batch, 1 + max(tree.size for tree in drafted), draft_len, [], [], verify_s)
+    for r, (seq, tree) in enumerate(zip(running, drafted)):
+        _settle_tree(seq, r, tree, outs[r], drafter, verifier, eos_ids, on_token, report)
+        seq.stats.verify_s += verify_s
+        seq.stats.total_s += time.perf_counter() - start
+    return report
+
+
+_NO_TREE = DraftTree(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))  # a row verifying its root alone
+
+
+def _settle_tree(seq: _Running, r: int, tree: DraftTree, out: dict[str, np.ndarray], drafter: Drafter,
+                 verifier: TreeVerifier, eos_ids: frozenset[int], on_token: Callable[[Hashable, int], None] | None,
+                 report: RoundReport) -> None:
+    """Row r after the tree pass: walk its tree, compact its cache, tell the drafter, commit."""
+    request, length = seq.request, seq.length - 1  # the cache holds every committed token but the last
     path, next_token = _accept_tree(request, tree, out, _output(seq))
-    verifier.commit(length, path)
+    verifier.commit(length, path, r)
     rows = [0, *(1 + p for p in path)]  # the verify rows of the committed positions
-    drafter.accept(0, len(path), next_token, {name: out[name][rows] for name in drafter.needs})
-    deepest = int(tree.depths().max())
-    if seq.policy is not None:
+    drafter.accept(r, len(path), next_token, {name: out[name][rows] for name in drafter.needs})
+    deepest = int(tree.depths().max()) if tree.size else 0
+    if seq.policy is not None and tree.size:
         seq.policy.update(tree.tag or drafter.name, deepest, len(path))
     if seq.tree_sizer is not None:
         seq.tree_sizer.update(tree, len(path))
@@ -322,10 +357,8 @@ def _tree_round(target: Model, drafter: Drafter, verifier: TreeVerifier, seq: _R
     _settle_rules(seq)
     seq.stats.tree_nodes += tree.size
     seq.stats.verified_tokens += 1 + tree.size
-    seq.stats.verify_s += verify_s
-    seq.stats.total_s += time.perf_counter() - start
-    return RoundReport(1, 1, 1 + tree.size, draft_len, [seq.stats.proposed - counted[0]],
-                       [seq.stats.accepted - counted[1]], verify_s)
+    report.proposed.append(seq.stats.proposed - counted[0])
+    report.accepted.append(seq.stats.accepted - counted[1])
 
 
 def _accept_tree(request: Request, tree: DraftTree, out: dict[str, np.ndarray],

@@ -226,6 +226,13 @@ class Model:
         longest = max(len(tokens) for _, tokens, _ in feed.values())
         return self.calls[self.graph(rows, longest)].run(feed, want_logits, want)
 
+    def run_slot(self, slot: int, row: Row, want_logits: bool, want: Sequence[str] = ()) -> dict[str, np.ndarray]:
+        """One slot alone through its runner: name -> [1, n, ...] (a tree round's drafter calls)."""
+        length, tokens, inputs = row
+        runner = self.runners[slot]
+        runner.cache.set_length(length)
+        return as_batch(runner.forward(tokens, want_logits, inputs, want))
+
     def _row_by_row(self, rows: int, feed: Mapping[int, Row], want_logits: bool,
                     want: Sequence[str]) -> dict[str, np.ndarray]:
         """Each fed row through its slot's runner: one row as it is, more stacked into [rows, T, ...]."""

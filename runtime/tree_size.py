@@ -11,11 +11,16 @@ n that maximises
 
 with T_tree the measured cost of the tree graph that holds 1 + n rows. The drafts already exist,
 so the drafter's cost does not enter (adaptive depth decided how deep to draft).
+
+Rows of a batch share one pass of the graph of the largest tree, so there n is chosen once for
+all of them (``shared_size``): the sum over rows of 1 + c_r · (row r's n best weights), over
+T_tree(B, 1 + n) at that batch size. A row with a confident drafter spends its n on one path (a
+chain), an unsure one on siblings: the shape is each row's own, the width the batch's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,14 +44,7 @@ class TreeSizer:
     def size(self, tree: DraftTree) -> int:
         """The node count with the most expected tokens per second (the whole tree without weights
         or costs)."""
-        if tree.weights is None or tree.size == 0:
-            return tree.size
-        costs = [self.verify_cost(1 + n) for n in range(1, tree.size + 1)]
-        if any(not cost for cost in costs):
-            return tree.size
-        ranked = tree.ranked()
-        expected = 1.0 + self.scale * np.cumsum(tree.capped_weights()[ranked])  # [N] tokens with n = 1..N nodes
-        return int(np.argmax(expected / np.asarray(costs))) + 1
+        return shared_size([self], [tree], self.verify_cost)
 
     def update(self, tree: DraftTree, accepted: int) -> None:
         """A verified tree and the nodes of it the target accepted."""
@@ -54,3 +52,20 @@ class TreeSizer:
             return
         self._predicted = self.decay * self._predicted + float(tree.capped_weights().sum())
         self._accepted = self.decay * self._accepted + accepted
+
+
+def shared_size(sizers: Sequence[TreeSizer], trees: Sequence[DraftTree], verify_cost: Callable[[int], float | None]) -> int:
+    """The node count n that rows verified in one pass are cut to: the most expected tokens of
+    all rows per second of the pass, sum_r (1 + c_r · sum of row r's n best weights) / T(1 + n);
+    the largest tree's size where a tree has no weights or a cost is unknown."""
+    largest = max(tree.size for tree in trees)
+    if largest == 0 or any(tree.weights is None for tree in trees if tree.size):
+        return largest
+    costs = [verify_cost(1 + n) for n in range(1, largest + 1)]
+    if any(not cost for cost in costs):
+        return largest
+    expected = np.zeros(largest)  # [N] tokens of all rows with n = 1..N nodes each
+    for sizer, tree in zip(sizers, trees):
+        gained = np.cumsum(tree.capped_weights()[tree.ranked()]) if tree.size else np.zeros(1)  # [size]
+        expected += 1.0 + sizer.scale * np.pad(gained, (0, largest - len(gained)), mode="edge")
+    return int(np.argmax(expected / np.asarray(costs))) + 1

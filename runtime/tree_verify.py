@@ -1,21 +1,24 @@
-"""The target's tree verify pass (Role.TREE, batch 1) over the first slot's cache, and the
-cache compaction after it.
+"""The target's tree verify pass (Role.TREE) over the first B slots of its cache, and the cache
+compaction after it.
 
-A round feeds the root (the last committed token) and the tree's nodes, padded to the graph's
-1 + N rows (a pad is a leaf under the root that nobody reads), at the cache's length L. After
-acceptance the root's and the accepted path's K/V must sit at L, L+1, ...: an in-place graph
-(ort-gqa) wrote row r at L + r, so the path's rows are copied down within the cache (row p to
-L+1+j; p >= 1+j, so in increasing order nothing is overwritten before it is read); an
-appending graph returned the rows' K/V as presents, and the path's rows are written at L.
-Nothing else moves, and nothing cache-sized is allocated per round.
+A round feeds each row the root (its last committed token) and its tree's nodes, padded to the
+graph's 1 + N rows (a pad is a leaf under the root that nobody reads), at the row's cache length
+L; a batch's rows share the graph of the largest tree, and a slot that is not running idles
+(length 0, nothing written). After acceptance a row's root and accepted path must sit at L,
+L+1, ...: an in-place graph (ort-gqa) wrote row r at L + r, so the path's rows are copied down
+within the row's cache (row p to L+1+j; p >= 1+j, so in increasing order nothing is
+overwritten before it is read); an appending graph returned the rows' K/V as presents, and the
+path's rows are written at L. Nothing else moves, and nothing cache-sized is allocated per round.
 
-Adaptive tree size (runtime/tree_size.py) reads ``cost``: every tree size timed once, then a
-running average of the passes run.
+Adaptive tree size (runtime/tree_size.py) and the batch's tree width (runtime/loop.py) read
+``cost``: every tree size of a batch size timed once on first ask, then a running average of
+the passes run.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -35,10 +38,12 @@ from specexport.runtime.goodput import observed
 from specexport.runtime.runner import PAD_ID, time_interleaved
 from specexport.runtime.tree import DraftTree
 
+TreeRow = tuple[int, int, DraftTree]  # (cache length, root token, tree) of one running slot
+
 
 def tree_feeds(tree: DraftTree, root: int, length: int, valid_tokens: bool) -> dict[str, np.ndarray]:
-    """A tree graph's feeds besides the cache: root + nodes at cache length ``length`` (and the
-    row count as VALID_TOKENS for an ort-gqa graph)."""
+    """A tree graph's feeds for one row besides the cache: root + nodes at cache length
+    ``length`` (and the row count as VALID_TOKENS for an ort-gqa graph)."""
     offsets, mask = tree.verify_inputs()  # [1+N], [1+N, 1+N]
     feeds = {INPUT_IDS: np.concatenate(([root], tree.tokens))[None].astype(np.int64),  # [1, 1+N]
              CACHE_LENGTH: np.array([length], dtype=np.int64),  # [1]
@@ -48,87 +53,133 @@ def tree_feeds(tree: DraftTree, root: int, length: int, valid_tokens: bool) -> d
     return feeds
 
 
-class TreeVerifier:
-    """``engines``: rows (1 + nodes) -> its engine (LazyEngines; an ort-gqa graph has an entry
-    per tree size, a standard one a single size that smaller trees are padded to)."""
+def _padded(tree: DraftTree, nodes: int) -> DraftTree:
+    """``tree`` with pad leaves under the root up to ``nodes`` nodes."""
+    extra = nodes - tree.size
+    return DraftTree(np.concatenate((tree.tokens, np.full(extra, PAD_ID, dtype=np.int64))),
+                     np.concatenate((tree.parents, np.full(extra, -1, dtype=np.int64))))
 
-    def __init__(self, engines: dict[int, object], entry: EngineEntry, cache):
-        self.engines, self.cache = engines, cache  # the target's first slot's cache (batch 1)
-        self.rows = max(engines)  # 1 + N: the root and up to N nodes
+
+class TreeVerifier:
+    """``engines``: (batch, rows) -> its engine, rows = 1 + nodes (LazyEngines; an ort-gqa graph
+    has an entry per tree size at each batch size, a standard one a single size per batch size
+    that smaller trees are padded to). ``caches``: the target's slot caches (their lengths);
+    ``tensors``: the K/V arrays [slots, n_kv, S_max, hd] they are rows of."""
+
+    def __init__(self, engines: Mapping[tuple[int, int], object], entry: EngineEntry, caches: list,
+                 tensors: Mapping[str, np.ndarray]):
+        self.engines, self.caches, self.tensors = dict(engines), caches, dict(tensors)
+        self.batches = sorted({b for b, _ in self.engines if b <= len(caches)})
+        self.rows = max(t for _, t in self.engines)  # 1 + N: the root and up to N nodes
+        self.max_seq_len = next(iter(self.tensors.values())).shape[2]
         self.in_place = entry.kv_update == KVUpdate.IN_PLACE
         self.seconds = 0.0
-        self._presents: dict[str, np.ndarray] = {}  # an appending graph's K/V of the last run
-        self._costs: dict[int, float] = {}  # rows -> seconds of one pass (empty: not timed yet)
+        self._presents: dict[str, np.ndarray] = {}  # an appending graph's K/V of the last run [B, n_kv, T, hd]
+        self._costs: dict[int, dict[int, float]] = {}  # batch -> rows -> seconds of one pass (absent: not timed)
 
     @property
     def nodes(self) -> int:
         return self.rows - 1
 
-    def fits(self, length: int, nodes: int) -> bool:
+    def batch_for(self, running: int) -> int | None:
+        """The smallest built batch size holding ``running`` rows (None: none does)."""
+        return next((b for b in self.batches if b >= running), None)
+
+    def fits(self, length: int, nodes: int, batch: int = 1) -> bool:
         """Can a tree of ``nodes`` run at cache length ``length`` (the graph writes all its rows)?"""
-        return nodes <= self.nodes and length + self._size(nodes) <= self.cache.max_seq_len
+        return nodes <= self.nodes and length + self._size(batch, nodes) <= self.max_seq_len
 
-    def _size(self, nodes: int) -> int:
-        return min(rows for rows in self.engines if rows >= 1 + nodes)
+    def _size(self, batch: int, nodes: int) -> int:
+        return min(rows for b, rows in self.engines if b == batch and rows >= 1 + nodes)
 
-    def cost(self, rows: int) -> float | None:
-        """Seconds of a pass over ``rows`` rows (root + nodes; the graph that holds them); the
-        first ask times every size (about a second for SmolLM2's 12 on 2 cores)."""
-        if not self._costs:
-            self._costs = time_interleaved({"tree": (self, sorted(self.engines))}, rounds=2)["tree"]
-        return self._costs.get(self._size(rows - 1)) if rows - 1 <= self.nodes else None
+    def cost(self, rows: int, batch: int = 1) -> float | None:
+        """Seconds of a pass over ``rows`` rows (root + nodes; the graph that holds them) at
+        ``batch``; the first ask at a batch size times its every size (about a second for
+        SmolLM2's 12 on 2 cores at batch 1)."""
+        if rows - 1 > self.nodes:
+            return None
+        if batch not in self._costs:
+            keys = sorted(k for k in self.engines if k[0] == batch)
+            self._costs[batch] = {rows: s for (_, rows), s in
+                                  time_interleaved({"tree": (self, keys)}, rounds=2)["tree"].items()}
+        return self._costs[batch].get(self._size(batch, rows - 1))
 
-    def time_run(self, rows: int, want_logits: bool = False) -> float:
-        """Seconds of one pass over a chain of ``rows`` rows at the cache's far end, where
-        nothing committed lies (time_interleaved's runner protocol); the cache is not moved."""
-        start = time.perf_counter()
-        self._call(DraftTree.chain(np.full(rows - 1, PAD_ID, dtype=np.int64)), PAD_ID,
-                   self.cache.max_seq_len - rows, want_logits, ())
-        return time.perf_counter() - start
+    def time_run(self, key: tuple[int, int], want_logits: bool = False) -> float:
+        """Seconds of one pass of the graph ``key`` (batch, rows), every row a chain of pads at
+        the cache's far end (time_interleaved's runner protocol); what it writes there is put back."""
+        batch, rows = key
+        start = self.max_seq_len - rows
+        saved = {name: array[:batch, :, start:].copy() for name, array in self.tensors.items()}
+        pads = DraftTree.chain(np.full(rows - 1, PAD_ID, dtype=np.int64))
+        began = time.perf_counter()
+        self._call(batch, dict.fromkeys(range(batch), (start, PAD_ID, pads)), want_logits, ())
+        elapsed = time.perf_counter() - began
+        for name, values in saved.items():
+            self.tensors[name][:batch, :, start:] = values
+        return elapsed
 
     def end_timing(self, sizes) -> None:
         pass
 
     def run(self, length: int, root: int, tree: DraftTree, want_logits: bool,
             want: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
-        """Verify ``tree`` under ``root`` at cache length ``length``: each output's rows [1+n, ...]
-        (row 0 the root, 1+i node i)."""
-        n = tree.size
-        if not self.fits(length, n):
-            raise ValueError(f"a tree of {n} nodes at length {length} does not fit the tree graph")
-        rows = self._size(n)
-        padded = DraftTree(np.concatenate((tree.tokens, np.full(rows - 1 - n, PAD_ID, dtype=np.int64))),
-                           np.concatenate((tree.parents, np.full(rows - 1 - n, -1, dtype=np.int64))))
-        self.cache.set_length(min(length, self.cache.length))
+        """Verify ``tree`` under ``root`` at cache length ``length`` in slot 0, alone: each
+        output's rows [1+n, ...] (row 0 the root, 1+i node i)."""
+        return self.run_rows(1, {0: (length, root, tree)}, want_logits, want)[0]
+
+    def run_rows(self, batch: int, rows: Mapping[int, TreeRow], want_logits: bool,
+                 want: tuple[str, ...] = ()) -> dict[int, dict[str, np.ndarray]]:
+        """One pass of the graph of ``batch`` rows over the slots in ``rows`` (the others idle):
+        slot -> each output's rows [1+n, ...] of its tree (row 0 the root, 1+i node i)."""
+        nodes = max(tree.size for _, _, tree in rows.values())
+        for length, _, tree in rows.values():
+            if not self.fits(length, tree.size, batch):
+                raise ValueError(f"a tree of {tree.size} nodes at length {length} does not fit the tree graph")
+        size = self._size(batch, nodes)
+        padded = {slot: (length, root, _padded(tree, size - 1)) for slot, (length, root, tree) in rows.items()}
         start = time.perf_counter()
-        out = self._call(padded, root, length, want_logits, want)
+        out = self._call(batch, padded, want_logits, want)
         elapsed = time.perf_counter() - start
         self.seconds += elapsed
-        if self._costs:
-            self._costs[rows] = observed(self._costs.get(rows), elapsed)
-        self._presents = {p: out.pop(present_of(p)) for p in self.cache.view()} if not self.in_place else {}
-        return {name: value[0, : 1 + n] for name, value in out.items()}
+        if batch in self._costs:
+            self._costs[batch][size] = observed(self._costs[batch].get(size), elapsed)
+        self._presents = {p: out.pop(present_of(p)) for p in self.tensors} if not self.in_place else {}
+        return {slot: {name: value[slot, : 1 + tree.size] for name, value in out.items()}
+                for slot, (_, _, tree) in rows.items()}
 
-    def _call(self, tree: DraftTree, root: int, length: int, want_logits: bool,
+    def _call(self, batch: int, rows: Mapping[int, TreeRow], want_logits: bool,
               want: tuple[str, ...]) -> dict[str, np.ndarray]:
-        """One pass of the graph holding ``tree`` (already padded to its rows) at ``length``."""
-        engine = self.engines[1 + tree.size]
-        feeds = {**self.cache.view(), **tree_feeds(tree, root, length, VALID_TOKENS in engine.inputs)}
+        """One pass of the graph (batch, rows) over trees already padded to its rows; a slot
+        not in ``rows`` idles (length 0, no valid rows: nothing written)."""
+        size = 1 + next(iter(rows.values()))[2].size
+        engine = self.engines[(batch, size)]
+        valid = VALID_TOKENS in engine.inputs
+        idle = (0, PAD_ID, _padded(DraftTree.chain(np.zeros(0, dtype=np.int64)), size - 1))
+        per_row = [tree_feeds(tree, root, length, valid) for length, root, tree in
+                   (rows.get(slot, idle) for slot in range(batch))]
+        feeds = {name: np.concatenate([f[name] for f in per_row]) for name in per_row[0]}  # [B, ...]
+        if valid:
+            for slot in range(batch):
+                if slot not in rows:
+                    feeds[VALID_TOKENS][slot] = 0
+        cache = {name: array[:batch] for name, array in self.tensors.items()}  # [B, n_kv, S_max, hd] views
         names = [NEXT_TOKENS, *([LOGITS] if want_logits else []), *want]
         if not self.in_place:
-            names += [present_of(p) for p in self.cache.view()]
-        return engine.run(feeds, names, self.cache.in_place_outputs() if self.in_place else None)
+            names += [present_of(p) for p in cache]
+        bound = {present_of(name): array for name, array in cache.items()} if self.in_place else None
+        return engine.run({**cache, **feeds}, names, bound)
 
-    def commit(self, length: int, path: list[int]) -> None:
-        """Keep the root and the accepted nodes ``path`` (root to leaf) at ``length``, ``length``+1, ...:
-        the cache then holds ``length`` + 1 + len(path) positions."""
+    def commit(self, length: int, path: list[int], slot: int = 0) -> None:
+        """Keep the slot's root and accepted nodes ``path`` (root to leaf) at ``length``,
+        ``length``+1, ...: the slot's cache then holds ``length`` + 1 + len(path) positions."""
         rows = [0, *(1 + p for p in path)]  # graph rows, increasing
-        for name, array in self.cache.view().items():  # [1, n_kv, S_max, hd]
+        for name, array in self.tensors.items():  # [slots, n_kv, S_max, hd]
             if self.in_place:
                 for j, r in enumerate(rows):
                     if r != j:
-                        array[:, :, length + j] = array[:, :, length + r]
+                        array[slot, :, length + j] = array[slot, :, length + r]
             else:
-                array[:, :, length : length + len(rows)] = self._presents[name][:, :, rows]
-        self.cache.set_length(min(length, self.cache.length))
-        self.cache.advance(length + len(rows) - self.cache.length)
+                array[slot, :, length : length + len(rows)] = self._presents[name][slot][:, rows]  # [n_kv, 1+len(path), hd]
+        cache = self.caches[slot]
+        cache.set_length(min(length, cache.length))
+        cache.advance(length + len(rows) - cache.length)

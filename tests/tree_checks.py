@@ -10,22 +10,30 @@ import numpy as np
 import pytest
 
 
-def trees_drafted(pipe, drafter: str, prompt: str, nodes: int, new_tokens: int = 12) -> list[tuple[np.ndarray, object, int]]:
-    """Greedy tree decoding at fixed depth, recording every tree with the context it followed
-    and the depth asked for (less than D near the end of the output)."""
-    chosen = pipe.drafter(drafter)
+def trees_drafted(pipe, drafter: str, prompt: str | list[str], nodes: int,
+                  new_tokens: int = 12) -> list[tuple[np.ndarray, object, int, int]]:
+    """Greedy tree decoding at fixed depth, recording every tree with the context it followed,
+    the depth asked for (less than D near the end of the output) and the nodes asked for (at
+    B > 1 at most the depth). A list of prompts decodes together in one batch, each tree drafted
+    for its own row (slot)."""
+    slots = 1 if isinstance(prompt, str) else pipe.batched_target(len(prompt)).slots
+    chosen = pipe.drafter(drafter, slots)  # the instance the loop over those slots drafts with
     seen = []
     propose_tree = chosen.propose_tree
 
-    def spy(row, depth, count, top_k):
-        tree = propose_tree(row, depth, count, top_k)
+    def spy(row, depth, count, top_k, slot=0):
+        tree = propose_tree(row, depth, count, top_k, slot=slot)
         if tree is not None:
-            seen.append((np.array(row.context), tree, depth))
+            seen.append((np.array(row.context), tree, depth, count))
         return tree
 
     chosen.propose_tree = spy
     try:
-        pipe.generate(prompt, drafter=drafter, max_new_tokens=new_tokens, adaptive=False, tree_nodes=nodes)
+        if isinstance(prompt, str):
+            pipe.generate(prompt, drafter=drafter, max_new_tokens=new_tokens, adaptive=False, tree_nodes=nodes)
+        else:
+            pipe.generate_batch(prompt, drafter=drafter, max_new_tokens=new_tokens, adaptive=False, schedule=False,
+                                tree_nodes=nodes, max_batch=len(prompt))
     finally:
         del chosen.propose_tree
     return seen
@@ -49,14 +57,14 @@ def spine_choice(levels: Sequence[tuple[Sequence[int], Sequence[float]]],
     return [p for _, p in found[:nodes]], np.array([j for j, _ in found])
 
 
-def check_trees(trees, reference: Callable[[np.ndarray, int], tuple[list, np.ndarray]], nodes: int,
+def check_trees(trees, reference: Callable[[np.ndarray, int, int], tuple[list, np.ndarray]],
                 near_tie: float, rel: float) -> int:
-    """Every drafted tree (``trees_drafted``) against ``reference(context, depth)`` -> (the
-    paths it keeps, every candidate's log joint, heaviest first); a cut at a near-tie (two
+    """Every drafted tree (``trees_drafted``) against ``reference(context, depth, nodes)`` ->
+    (the paths it keeps, every candidate's log joint, heaviest first); a cut at a near-tie (two
     candidates within ``near_tie`` of each other) is skipped. Returns the trees checked."""
     checked = 0
-    for context, tree, depth in trees:
-        want, joints = reference(context, depth)
+    for context, tree, depth, nodes in trees:
+        want, joints = reference(context, depth, nodes)
         if len(joints) > nodes and joints[nodes - 1] - joints[nodes] < near_tie:
             continue  # torch and onnxruntime may keep either
         got = node_paths(tree)

@@ -62,6 +62,7 @@ from specexport.exporter.archs import LayerWeights
 from specexport.exporter.graph_model import _apply_rope, _rms_norm, _rotate_half_matrix
 from specexport.exporter.heads.base import HeadContext, tap_columns
 from specexport.exporter.onnx_export import export_module
+from specexport.exporter.rope import rotary_tables
 
 ACTIVATIONS = {"silu": nn.functional.silu, "swish": nn.functional.silu,
                "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
@@ -202,9 +203,7 @@ def rope_tables(ckpt: Checkpoint, section: dict) -> Callable[[int], tuple[torch.
         raise ckpt.bad(f"cannot build the draft layers' rotary embedding ({err})") from None
 
     def tables(length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(length).unsqueeze(0)  # [1, S]
-        cos, sin = rotary(torch.zeros(1), positions)
-        return cos[0].float(), sin[0].float()  # [S, rot] each
+        return rotary_tables(rotary, length)  # [S, rot] each
 
     return tables
 

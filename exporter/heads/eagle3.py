@@ -35,6 +35,7 @@ from specexport.exporter.heads.chain import (
     read_published,
     safetensors_files,
 )
+from specexport.exporter.rope import rotary_tables
 
 # layout -> where its tensors live (the decoder layer i's prefix, and the head's own tensors)
 LAYOUTS = {
@@ -106,9 +107,7 @@ def hf_config(fields: dict, origin: str):
 
 def rope_table(cfg, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     _, rotary_class, _ = transformers_parts(cfg.model_type)
-    rotary = rotary_class(cfg)
-    cos, sin = rotary(torch.zeros(1), torch.arange(positions).unsqueeze(0))
-    return cos[0].float(), sin[0].float()  # [S, rot]
+    return rotary_tables(rotary_class(cfg), positions)  # [S, rot] each
 
 
 @dataclass(frozen=True)

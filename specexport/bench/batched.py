@@ -52,7 +52,9 @@ def run_batched(pipe, prompts_path: Path, batches: list[int], drafters: list[str
     for name in drafters:  # before any run
         check_drafter(pipe.manifest, name, max(batches), "--drafters")
     records = load_prompts(prompts_path)
-    modes = _modes(pipe.manifest, drafters)
+    tree_drafters = frozenset(name for name in drafters if pipe.tree_nodes(None) and
+                              hasattr(pipe.drafter(name), "propose_tree"))
+    modes = _modes(pipe.manifest, drafters, tree_drafters)
     batch_peers, peers_skipped = _split_peers(peers, peers_skipped)
     prompt_ids = [pipe.prompt_ids(r.get("prompt"), messages=r.get("messages")) for r in records]
     # Every mode runs once per repeat, the modes of a loop and batch size in turn, so a drift of
@@ -87,16 +89,40 @@ def _check_batches(manifest, batches: list[int]) -> list[int]:
     return built
 
 
-def _modes(manifest, drafters: list[str]) -> list[tuple[str, int, str]]:
+# depth rule -> the batched loop's settings; the tree rules verify token trees of the recipe's
+# draft.tree size (at B > 1 at most the depth per row), the others chains
+_RULES = {
+    "fixed": dict(schedule=False, per_sequence=False, adaptive=False, trees=False),
+    "per-sequence": dict(schedule=False, per_sequence=True, adaptive=False, trees=False),
+    "schedule": dict(schedule=True, per_sequence=False, adaptive=True, trees=False),
+    "tree": dict(schedule=False, per_sequence=False, adaptive=False, trees=True),
+    "schedule+tree": dict(schedule=True, per_sequence=False, adaptive=True, trees=True),
+}
+
+
+def _modes(manifest, drafters: list[str], tree_drafters: frozenset[str] = frozenset()) -> list[tuple[str, int, str]]:
     """(drafter, depth, depth rule) of every mode: the target alone first, then per drafter the
-    manifest's depth, depth 1, per-sequence depth and (with a manifest schedule) the schedule."""
+    manifest's depth, depth 1, per-sequence depth and (with a manifest schedule) the schedule;
+    a drafter in ``tree_drafters`` (it builds trees, the directory has tree graphs) also with
+    trees at the manifest's depth (and under the schedule)."""
     depth = manifest.draft_len
     modes = [("none", 0, "fixed")]
     for name in drafters:
         modes += [(name, depth, "fixed"), (name, 1, "fixed"), (name, depth, "per-sequence")]
         if manifest.draft_schedule is not None:
             modes.append((name, depth, "schedule"))
+        if name in tree_drafters:
+            modes.append((name, depth, "tree"))
+            if manifest.draft_schedule is not None:
+                modes.append((name, depth, "schedule+tree"))
     return modes
+
+
+def _settings(pipe, rule: str) -> dict:
+    """generate_batch's keyword arguments for a depth rule."""
+    settings = dict(_RULES[rule])
+    trees = settings.pop("trees")
+    return {**settings, "tree_nodes": pipe.tree_nodes(None) if trees else 0}
 
 
 def _split_peers(peers, peers_skipped) -> tuple[list, list[dict]]:
@@ -125,7 +151,7 @@ def _run_single_loop(pipe, records: list[dict], modes, max_new_tokens: int, repo
             with reporter.step("bench", f"repeat {repeat + 1}: single-sequence loop, {drafter} d={k}") as step:
                 start = time.perf_counter()
                 single = [pipe.generate(r.get("prompt"), messages=r.get("messages"), drafter=drafter, draft_len=k,
-                                        adaptive=False, max_new_tokens=max_new_tokens) for r in records]
+                                        adaptive=False, max_new_tokens=max_new_tokens, tree_nodes=0) for r in records]
                 wall = time.perf_counter() - start
                 step.detail = f"{sum(g.stats.tokens for g in single) / wall:.1f} tok/s"
             runs.setdefault(("single", 1, drafter, k, rule), []).append((wall, single))
@@ -134,11 +160,17 @@ def _run_single_loop(pipe, records: list[dict], modes, max_new_tokens: int, repo
 
 def _warm_up(pipe, records: list[dict], modes, batch: int, reporter) -> None:
     """Untimed: the first mode at a batch size must not pay for the sessions' first runs at its
-    shapes (every width T the modes use), which the later modes would not."""
+    shapes (every width T the modes use), which the later modes would not; nor an adaptive tree
+    mode for timing its tree graph's sizes at each batch size (once per batch loop's target)."""
     with reporter.step("bench", f"batch {batch}, warm-up"):
-        for drafter, k, _ in modes:
+        for drafter, k, rule in modes:
+            settings = _settings(pipe, rule)
             pipe.generate_batch(records[:batch], drafter=drafter, max_new_tokens=4, draft_len=k,
-                                max_batch=batch, schedule=False, adaptive=False)
+                                max_batch=batch, **{**settings, "schedule": False, "adaptive": False})
+            if settings["tree_nodes"] and settings["adaptive"]:
+                verifier = pipe.tree_verifier(pipe.batched_target(batch))
+                for size in verifier.batches:  # as rows finish, the smaller batch sizes' too
+                    verifier.cost(2, size)
 
 
 def _run_batched_loop(pipe, records: list[dict], modes, batch: int, max_new_tokens: int, reporter,
@@ -151,8 +183,7 @@ def _run_batched_loop(pipe, records: list[dict], modes, batch: int, max_new_toke
             with reporter.step("bench", f"repeat {repeat + 1}: batch {batch}, {drafter} d={k} {rule}") as step:
                 start = time.perf_counter()
                 results = pipe.generate_batch(records, drafter=drafter, max_new_tokens=max_new_tokens,
-                                              draft_len=k, max_batch=batch, schedule=rule == "schedule",
-                                              per_sequence=rule == "per-sequence", adaptive=rule == "schedule")
+                                              draft_len=k, max_batch=batch, **_settings(pipe, rule))
                 wall = time.perf_counter() - start
                 step.detail = f"{sum(r.stats.tokens for r in results) / wall:.1f} tok/s"
             runs.setdefault(("batched", batch, drafter, k, rule), []).append((wall, results))

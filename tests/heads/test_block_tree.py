@@ -45,7 +45,7 @@ def pipe(folders):
     return load(build(raw, root, root / "engines"))
 
 
-def reference_nodes(folder, layout: str, target, context: np.ndarray, depth: int):
+def reference_nodes(folder, layout: str, target, context: np.ndarray, depth: int, nodes: int = NODES):
     """The published math's block after ``context``: each position's top-k (target ids) under
     the greedy spine (tests/tree_checks.spine_choice)."""
     from specexport.exporter.heads.block import read_checkpoint
@@ -62,14 +62,15 @@ def reference_nodes(folder, layout: str, target, context: np.ndarray, depth: int
         top = torch.topk(torch.log_softmax(row.double(), dim=-1), TOP_K)
         ids = [int(i) + (int(d2t[i]) if d2t is not None else 0) for i in top.indices]
         levels.append((ids, top.values.tolist()))
-    return spine_choice(levels, NODES)
+    return spine_choice(levels, nodes)
 
 
 def test_dflash_trees_are_the_references_heaviest_candidates(pipe, folders, target):
     _, paths = folders
     checked = sum(check_trees(trees_drafted(pipe, "zlab", prompt, NODES),
-                              lambda context, depth: reference_nodes(paths["zlab"], "z-lab", target, context, depth),
-                              NODES, 1e-3, 1e-3)
+                              lambda context, depth, nodes: reference_nodes(paths["zlab"], "z-lab", target, context,
+                                                                            depth, nodes),
+                              1e-3, 1e-3)
                   for prompt in PROMPTS)
     assert checked >= 6, f"only {checked} trees checked"
 
@@ -83,5 +84,5 @@ def test_greedy_block_trees_decode_as_the_target_alone(pipe, head):
         spec = pipe.generate(prompt_ids=ids, max_new_tokens=20, drafter=head, adaptive=False, tree_nodes=NODES)
         assert spec.stats.tree_nodes > 0, "no tree round ran"
         assert_lossless(pipe, ids, base, spec.token_ids, f"{head} tree on {prompt!r}")
-        branched += max(int(np.bincount(t.depths()).max()) for _, t, _ in trees_drafted(pipe, head, prompt, NODES)) > 1
+        branched += max(int(np.bincount(t.depths()).max()) for _, t, *_ in trees_drafted(pipe, head, prompt, NODES)) > 1
     assert branched, "no tree branched"

@@ -15,7 +15,7 @@ import torch
 
 from tests.heads.chain_checkpoints import write_eagle3, write_mtp_target
 from tests.heads.chain_reference import context_states, load_chain_heads, one_torch_thread, reference_levels
-from tests.heads.common import PROMPTS, build
+from tests.heads.common import PROMPTS, SHAPES, build
 from tests.heads.test_eagle3 import TARGET, target_config
 from tests.lossless import assert_lossless
 from tests.tree_checks import check_trees, spine_choice, trees_drafted
@@ -45,17 +45,18 @@ def case(request, tmp_path_factory):
     return name, root, RECIPES[name], load(build(RECIPES[name], root, root / "out"))
 
 
-def spine_nodes(levels: list[torch.Tensor]) -> tuple[list[tuple[int, ...]], np.ndarray]:
+def spine_nodes(levels: list[torch.Tensor], nodes: int = NODES) -> tuple[list[tuple[int, ...]], np.ndarray]:
     """Without the tree step: the reference's choice over its greedy chain (level j's top-k under
     the spine node above)."""
     tops = [torch.topk(torch.log_softmax(logits.double(), dim=-1), TOP_K) for logits in levels]
-    return spine_choice([(top.indices.tolist(), top.values.tolist()) for top in tops], NODES)
+    return spine_choice([(top.indices.tolist(), top.values.tolist()) for top in tops], nodes)
 
 
-def expanded_nodes(head, target, context: np.ndarray, depth: int) -> tuple[list[tuple[int, ...]], np.ndarray]:
+def expanded_nodes(head, target, context: np.ndarray, depth: int,
+                   nodes: int = NODES) -> tuple[list[tuple[int, ...]], np.ndarray]:
     """With the tree step: EAGLE-2's expansion by the reference, each expanded node run on its
     own path (its ancestors as the chain's step rows): a level's TOP_K heaviest candidates are
-    expanded while their joint probability beats the NODES-th heaviest so far."""
+    expanded while their joint probability beats the ``nodes``-th heaviest so far."""
     states = context_states(target, context, depth * TOP_K)
     rows = [int(t) for t in context[1:]]
     with torch.no_grad():
@@ -68,7 +69,7 @@ def expanded_nodes(head, target, context: np.ndarray, depth: int) -> tuple[list[
         level.append((int(t),))
     for _ in range(1, depth):
         joints = sorted((j for j, _ in found.values()), reverse=True)
-        cut = joints[NODES - 1] if len(joints) >= NODES else -np.inf
+        cut = joints[nodes - 1] if len(joints) >= nodes else -np.inf
         chosen = [p for p in sorted(level, key=lambda p: -found[p][0])[:TOP_K] if found[p][0] > cut]
         if not chosen:
             break
@@ -82,7 +83,7 @@ def expanded_nodes(head, target, context: np.ndarray, depth: int) -> tuple[list[
                 found[path + (int(t),)] = (joint + float(v), own + [hidden[-1]])
                 level.append(path + (int(t),))
     ranked = sorted(found, key=lambda p: -found[p][0])
-    return ranked[:NODES], np.array([found[p][0] for p in ranked])
+    return ranked[:nodes], np.array([found[p][0] for p in ranked])
 
 
 @pytest.mark.parametrize("grown", ["expanded", "spine"])
@@ -99,12 +100,12 @@ def test_the_tree_is_the_references_heaviest_candidates(case, grown):
         drafter.tree_step = None
     try:
         with one_torch_thread():
-            def reference(context, depth):
+            def reference(context, depth, nodes):
                 if grown == "spine":
-                    return spine_nodes(reference_levels(head, target, context, depth))
-                return expanded_nodes(head, target, context, depth)
+                    return spine_nodes(reference_levels(head, target, context, depth), nodes)
+                return expanded_nodes(head, target, context, depth, nodes)
 
-            checked = sum(check_trees(trees_drafted(pipe, name, prompt, NODES), reference, NODES, 1e-3, 1e-3)
+            checked = sum(check_trees(trees_drafted(pipe, name, prompt, NODES), reference, 1e-3, 1e-3)
                           for prompt in PROMPTS)
     finally:
         drafter.tree_step = saved
@@ -123,10 +124,10 @@ def test_the_tree_step_expands_siblings_and_the_spine_does_not(case):
     root or the spine, and trees still branch."""
     name, _, _, pipe = case
     drafter = pipe.drafter(name)
-    expanded = [tree for prompt in PROMPTS for _, tree, _ in trees_drafted(pipe, name, prompt, NODES)]
+    expanded = [tree for prompt in PROMPTS for _, tree, *_ in trees_drafted(pipe, name, prompt, NODES)]
     saved, drafter.tree_step = drafter.tree_step, None
     try:
-        spine = [tree for prompt in PROMPTS for _, tree, _ in trees_drafted(pipe, name, prompt, NODES)]
+        spine = [tree for prompt in PROMPTS for _, tree, *_ in trees_drafted(pipe, name, prompt, NODES)]
     finally:
         drafter.tree_step = saved
     assert sum(off_spine(t) for t in expanded) > 0, "no tree grew under a sibling"
@@ -144,3 +145,35 @@ def test_greedy_tree_decoding_is_the_target_alone(case, adaptive):
                              tree_nodes=NODES)
         assert spec.stats.tree_nodes > 0, "no tree round ran"
         assert_lossless(pipe, ids, base, spec.token_ids, f"{name} tree on {prompt!r}")
+
+
+@pytest.fixture(scope="module")
+def batched_eagle3(tmp_path_factory):
+    """The EAGLE-3 tree recipe at batch 1 and 2: (its folder, recipe, pipeline)."""
+    from specexport.runtime import load
+
+    root = tmp_path_factory.mktemp("e-safe-batched")
+    write_eagle3(root / "safe", target_config(), "safeailab")
+    recipe = {**RECIPES["e-safe"], "shapes": {**SHAPES, "batch": [1, 2]}}
+    return root, recipe, load(build(recipe, root, root / "out"))
+
+
+def test_each_rows_tree_in_a_batch_is_the_references(batched_eagle3):
+    # two prompts decode together: each row's tree is expanded over its own slot of the head's
+    # cache (its own committed rows and tree-step rows) and equals the reference's; lossless
+    root, recipe, pipe = batched_eagle3
+    target, heads = load_chain_heads(recipe, root)
+    with one_torch_thread():
+        trees = trees_drafted(pipe, "e-safe", PROMPTS[:2], NODES)
+        checked = check_trees(trees, lambda context, depth, nodes: expanded_nodes(heads["e-safe"], target, context,
+                                                                                  depth, nodes), 1e-3, 1e-3)
+    second = pipe.prompt_ids(PROMPTS[1])
+    assert any(nodes < NODES and list(context[: len(second)]) == second for context, _, _, nodes in trees), \
+        "row 1 drafted no tree beside row 0"
+    assert checked >= 4, f"only {checked} trees checked"
+    ids = [pipe.prompt_ids(p) for p in PROMPTS[:2]]
+    got = pipe.generate_batch(ids, drafter="e-safe", max_new_tokens=20, tree_nodes=NODES, max_batch=2, schedule=False)
+    for prompt, result in zip(ids, got):
+        assert result.stats.tree_nodes > 0
+        assert_lossless(pipe, prompt, pipe.generate(prompt_ids=prompt, max_new_tokens=20).token_ids, result.token_ids,
+                        "EAGLE-3 batched tree")

@@ -2,7 +2,8 @@
 the target and a separate draft model draft their greedy chain as the spine with each step's
 top-k as leaves. Every tree is checked against the same model run from an empty cache on the
 committed context (so a round that left a stale draft row in the cache, after a path that ended
-on a leaf, is caught), and decoding with trees stays exactly the target's."""
+on a leaf, is caught), and decoding with trees stays exactly the target's; the same holds for
+each row of a batch, every row drafting its own tree over its own cache row."""
 
 from __future__ import annotations
 
@@ -39,14 +40,20 @@ def fresh_levels(pipe, name: str, context: np.ndarray, depth: int) -> list[np.nd
     return levels
 
 
-@pytest.mark.parametrize("name", DRAFTERS)
-def test_each_tree_is_the_models_own_spine_and_siblings(pipe, name):
-    def reference(context, depth):
+def spine_reference(pipe, name: str):
+    """check_trees' reference: the model's own spine and siblings from an empty cache."""
+    def reference(context, depth, nodes):
         levels = fresh_levels(pipe, name, context, depth)  # [V] log q each
         return spine_choice([(np.argsort(-logp, kind="stable")[:TOP_K], np.sort(logp)[::-1][:TOP_K])
-                             for logp in levels], NODES)
+                             for logp in levels], nodes)
 
-    checked = sum(check_trees(trees_drafted(pipe, name, prompt, NODES, new_tokens=16), reference, NODES, 1e-4, 1e-4)
+    return reference
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_each_tree_is_the_models_own_spine_and_siblings(pipe, name):
+    reference = spine_reference(pipe, name)
+    checked = sum(check_trees(trees_drafted(pipe, name, prompt, NODES, new_tokens=16), reference, 1e-4, 1e-4)
                   for prompt in PROMPTS)
     assert checked >= 6, f"only {checked} trees checked"
 
@@ -59,3 +66,30 @@ def test_greedy_model_trees_decode_as_the_target_alone(pipe, name):
         spec = pipe.generate(prompt_ids=ids, max_new_tokens=24, drafter=name, adaptive=False, tree_nodes=NODES)
         assert spec.stats.tree_nodes > 0, "no tree round ran"
         assert_lossless(pipe, ids, base, spec.token_ids, f"{name} tree on {prompt!r}")
+
+
+@pytest.fixture(scope="module")
+def batched(tiny_engines):
+    from specexport.runtime import load
+
+    engines = tiny_engines.get("llama", drafters=DRAFTERS, attention="ort-gqa", batch=(1, 2), tree_nodes=NODES,
+                               **TINY_SHAPE)
+    return load(engines, threads=2)
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_each_rows_tree_in_a_batch_is_the_models_own(batched, name):
+    # two prompts decode together: each row's trees come from its own slot's cache row (a tree
+    # drafted from the other row's, or a stale one, fails the reference); lossless per row
+    trees = trees_drafted(batched, name, PROMPTS[:2], NODES, new_tokens=16)
+    together = [t for t in trees if t[3] < NODES]  # rounds of both rows: at most the depth each
+    second = batched.prompt_ids(PROMPTS[1])
+    assert any(list(context[: len(second)]) == second for context, *_ in together), "row 1 drafted no tree"
+    assert check_trees(trees, spine_reference(batched, name), 1e-4, 1e-4) >= 6
+    ids = [batched.prompt_ids(p) for p in PROMPTS[:2]]
+    got = batched.generate_batch(ids, drafter=name, max_new_tokens=24, adaptive=False, schedule=False,
+                                 tree_nodes=NODES, max_batch=2)
+    for prompt, result in zip(ids, got):
+        assert result.stats.tree_nodes > 0
+        assert_lossless(batched, prompt, batched.generate(prompt_ids=prompt, max_new_tokens=24).token_ids,
+                        result.token_ids, f"{name} batched tree")

@@ -29,17 +29,19 @@ def pipe(request, tiny_engines):
 
 
 class DecoyTreeDrafter(Stateless):
-    """Knows the target's greedy continuation and hides it: at each level a decoy first, the
-    true token second, the next level under the true one. The accepted path is rows 2, 4, 6."""
+    """Knows the target's greedy continuation of each prompt and hides it: at each level a decoy
+    first, the true token second, the next level under the true one. The accepted path is rows
+    2, 4, 6."""
 
     name = "decoy-tree"
 
-    def __init__(self, prompt_len: int, continuation: list[int], vocab: int):
-        self.prompt_len, self.continuation, self.vocab = prompt_len, continuation, vocab
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], vocab: int):
+        self.continuations, self.vocab = continuations, vocab
 
-    def propose_tree(self, row, depth, nodes, top_k):
-        done = len(row.context) - self.prompt_len
-        truth = self.continuation[done : done + depth]
+    def propose_tree(self, row, depth, nodes, top_k, slot=0):
+        prompt = next(p for p in self.continuations if tuple(row.context[: len(p)].tolist()) == p)
+        done = len(row.context) - len(prompt)
+        truth = self.continuations[prompt][done : done + depth]
         tokens, parents, parent = [], [], -1
         for token in truth:
             if len(tokens) + 2 > nodes:
@@ -53,28 +55,39 @@ class DecoyTreeDrafter(Stateless):
 class NoCompaction(TreeVerifier):
     """The failing control: keeps the cache as the verify pass wrote it (rows in tree order)."""
 
-    def commit(self, length, path):
+    def commit(self, length, path, slot=0):
         if not self.in_place:
-            for name, array in self.cache.view().items():
-                array[:, :, length : length + 1 + len(path)] = self._presents[name][:, :, : 1 + len(path)]
-        self.cache.set_length(min(length, self.cache.length))
-        self.cache.advance(length + 1 + len(path) - self.cache.length)
+            for name, array in self.tensors.items():
+                array[slot, :, length : length + 1 + len(path)] = self._presents[name][slot, :, : 1 + len(path)]
+        cache = self.caches[slot]
+        cache.set_length(min(length, cache.length))
+        cache.advance(length + 1 + len(path) - cache.length)
 
 
-def decode_with(pipe, drafter, ids, max_new, verifier_class=TreeVerifier):
-    target = pipe.batched_target(1)
+def decode_with(pipe, drafter, prompts, max_new, verifier_class=TreeVerifier, on_round=None):
+    """Every prompt decoded at once through the batch loop (one slot each) with tree rounds:
+    each one's tokens and stats."""
+    target = pipe.batched_target()  # a slot for every row of the largest batch built
     base = pipe.tree_verifier(target)
     verifier = verifier_class(base.engines, pipe.manifest.engines_of("target", "onnxruntime", tree=True)[-1],
-                              target.runners[0].cache)
-    out: list[int] = []
+                              base.caches, base.tensors)
+    out: dict[int, list[int]] = {key: [] for key in range(len(prompts))}
     loop = BatchLoop(target, drafter, draft_len=pipe.manifest.draft_len, eos_ids=frozenset(),
-                     on_token=lambda key, token: out.append(token), tree=verifier, tree_nodes=NODES)
-    request, _ = pipe.batch_request(ids, max_new_tokens=max_new)
-    loop.submit(0, request)
-    finished = []
+                     on_token=lambda key, token: out[key].append(token), tree=verifier, tree_nodes=NODES,
+                     on_round=on_round)
+    for key, ids in enumerate(prompts):
+        loop.submit(key, pipe.batch_request(ids, max_new_tokens=max_new)[0])
+    finished = {}
     while loop.busy:
-        finished += loop.step()
-    return out, finished[0][1].stats
+        finished.update(loop.step())
+    return [out[key] for key in range(len(prompts))], [finished[key].stats for key in range(len(prompts))]
+
+
+def decoy(pipe, prompts, max_new):
+    """The target's greedy continuations of ``prompts`` and the drafter that hides them."""
+    want = [pipe.generate(prompt_ids=ids, drafter="none", max_new_tokens=max_new).token_ids for ids in prompts]
+    vocab = pipe.manifest.models["target"].vocab_size
+    return want, DecoyTreeDrafter({tuple(ids): w for ids, w in zip(prompts, want)}, vocab)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -89,18 +102,16 @@ def test_greedy_ngram_tree_equals_the_target_alone(pipe, prompt):
 
 
 def test_a_hidden_path_is_accepted_and_the_cache_compacted(pipe):
-    ids = pipe.prompt_ids(PROMPTS[1])
-    want = pipe.generate(prompt_ids=ids, drafter="none", max_new_tokens=40).token_ids
-    drafter = DecoyTreeDrafter(len(ids), want, pipe.manifest.models["target"].vocab_size)
+    ids = [pipe.prompt_ids(PROMPTS[1])]
+    want, drafter = decoy(pipe, ids, 40)
     got, stats = decode_with(pipe, drafter, ids, 40)
     assert got == want
-    assert stats.acceptance_length > 2.5  # three levels of true tokens behind decoys: most rounds take them all
+    assert stats[0].acceptance_length > 2.5  # three levels of true tokens behind decoys: most rounds take them all
 
 
 def test_skipping_compaction_is_caught(pipe):
-    ids = pipe.prompt_ids(PROMPTS[1])
-    want = pipe.generate(prompt_ids=ids, drafter="none", max_new_tokens=40).token_ids
-    drafter = DecoyTreeDrafter(len(ids), want, pipe.manifest.models["target"].vocab_size)
+    ids = [pipe.prompt_ids(PROMPTS[1])]
+    want, drafter = decoy(pipe, ids, 40)
     got, _ = decode_with(pipe, drafter, ids, 40, verifier_class=NoCompaction)
     assert got != want  # the decoys' K/V left where the path's should be: the output moves
 
@@ -155,23 +166,48 @@ def test_generate_tree_nodes_from_the_command_line(tiny_engines):
     check_one_line(code, err, "no tree graph")
 
 
-def test_a_batched_loop_switches_between_chains_and_trees(tiny_engines):
-    # two sequences decode chains together; once one ends, the other (slot 0 of a batched cache)
-    # goes on with trees; both equal the target alone
+@pytest.fixture(scope="module", params=["standard", "ort-gqa"])
+def batched(request, tiny_engines):
+    """A tiny llama with chain and tree graphs at batch 1, 2 and 4."""
     from specexport.runtime import load
 
-    engines = tiny_engines.get("llama", drafters=("ngram",), attention="ort-gqa", batch=(1, 2), tree_nodes=NODES,
-                               **TINY_SHAPE)
-    pipe = load(engines, threads=2)
-    ids = [pipe.prompt_ids(PROMPTS[1]), pipe.prompt_ids(PROMPTS[2])]
-    want = [pipe.generate(prompt_ids=i, drafter="none", max_new_tokens=n).token_ids for i, n in zip(ids, (48, 12))]
+    engines = tiny_engines.get("llama", drafters=("ngram",), attention=request.param, batch=(1, 2, 4),
+                               tree_nodes=NODES, **TINY_SHAPE)
+    return load(engines, threads=2)
+
+
+def test_batched_rows_verify_their_trees_in_one_pass(batched):
+    # three sequences (the batch-4 graph, one slot idle), each its own decoy tree: every row
+    # takes its hidden path, its own cache compacted; each equals the target alone
+    ids = [batched.prompt_ids(p) for p in PROMPTS]
+    want, drafter = decoy(batched, ids, 40)
+    rounds = []
+    got, stats = decode_with(batched, drafter, ids, 40, on_round=rounds.append)
+    assert got == want
+    assert all(s.acceptance_length > 2.5 for s in stats)
+    assert any(r.rows == 3 and r.batch == 4 and r.width > 1 for r in rounds), rounds[:5]  # tree passes of three rows together
+
+
+def test_skipping_compaction_in_a_batch_is_caught(batched):
+    ids = [batched.prompt_ids(p) for p in PROMPTS[1:]]
+    want, drafter = decoy(batched, ids, 40)
+    got, _ = decode_with(batched, drafter, ids, 40, verifier_class=NoCompaction)
+    assert got[0] != want[0] and got[1] != want[1]
+
+
+def test_a_batched_loop_decodes_ngram_trees_together(batched):
+    # two sequences decode trees together at batch 2; once one ends, the other goes on alone
+    ids = [batched.prompt_ids(PROMPTS[1]), batched.prompt_ids(PROMPTS[2])]
+    want = [batched.generate(prompt_ids=i, drafter="none", max_new_tokens=n).token_ids for i, n in zip(ids, (48, 12))]
     out: dict[int, list[int]] = {0: [], 1: []}
-    loop = pipe.batch_loop(drafter="ngram", max_batch=2, tree_nodes=NODES,
-                           on_token=lambda key, token: out[key].append(token))
+    rounds = []
+    loop = batched.batch_loop(drafter="ngram", max_batch=2, tree_nodes=NODES, on_round=rounds.append,
+                              on_token=lambda key, token: out[key].append(token))
     for key, (prompt, n) in enumerate(zip(ids, (48, 12))):
-        loop.submit(key, pipe.batch_request(prompt, max_new_tokens=n)[0])
+        loop.submit(key, batched.batch_request(prompt, max_new_tokens=n)[0])
     finished = {}
     while loop.busy:
         finished.update(loop.step())
     assert [out[0], out[1]] == want
-    assert finished[0].stats.tree_nodes > 0 and finished[1].stats.tree_nodes == 0
+    assert finished[0].stats.tree_nodes > 0 and finished[1].stats.tree_nodes > 0
+    assert {r.batch for r in rounds if r.width > 1} >= {1, 2}
