@@ -211,3 +211,20 @@ def test_a_batched_loop_decodes_ngram_trees_together(batched):
     assert [out[0], out[1]] == want
     assert finished[0].stats.tree_nodes > 0 and finished[1].stats.tree_nodes > 0
     assert {r.batch for r in rounds if r.width > 1} >= {1, 2}
+
+
+def test_sampled_trees_in_a_batch_follow_the_target(batched):
+    # two rows sample together through batch-2 tree rounds: row 0's continuations are distributed
+    # as the target's, with its own rng and its own rows of the pass beside another row's
+    from specexport.runtime.acceptance import Sampling
+
+    ids = [batched.prompt_ids(PROMPTS[0]), batched.prompt_ids(PROMPTS[2])]
+    exact = exact_sequence_probs(batched, ids[0], Sampling(1.0, top_k=3), 2)
+    draws, counts, nodes = 1500, {}, 0
+    for seed in range(draws):
+        first, _ = batched.generate_batch(ids, drafter="ngram", max_new_tokens=2, temperature=1.0, top_k=3, seed=seed,
+                                          tree_nodes=NODES, max_batch=2, schedule=False)
+        counts[tuple(first.token_ids)] = counts.get(tuple(first.token_ids), 0) + 1
+        nodes += first.stats.tree_nodes
+    assert nodes > draws // 2  # most draws verified a tree beside the other row
+    assert_sampled_as_target(counts, exact, draws, right_rule=True)
