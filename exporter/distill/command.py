@@ -12,11 +12,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -530,8 +531,8 @@ class _Training:
                 with self.rep.step("score", f"final, {len(eval_all)} held-out sequences"):
                     final = self.trained.score(eval_all)
                 self.record(final)
-                with self.rep.step("write", str(self.opts.out)):
-                    return self.save(final)
+                with self.rep.step("write", str(self.opts.out)), stops.held():
+                    return self.save(final)  # a stop asked for meanwhile: the run is complete anyway
             except KeyboardInterrupt:
                 where = (f"{self.opts.out} holds the checkpoint of step {self.written}; continue with --resume"
                          if self.written is not None else "no checkpoint was written")
@@ -571,7 +572,8 @@ class _Training:
                     stops.check()
                     if time.time() >= next_eval:
                         self.record(self.trained.score(eval_some))
-                        self.save(None)
+                        with stops.held():  # the checkpoint and the note of its step, whole
+                            self.save(None)
                         next_eval = time.time() + opts.eval_minutes * 60
                         stops.check()
                 if not train_members:
@@ -585,12 +587,16 @@ class StopRequests:
     training), Python prints "Exception ignored" and carries on, and the run would go on to its
     time budget. So the handlers Python already runs are wrapped to also note the request, and
     the loop checks the note after each step and checkpoint. Ignored signals stay ignored (a
-    background job), and off the main thread nothing is installed."""
+    background job), and off the main thread nothing is installed. Inside ``held()`` a signal is
+    only noted (``check`` after the block raises): a checkpoint is written whole and its step
+    recorded, where a KeyboardInterrupt between the two had the interrupt's message name the
+    step before the one the folder held (and could leave the old folder's temporary behind)."""
 
     SIGNALS = ("SIGINT", "SIGTERM")
 
     def __init__(self) -> None:
         self.requested = False
+        self._holding = False
         self._previous: dict = {}
 
     def __enter__(self) -> StopRequests:
@@ -610,9 +616,19 @@ class StopRequests:
     def _noting(self, handler):
         def note_then_raise(signum, frame):
             self.requested = True
-            handler(signum, frame)
+            if not self._holding:
+                handler(signum, frame)
 
         return note_then_raise
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Signals inside the block are noted, not raised."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
 
     def check(self) -> None:
         if self.requested:

@@ -400,3 +400,28 @@ def test_the_teacher_cache_is_capped_and_changes_nothing(trained, work, tmp_path
         assert set(a) == {"aux", "top_idx", "top_p", "amax"}
         for key in a:
             np.testing.assert_allclose(a[key].numpy(), b[key].numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_stop_inside_a_held_block_is_raised_after_it():
+    # a checkpoint is written inside held(): Ctrl-C there must not land between the folder's
+    # swap and the record of its step (the interrupt's message named the step before)
+    import os
+    import signal
+    import time
+
+    from specexport.exporter.distill.command import StopRequests
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's: it raises
+    try:
+        with StopRequests() as stops:
+            with stops.held():
+                try:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(0.05)  # the handler runs between bytecodes, here
+                except KeyboardInterrupt:
+                    pytest.fail("the stop was raised inside the held block")
+            assert stops.requested
+            with pytest.raises(KeyboardInterrupt):
+                stops.check()
+    finally:
+        signal.signal(signal.SIGINT, previous)
