@@ -34,7 +34,7 @@ from specexport.runtime.kv_cache import KVCache, open_host_cache
 from specexport.runtime.ort_engine import OrtEngine
 from specexport.runtime.runner import PAD_ID, ModelRunner
 from specexport.runtime.tree import DraftTree
-from specexport.runtime.tree_verify import tree_feeds
+from specexport.runtime.tree_verify import batched_tree_feeds, tree_feeds
 
 # Real text (prose, code, numbers) so the sequence exercises ordinary predictions.
 CORPUS = """\
@@ -412,34 +412,26 @@ def validate_batched_tree(graph: BatchedGraph, single: GraphUnderTest, specs, ca
     valid = VALID_TOKENS in engine.inputs
     idle = batch - 1 if batch >= 3 else None
     last = cache.max_seq_len - graph.tokens
-    rows = []  # (cache length, root, tree) of each row
-    for r in range(batch):
-        length = 0 if r == idle else (last * (r + 1)) // batch
-        if r == idle:
-            tree = DraftTree(np.full(nodes, PAD_ID, dtype=np.int64), np.full(nodes, -1, dtype=np.int64))
-        elif r % 2:
-            tree = DraftTree.chain(ref_ids[(length + 1 + np.arange(nodes)) % len(ref_ids)])
-        else:
-            tree = validation_tree(nodes, ref_ids, length + 1)
-        rows.append((length, int(ref_ids[length]), tree))
-    per_row = [tree_feeds(tree, root, length, valid) for length, root, tree in rows]  # each [1, ...]
-    feeds = {name: np.concatenate([f[name] for f in per_row]) for name in per_row[0]}  # [B, ...]
-    if idle is not None and valid:
-        feeds[VALID_TOKENS][idle] = 0  # idle: nothing read, nothing written
+    rows = {}  # slot -> (cache length, root, tree); the idle slot has none
+    for r in (r for r in range(batch) if r != idle):
+        length = (last * (r + 1)) // batch
+        tree = (DraftTree.chain(ref_ids[(length + 1 + np.arange(nodes)) % len(ref_ids)]) if r % 2
+                else validation_tree(nodes, ref_ids, length + 1))
+        rows[r] = (length, int(ref_ids[length]), tree)
+    feeds = batched_tree_feeds(rows, batch, nodes, valid)  # [B, ...]
     filled = cache.view()  # name -> [1, n_kv, S_max, hd]
     past = {name: np.repeat(array, batch, axis=0) for name, array in filled.items()}  # [B, n_kv, S_max, hd]
     before = {name: array.copy() for name, array in past.items()}
     names = [LOGITS, NEXT_TOKENS] + ([] if in_place else [present_of(p) for p in past])
     out = engine.run({**past, **feeds}, names, {present_of(p): a for p, a in past.items()} if in_place else None)
+    if idle is not None and any(not np.array_equal(past[name][idle], before[name][idle]) for name in past):
+        raise SpecexportError(f"{graph.name}: the idle row {idle} wrote into its cache; its valid_tokens input is "
+                              "not honoured")
     parity, worst = Parity(), 0.0
-    for r, ((length, _, tree), row_feeds) in enumerate(zip(rows, per_row)):
-        if r == idle:
-            if any(not np.array_equal(past[name][r], before[name][r]) for name in past):
-                raise SpecexportError(f"{graph.name}: the idle row {r} wrote into its cache; its valid_tokens "
-                                      "input is not honoured")
-            continue
+    for r, (length, root, tree) in rows.items():
         with _restored(cache, length, graph.tokens if in_place else 0):
-            alone = one.run({**filled, **row_feeds}, names, cache.in_place_outputs() if in_place else None)
+            alone = one.run({**filled, **tree_feeds(tree, root, length, valid)}, names,
+                            cache.in_place_outputs() if in_place else None)
             pairs = [(LOGITS, out[LOGITS][r], alone[LOGITS][0])]
             span = slice(length, length + graph.tokens)
             pairs += [(name, past[name][r, :, span], filled[name][0, :, span]) if in_place else
@@ -452,7 +444,7 @@ def validate_batched_tree(graph: BatchedGraph, single: GraphUnderTest, specs, ca
                                           "alone; the batched graph mixes or misplaces rows")
                 worst = max(worst, agree)
         parity.add(out[LOGITS][r], alone[LOGITS][0], out[NEXT_TOKENS][r])
-    return {**parity.to_dict(), "rows": [[length, tree.size] for length, _, tree in rows], "idle_row": idle,
+    return {**parity.to_dict(), "rows": [[length, tree.size] for length, _, tree in rows.values()], "idle_row": idle,
             "max_rel_output_diff": worst}
 
 

@@ -299,11 +299,9 @@ def _tree_round(target: Model, drafter: Drafter, verifier: TreeVerifier, running
     engine_before = drafter.engine_seconds
     trees: list[DraftTree | None] = []
     for r, (seq, depth) in enumerate(zip(running, depths)):
-        request = seq.request
-        row = DraftRow(seq.context[: seq.length], request.sampling, request.rng, request.rules, len(request.prompt))
-        tree = drafter.propose_tree(row, depth, nodes, top_k, slot=r) if depth > 0 else None
-        if tree is not None and request.rules is not None:  # nodes the grammar forbids are not verified
-            tree = request.rules.valid_tree(_output(seq), tree)
+        tree = drafter.propose_tree(_draft_row(seq), depth, nodes, top_k, slot=r) if depth > 0 else None
+        if tree is not None and seq.request.rules is not None:  # nodes the grammar forbids are not verified
+            tree = seq.request.rules.valid_tree(_output(seq), tree)
         trees.append(tree)
     draft_s, draft_engine_s = time.perf_counter() - start, drafter.engine_seconds - engine_before
     for seq in running:  # every row waits for the whole draft, as for the verify pass
@@ -312,10 +310,10 @@ def _tree_round(target: Model, drafter: Drafter, verifier: TreeVerifier, running
     if all(tree is None or tree.size == 0 for tree in trees):
         return None
     drafted = [tree if tree is not None else _NO_TREE for tree in trees]
-    adaptive = [seq for seq in running if seq.policy is not None]
-    if adaptive:  # the trees' best shared size by their weights and the measured costs at this batch
-        for seq in adaptive:
-            seq.tree_sizer = seq.tree_sizer or TreeSizer(verifier.cost)
+    if any(seq.policy is not None for seq in running):  # adaptive: the trees' best shared size at this batch
+        for seq in running:  # each adaptive row calibrates its own weights; the others are taken as they are
+            if seq.policy is not None and seq.tree_sizer is None:
+                seq.tree_sizer = TreeSizer(verifier.cost)
         sizers = [seq.tree_sizer or TreeSizer(verifier.cost) for seq in running]
         keep = shared_size(sizers, drafted, lambda rows: verifier.cost(rows, batch))
         drafted = [tree.best(keep) if tree.size > keep else tree for tree in drafted]
@@ -404,8 +402,7 @@ def _depths(drafter: Drafter, running: list[_Running], draft_len: int, max_seq_l
 def _draft(drafter: Drafter, running: list[_Running], ks: list[int], start: float) -> list[Draft]:
     """One proposal for every row (a prefix kept where adaptive depth trims one that exists)."""
     engine_before = drafter.engine_seconds
-    drafts = drafter.propose([DraftRow(seq.context[: seq.length], seq.request.sampling, seq.request.rng,
-                                       seq.request.rules, len(seq.request.prompt)) for seq in running], ks)
+    drafts = drafter.propose([_draft_row(seq) for seq in running], ks)
     drafts = [seq.policy.trim(d, drafter.name) if seq.policy is not None else d for seq, d in zip(running, drafts)]
     # a draft the grammar forbids would end the accepted run there: it is not verified at all
     drafts = [d.trimmed(seq.request.rules.valid_drafts(_output(seq), d.tokens)) if seq.request.rules is not None
@@ -415,6 +412,12 @@ def _draft(drafter: Drafter, running: list[_Running], ks: list[int], start: floa
         seq.stats.draft_s += draft_s
         seq.stats.draft_engine_s += draft_engine_s
     return drafts
+
+
+def _draft_row(seq: _Running) -> DraftRow:
+    """What the drafter sees of a running sequence."""
+    request = seq.request
+    return DraftRow(seq.context[: seq.length], request.sampling, request.rng, request.rules, len(request.prompt))
 
 
 def _verify(target: Model, drafter: Drafter, running: list[_Running], drafts: list[Draft], draft_len: int,

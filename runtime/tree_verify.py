@@ -53,6 +53,20 @@ def tree_feeds(tree: DraftTree, root: int, length: int, valid_tokens: bool) -> d
     return feeds
 
 
+def batched_tree_feeds(rows: Mapping[int, TreeRow], batch: int, nodes: int, valid_tokens: bool) -> dict[str, np.ndarray]:
+    """A tree graph's feeds besides the cache for ``batch`` rows: each slot in ``rows`` its root
+    and tree (already ``nodes`` nodes) at its cache length, every other slot idle (length 0, pad
+    leaves and, for an ort-gqa graph, no valid rows: nothing written). The verifier and the
+    build's check of batched tree graphs both feed through here."""
+    idle = (0, PAD_ID, _padded(DraftTree.chain(np.zeros(0, dtype=np.int64)), nodes))
+    per_row = [tree_feeds(tree, root, length, valid_tokens) for length, root, tree in
+               (rows.get(slot, idle) for slot in range(batch))]
+    feeds = {name: np.concatenate([f[name] for f in per_row]) for name in per_row[0]}  # [B, ...]
+    if valid_tokens:
+        feeds[VALID_TOKENS][[slot for slot in range(batch) if slot not in rows]] = 0
+    return feeds
+
+
 def _padded(tree: DraftTree, nodes: int) -> DraftTree:
     """``tree`` with pad leaves under the root up to ``nodes`` nodes."""
     extra = nodes - tree.size
@@ -151,17 +165,9 @@ class TreeVerifier:
               want: tuple[str, ...]) -> dict[str, np.ndarray]:
         """One pass of the graph (batch, rows) over trees already padded to its rows; a slot
         not in ``rows`` idles (length 0, no valid rows: nothing written)."""
-        size = 1 + next(iter(rows.values()))[2].size
-        engine = self.engines[(batch, size)]
-        valid = VALID_TOKENS in engine.inputs
-        idle = (0, PAD_ID, _padded(DraftTree.chain(np.zeros(0, dtype=np.int64)), size - 1))
-        per_row = [tree_feeds(tree, root, length, valid) for length, root, tree in
-                   (rows.get(slot, idle) for slot in range(batch))]
-        feeds = {name: np.concatenate([f[name] for f in per_row]) for name in per_row[0]}  # [B, ...]
-        if valid:
-            for slot in range(batch):
-                if slot not in rows:
-                    feeds[VALID_TOKENS][slot] = 0
+        nodes = next(iter(rows.values()))[2].size
+        engine = self.engines[(batch, 1 + nodes)]
+        feeds = batched_tree_feeds(rows, batch, nodes, VALID_TOKENS in engine.inputs)
         cache = {name: array[:batch] for name, array in self.tensors.items()}  # [B, n_kv, S_max, hd] views
         names = [NEXT_TOKENS, *([LOGITS] if want_logits else []), *want]
         if not self.in_place:
