@@ -143,6 +143,19 @@ def batched_refusal(manifest: Manifest, drafter: str, max_batch: int | None = No
     return slots_refusal(manifest, model, backend, batches, need_graphs=entry.kind not in HEAD_KINDS)
 
 
+def check_tree_nodes(manifest: Manifest, asked: int | None) -> int:
+    """Draft nodes per tree round: ``asked`` (0: chains), default the recipe's (draft.tree); a
+    size the directory has no tree graph for is a one-line error naming --tree-nodes."""
+    built = int(manifest.plan.get("tree_nodes", 0))
+    nodes = built if asked is None else asked
+    if nodes and not built:
+        raise BadInput("--tree-nodes: this engine directory has no tree graph; rebuild with draft.tree.max_nodes "
+                       "in the recipe")
+    if not 0 <= nodes <= built:
+        raise BadInput(f"--tree-nodes must be between 0 and {built}, the tree graph's nodes (got {nodes})")
+    return nodes
+
+
 def check_drafter(manifest: Manifest, drafter: str, max_batch: int | None, option: str = "",
                   backend: str = FALLBACK_BACKEND) -> None:
     """Raise BadInput (led by ``option``, the CLI flag that chose it) when ``drafter`` is unknown
@@ -255,14 +268,7 @@ class Pipeline:
 
     def tree_nodes(self, asked: int | None) -> int:
         """Draft nodes per tree round: ``asked`` (0: chains), default the recipe's (draft.tree)."""
-        built = int(self.manifest.plan.get("tree_nodes", 0))
-        nodes = built if asked is None else asked
-        if nodes and not built:
-            raise BadInput("--tree-nodes: this engine directory has no tree graph; rebuild with draft.tree.max_nodes "
-                           "in the recipe")
-        if not 0 <= nodes <= built:
-            raise BadInput(f"--tree-nodes must be between 0 and {built}, the tree graph's nodes (got {nodes})")
-        return nodes
+        return check_tree_nodes(self.manifest, asked)
 
     @property
     def grammars(self) -> Grammars:

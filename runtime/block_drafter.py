@@ -54,7 +54,7 @@ from specexport.contract import (
     present_names,
 )
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
-from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut
+from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut, trees_slot_by_slot
 from specexport.runtime.engine import Engine
 from specexport.runtime.kv_cache import CacheLength
 from specexport.runtime.model import BatchedCall
@@ -378,6 +378,10 @@ class BlockDrafter:
         for array in (self.tensors or {}).values():
             array[dst, :, :length] = array[src, :, :length]
         self.slots[dst].adopt(self.slots[src])
+
+    def propose_trees(self, rows: Sequence[DraftRow], depths: Sequence[int], nodes: int,
+                      top_k: int) -> list[DraftTree | None]:
+        return trees_slot_by_slot(self, rows, depths, nodes, top_k)
 
     def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
         """A tree for the sequence in ``slot``: BlockSlot.tree."""

@@ -16,21 +16,24 @@ again. A round:
 Sampled rows draw each draft from the warped head distribution with their own rng, so
 rejection sampling keeps every row exact.
 
-A tree (``propose_tree``, one sequence at a time) is EAGLE-2's: candidates weigh their joint draft
-probability and the heaviest are verified. With the head's tree step (Role.TREE,
-exporter/heads/chain_tree.py) the tree grows level by level: the best ``top_k`` nodes of a level
-go in one call, each row its node's token and its parent's hidden, written into the head's cache
-after the committed rows in expansion order and seeing only the committed rows and its
-ancestors'; each row's top-k become the next level's candidates. Without that graph only the
-greedy chain is stepped (runtime/tree.py ``spine_tree``: siblings are leaves). Either way the
-rows past the committed ones are overwritten by the next catch-up, which brings the accepted
-path's rows in from the target like any committed rows.
+A tree is EAGLE-2's: candidates weigh their joint draft probability and the heaviest are
+verified. With the head's tree step (Role.TREE, exporter/heads/chain_tree.py) the tree grows level
+by level (``Expansion``): the best ``top_k`` nodes of a level go in one call, each its node's
+token and its parent's hidden, written into the head's cache after the committed rows in
+expansion order and seeing only the committed rows and its ancestors'; each node's top-k become
+the next level's candidates. A batch (``propose_trees``) grows every row's tree together: one
+catch-up call, then one tree-step call per level, batch row r holding slot r's level (rows whose
+tree is grown idle). Without that graph only the greedy chain is stepped, slot by slot
+(runtime/tree.py ``spine_tree``: siblings are leaves). Either way the rows past the committed ones
+are overwritten by the next catch-up, which brings the accepted path's rows in from the target
+like any committed rows.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -51,7 +54,7 @@ from specexport.contract import (
     present_names,
 )
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept
-from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut
+from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut, trees_slot_by_slot
 from specexport.runtime.engine import LazyEngine
 from specexport.runtime.model import Model
 from specexport.runtime.runner import PAD_ID
@@ -67,11 +70,12 @@ STEP_ROLES = frozenset({Role.STEP})
 class ChainDrafter:
     needs = (AUX_HIDDEN_STATES,)
 
-    def __init__(self, name: str, catchup: Model, step: Model, cost_ms: PartCosts, tree_step: LazyEngine | None = None,
-                 tree_rows: int = 0):
+    def __init__(self, name: str, catchup: Model, step: Model, cost_ms: PartCosts,
+                 tree_steps: dict[int, LazyEngine] | None = None, tree_rows: int = 0):
         self.name = name
         self.catchup, self.step = catchup, step  # two views of one head cache
-        self.tree_step, self.tree_rows = tree_step, tree_rows  # one level of a tree, tree_rows nodes a call
+        # batch size -> the tree step: one level of a tree, tree_rows nodes a row per call
+        self.tree_steps, self.tree_rows = tree_steps or {}, tree_rows
         self._tree_seconds = 0.0
         self._draftable: np.ndarray | None = None  # [V_draft] target ids the head can draft (its finite logits)
         self.cost_ms = cost_ms  # "catchup" | "step" -> tokens -> ms of one batch-1 run
@@ -141,6 +145,32 @@ class ChainDrafter:
             drafts[r] = Draft(tokens[r, : depth[r]].copy(), None if rows[r].sampling.greedy else probs[r], self.name)
         return drafts
 
+    def propose_trees(self, rows: Sequence[DraftRow], depths: Sequence[int], nodes: int,
+                      top_k: int) -> list[DraftTree | None]:
+        """A tree for every running row (row r in slot r; None at depth 0 or with nothing to
+        feed). With the tree step at the batch's size: one catch-up call for all rows, then one
+        tree-step call per level over every row still expanding; else slot by slot."""
+        n = len(rows)
+        batch = self._tree_batch(n)
+        if n == 1 or batch is None:
+            return trees_slot_by_slot(self, rows, depths, nodes, top_k)
+        active = [r for r in range(n) if depths[r] > 0 and self._pending[r]]
+        trees: list[DraftTree | None] = [None] * n
+        if not active:
+            return trees
+        feed = {r: self._catch_up(n, r, rows[r].context) for r in active}  # slot -> (length, tokens, inputs)
+        out = self.catchup.run(n, feed, True, (HIDDEN_OUT,))
+        grown = {}
+        for r in active:
+            at = len(feed[r][1]) - 1  # the row's last fed row: its logits give level 1
+            grown[r] = self._expansion(out[LOGITS][r, at], out[HIDDEN_OUT][r, at], depths[r], nodes, top_k, r)
+        tensors = self.catchup.caches.tensors
+        assert tensors is not None  # _tree_batch found a batched tree step: the slots share host tensors
+        self._grow(grown, self.tree_steps[batch], {name: array[:batch] for name, array in tensors.items()})
+        for r, expansion in grown.items():
+            trees[r] = expansion.tree(f"{self.name}/tree")
+        return trees
+
     def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
         """A tree of up to ``nodes`` nodes and ``depth`` levels for the sequence in ``slot`` (its
         runners alone): expanded level by level with the tree step, else over the greedy chain."""
@@ -149,69 +179,46 @@ class ChainDrafter:
         fed = self._catch_up(1, slot, row.context)
         out = self.catchup.run_slot(slot, fed, True, (HIDDEN_OUT,))
         at = len(fed[1]) - 1  # the last fed row: its logits give level 1
-        if self.tree_step is not None and depth > 1:
-            return self._expand(out[LOGITS][0, at], out[HIDDEN_OUT][0, at], depth, nodes, top_k, slot)
+        if 1 in self.tree_steps and depth > 1:
+            expansion = self._expansion(out[LOGITS][0, at], out[HIDDEN_OUT][0, at], depth, nodes, top_k, slot)
+            self._grow({0: expansion}, self.tree_steps[1], self.catchup.runners[slot].cache.view())
+            return expansion.tree(f"{self.name}/tree")
         return self._spine(out, at, depth, nodes, top_k, slot)
 
-    def _expand(self, logits: np.ndarray, hidden: np.ndarray, depth: int, nodes: int, top_k: int,
-                slot: int) -> DraftTree:
-        """EAGLE-2's expansion from the last committed row's ``logits`` [V] and ``hidden`` [H]:
-        each level's ``tree_rows`` heaviest candidates are fed in one tree-step call (while one
-        of them can still beget a node that makes the cut), their top-k join the candidates, and
-        the ``nodes`` heaviest of all are kept (a child never outweighs its parent)."""
-        committed, width = self._committed[slot], self.tree_rows
-        depth = min(depth, (self.max_seq_len - committed) // width + 1)  # expanded rows fit the cache
-        cache = self.catchup.runners[slot].cache.view()  # [1, n_kv, S_max, hd] each: the slot's row
-        layers = len(cache) // 2
-        tokens, logp = self._top(logits, top_k)
-        token, parent, joint = tokens.tolist(), [ROOT] * len(tokens), logp.tolist()  # every candidate
-        level = list(range(len(token)))  # the candidates of the level being expanded
-        hidden_of: dict[int, np.ndarray] = {ROOT: hidden}  # expanded candidate -> its row's hidden [H]
-        slot_of: dict[int, int] = {}  # expanded candidate -> its row's cache slot
-        write = committed
-        for d in range(1, depth):
-            cut = sorted(joint, reverse=True)[nodes - 1] if len(joint) >= nodes else -np.inf
-            chosen = [c for c in sorted(level, key=lambda c: -joint[c])[:width] if joint[c] > cut]
-            if not chosen:
-                break  # no child of this level could make the cut
-            out = self._tree_call(cache, layers, chosen, token, parent, hidden_of, slot_of, write, committed + d - 1,
-                                  committed)
-            level = []
-            for i, c in enumerate(chosen):
-                slot_of[c], hidden_of[c] = write + i, out[HIDDEN_OUT][0, i]
-                kids, kid_logp = self._top(out[LOGITS][0, i], top_k)
-                level += range(len(token), len(token) + len(kids))
-                token += kids.tolist()
-                parent += [c] * len(kids)
-                joint += (joint[c] + kid_logp).tolist()
-            write += len(chosen)
-        keep = sorted(np.lexsort((np.arange(len(joint)), -np.asarray(joint)))[:nodes].tolist())  # parents first
-        index = {ROOT: ROOT, **{c: i for i, c in enumerate(keep)}}
-        return DraftTree(np.array([token[c] for c in keep], dtype=np.int64),
-                         np.array([index[parent[c]] for c in keep], dtype=np.int64), f"{self.name}/tree",
-                         np.exp([joint[c] for c in keep]))
+    def _tree_batch(self, rows: int) -> int | None:
+        """The smallest batch size of the tree step that holds ``rows`` slots of the shared host
+        cache (None: none built, or the slots do not share one)."""
+        if self.catchup.caches.tensors is None:
+            return None
+        return min((b for b in self.tree_steps if rows <= b <= self.catchup.slots), default=None)
 
-    def _tree_call(self, cache: dict[str, np.ndarray], layers: int, chosen: list[int], token: list[int],
-                   parent: list[int], hidden_of: dict[int, np.ndarray], slot_of: dict[int, int], write: int,
-                   position: int, committed: int) -> dict[str, np.ndarray]:
-        """One tree-step call over the candidates ``chosen`` (one level, at ``position``), their
-        rows written at ``write`` onwards; each sees the committed rows and its ancestors'."""
-        seen = []  # each row's ancestors' slots
-        for c in chosen:
-            slots, ancestor = [], parent[c]
-            while ancestor != ROOT:
-                slots.append(slot_of[ancestor])
-                ancestor = parent[ancestor]
-            seen.append(slots)
-        feeds = tree_step_feeds(cache, self.tree_rows, [token[c] for c in chosen],
-                                np.stack([hidden_of[parent[c]] for c in chosen]), write,
-                                [position] * len(chosen), committed, seen)
-        start = time.perf_counter()
-        out = self.tree_step.run(feeds, [LOGITS, HIDDEN_OUT, *present_names(layers)])
-        self._tree_seconds += time.perf_counter() - start
-        for past, present in zip(past_names(layers), present_names(layers)):
-            cache[past][:, :, write : write + len(chosen)] = out[present][:, :, : len(chosen)]  # [1, n_kv, n, hd]
-        return out
+    def _expansion(self, logits: np.ndarray, hidden: np.ndarray, depth: int, nodes: int, top_k: int,
+                   slot: int) -> Expansion:
+        """The slot's expansion from its last committed row's ``logits`` [V] and ``hidden`` [H],
+        its tree-step rows written after the committed ones (as deep as they fit the cache)."""
+        committed = self._committed[slot]
+        depth = min(depth, (self.max_seq_len - committed) // self.tree_rows + 1)
+        return Expansion(lambda row: self._top(row, top_k), logits, hidden, depth, nodes, self.tree_rows, committed)
+
+    def _grow(self, grown: dict[int, Expansion], engine: LazyEngine, cache: dict[str, np.ndarray]) -> None:
+        """Expand every sequence of ``grown`` (batch row -> its expansion) level by level: one
+        tree-step call per level over the rows still expanding (the others idle), each row's
+        new K/V written into its row of ``cache`` ([B, n_kv, S_max, hd] each, B the graph's)."""
+        layers = len(cache) // 2
+        batch = next(iter(cache.values())).shape[0]
+        while True:
+            levels = {r: level for r, expansion in grown.items() if (level := expansion.next_level()) is not None}
+            if not levels:
+                return
+            feeds = tree_step_feeds(cache, self.tree_rows, [levels.get(r) for r in range(batch)])
+            start = time.perf_counter()
+            out = engine.run(feeds, [LOGITS, HIDDEN_OUT, *present_names(layers)])
+            self._tree_seconds += time.perf_counter() - start
+            for r, level in levels.items():
+                count = len(level.tokens)
+                for past, present in zip(past_names(layers), present_names(layers)):
+                    cache[past][r, :, level.write : level.write + count] = out[present][r, :, :count]  # [n_kv, n, hd]
+                grown[r].grow(out[LOGITS][r, :count], out[HIDDEN_OUT][r, :count])
 
     def _spine(self, out: dict[str, np.ndarray], at: int, depth: int, nodes: int, top_k: int,
                slot: int) -> DraftTree:
@@ -263,34 +270,115 @@ class ChainDrafter:
         return int(probs[-1].draw(row.rng))
 
 
-def tree_step_feeds(cache: dict[str, np.ndarray], rows: int, tokens: Sequence[int], features: np.ndarray, write: int,
-                    positions: Sequence[int], committed: int, seen: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
-    """A head's tree-step feeds (exporter/heads/chain_tree.py): ``tokens`` (at most ``rows``)
-    with ``features`` [n, H] at ``positions``, written from cache slot ``write``; node i sees the
-    ``committed`` rows and the slots ``seen[i]`` (its ancestors'). Missing rows are pads that see
-    nothing but themselves. The runtime's expansion and the build's validation both feed
-    through here."""
-    n, s_max = len(tokens), next(iter(cache.values())).shape[2]
-    ids = np.full((1, rows), PAD_ID, dtype=np.int64)  # [1, T]
-    ids[0, :n] = tokens
-    feats = np.zeros((1, rows, features.shape[-1]), dtype=np.float32)  # [1, T, H]
-    feats[0, :n] = features
-    offsets = np.zeros((1, rows), dtype=np.int64)  # [1, T]: position - write slot
-    offsets[0, :n] = np.asarray(positions) - write
-    mask = np.zeros((1, rows, s_max), dtype=bool)  # [1, T, S_max]
-    mask[0, :n, :committed] = True
-    for i, slots in enumerate(seen):
-        mask[0, i, list(slots)] = True
-    return {**cache, INPUT_IDS: ids, DRAFT_FEATURES: feats, CACHE_LENGTH: np.array([write], dtype=np.int64),
-            TREE_OFFSETS: offsets, TREE_PAST_MASK: mask}
+@dataclass(frozen=True)
+class TreeLevel:
+    """One sequence's row of a tree-step call: the nodes of one level it expands."""
+
+    tokens: Sequence[int]  # [n] the nodes' tokens, n at most the graph's rows
+    features: np.ndarray  # [n, H] the head's hidden of each node's parent's row
+    write: int  # the cache slot of the first node's row (the rest follow)
+    position: int  # the level's position: the committed rows + its depth - 1
+    committed: int  # the committed rows, seen by every node
+    seen: Sequence[Sequence[int]]  # each node's ancestors' cache slots
+
+
+def tree_step_feeds(cache: dict[str, np.ndarray], rows: int, levels: Sequence[TreeLevel | None]) -> dict[str, np.ndarray]:
+    """A head's tree-step feeds (exporter/heads/chain_tree.py) over ``cache`` ([B, n_kv, S_max,
+    hd] each, B = len(levels)): batch row b takes ``levels[b]`` (None: idle). Missing rows are
+    pads that see nothing but themselves. The runtime's expansion and the build's validation
+    both feed through here."""
+    batch, s_max = len(levels), next(iter(cache.values())).shape[2]
+    width = next((level.features.shape[-1] for level in levels if level is not None), 1)
+    ids = np.full((batch, rows), PAD_ID, dtype=np.int64)  # [B, T]
+    feats = np.zeros((batch, rows, width), dtype=np.float32)  # [B, T, H]
+    offsets = np.zeros((batch, rows), dtype=np.int64)  # [B, T]: position - write slot
+    write = np.zeros(batch, dtype=np.int64)  # [B]
+    mask = np.zeros((batch, rows, s_max), dtype=bool)  # [B, T, S_max]
+    for b, level in enumerate(levels):
+        if level is None:
+            continue
+        n = len(level.tokens)
+        ids[b, :n] = level.tokens
+        feats[b, :n] = level.features
+        offsets[b, :n] = level.position - level.write
+        write[b] = level.write
+        mask[b, :n, : level.committed] = True
+        for i, slots in enumerate(level.seen):
+            mask[b, i, list(slots)] = True
+    return {**cache, INPUT_IDS: ids, DRAFT_FEATURES: feats, CACHE_LENGTH: write, TREE_OFFSETS: offsets,
+            TREE_PAST_MASK: mask}
+
+
+class Expansion:
+    """One sequence's EAGLE-2 expansion: every candidate (its token, parent and log joint draft
+    probability), from the top-k of the last committed row. Each level, the ``width`` heaviest
+    candidates of the level go to the tree step while one of them can still beget a node that
+    makes the cut; their top-k join the candidates. The tree keeps the ``nodes`` heaviest (a
+    child never outweighs its parent). Node rows go into the head's cache after the
+    ``committed`` rows, in expansion order."""
+
+    def __init__(self, top: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], logits: np.ndarray,
+                 hidden: np.ndarray, depth: int, nodes: int, width: int, committed: int):
+        self._top, self.depth, self.nodes, self.width, self.committed = top, depth, nodes, width, committed
+        tokens, logp = top(logits)
+        self.token, self.parent, self.joint = tokens.tolist(), [ROOT] * len(tokens), logp.tolist()
+        self._level = list(range(len(self.token)))  # the candidates of the level being expanded
+        self._hidden_of: dict[int, np.ndarray] = {ROOT: hidden}  # expanded candidate -> its row's hidden [H]
+        self._slot_of: dict[int, int] = {}  # expanded candidate -> its row's cache slot
+        self._chosen: list[int] = []
+        self._depth_done = 1  # levels drafted so far
+        self._write = committed
+
+    def next_level(self) -> TreeLevel | None:
+        """The nodes to expand next as a tree-step row, or None: the tree is grown."""
+        if self._depth_done >= self.depth:
+            return None
+        cut = sorted(self.joint, reverse=True)[self.nodes - 1] if len(self.joint) >= self.nodes else -np.inf
+        self._chosen = [c for c in sorted(self._level, key=lambda c: -self.joint[c])[: self.width]
+                        if self.joint[c] > cut]
+        if not self._chosen:
+            self.depth = self._depth_done  # no child of this level could make the cut
+            return None
+        seen = []  # each node's ancestors' slots
+        for c in self._chosen:
+            slots, ancestor = [], self.parent[c]
+            while ancestor != ROOT:
+                slots.append(self._slot_of[ancestor])
+                ancestor = self.parent[ancestor]
+            seen.append(slots)
+        return TreeLevel([self.token[c] for c in self._chosen],
+                         np.stack([self._hidden_of[self.parent[c]] for c in self._chosen]), self._write,
+                         self.committed + self._depth_done - 1, self.committed, seen)
+
+    def grow(self, logits: np.ndarray, hidden: np.ndarray) -> None:
+        """The tree step's output for the chosen nodes, logits [n, V] and hidden [n, H]."""
+        self._level = []
+        for i, c in enumerate(self._chosen):
+            self._slot_of[c], self._hidden_of[c] = self._write + i, hidden[i]
+            kids, kid_logp = self._top(logits[i])
+            self._level += range(len(self.token), len(self.token) + len(kids))
+            self.token += kids.tolist()
+            self.parent += [c] * len(kids)
+            self.joint += (self.joint[c] + kid_logp).tolist()
+        self._write += len(self._chosen)
+        self._depth_done += 1
+
+    def tree(self, tag: str) -> DraftTree:
+        """The ``nodes`` heaviest candidates, parents first."""
+        keep = sorted(np.lexsort((np.arange(len(self.joint)), -np.asarray(self.joint)))[: self.nodes].tolist())
+        index = {ROOT: ROOT, **{c: i for i, c in enumerate(keep)}}
+        return DraftTree(np.array([self.token[c] for c in keep], dtype=np.int64),
+                         np.array([index[self.parent[c]] for c in keep], dtype=np.int64), tag,
+                         np.exp([self.joint[c] for c in keep]))
 
 
 def make(pipe: Pipeline, entry: DrafterEntry, slots: int) -> ChainDrafter:
     model = entry.model or entry.name
     costs = pipe.costs_by_role(model)
     catchup = pipe.model(model, CATCHUP_ROLES, slots)
-    trees = pipe.manifest.engines_of(model, pipe.backend_of(model), tree=True)  # the tree step, if built
-    tree_step = LazyEngine(trees[0], pipe.manifest.root, pipe.options, None, pipe.sessions) if trees else None
+    # the tree step at each batch size built (one file, one session), if built
+    trees = pipe.manifest.engines_of(model, pipe.backend_of(model), batch=None, tree=True)
+    tree_steps = {e.batch: LazyEngine(e, pipe.manifest.root, pipe.options, None, pipe.sessions) for e in trees}
     return ChainDrafter(entry.name, catchup, pipe.model(model, STEP_ROLES, slots),
                         {"catchup": costs.get(Role.CATCHUP, {}), "step": costs.get(Role.STEP, {})},
-                        tree_step, trees[0].tokens if trees else 0)
+                        tree_steps, trees[0].tokens if trees else 0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -90,6 +90,26 @@ class Drafter(Protocol):
         """Slot ``dst`` takes over slot ``src``'s sequence."""
 
 
+@runtime_checkable
+class TreeDrafter(Protocol):
+    """A drafter that also drafts token trees (runtime/tree.py)."""
+
+    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
+        """A tree of at most ``nodes`` nodes and ``depth`` levels for the sequence in ``slot``
+        alone (None: nothing to offer)."""
+
+    def propose_trees(self, rows: Sequence[DraftRow], depths: Sequence[int], nodes: int,
+                      top_k: int) -> list[DraftTree | None]:
+        """A tree for every running row (row r in slot r; depth 0: None)."""
+
+
+def trees_slot_by_slot(drafter: TreeDrafter, rows: Sequence[DraftRow], depths: Sequence[int], nodes: int,
+                       top_k: int) -> list[DraftTree | None]:
+    """``propose_trees`` of a drafter without a batched tree step: each slot's tree alone."""
+    return [drafter.propose_tree(row, depth, nodes, top_k, slot=r) if depth > 0 else None
+            for r, (row, depth) in enumerate(zip(rows, depths))]
+
+
 class Stateless:
     """A drafter without engines or per-sequence state: each row drafts from its context alone."""
 
@@ -147,6 +167,10 @@ class NgramDrafter(Stateless):
             start = int(full[-1] if full.size else hits[0]) + n
             return Draft(np.array(context[start : start + k], dtype=np.int64), tag=f"{self.name}/n{n}")
         return EMPTY_DRAFT
+
+    def propose_trees(self, rows: Sequence[DraftRow], depths: Sequence[int], nodes: int,
+                      top_k: int) -> list[DraftTree | None]:
+        return trees_slot_by_slot(self, rows, depths, nodes, top_k)
 
     def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
         """Several continuations at once: what followed every earlier occurrence of the
@@ -280,6 +304,10 @@ class ModelDrafter:
             self._base[r], self._k[r] = len(rows[r].context), ks[r]
             drafts[r] = Draft(tokens[r, : ks[r]].copy(), None if rows[r].sampling.greedy else probs[r], self.name)
         return drafts
+
+    def propose_trees(self, rows: Sequence[DraftRow], depths: Sequence[int], nodes: int,
+                      top_k: int) -> list[DraftTree | None]:
+        return trees_slot_by_slot(self, rows, depths, nodes, top_k)
 
     def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
         """The model's greedy chain of up to ``depth`` as the spine, each step's top-k hanging

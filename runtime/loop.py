@@ -23,7 +23,7 @@ import numpy as np
 from specexport.contract import LOGITS, NEXT_TOKENS, DraftSchedule
 from specexport.runtime.acceptance import Draft, Sampling, Warped, greedy, rejection, warp_row
 from specexport.runtime.adaptive import DepthPolicy
-from specexport.runtime.drafters import Drafter, DraftRow
+from specexport.runtime.drafters import Drafter, DraftRow, TreeDrafter
 from specexport.runtime.goodput import best_width, observed
 from specexport.runtime.logprobs import Logprobs
 from specexport.runtime.model import Model
@@ -104,9 +104,9 @@ class BatchLoop:
         # replaces it.
         self.adaptive = None if per_sequence else adaptive
         # token trees: each row verifies a tree of up to tree_nodes drafts (at B > 1 at most the
-        # schedule's depth) when the drafter builds one (propose_tree) and the batch size has a
-        # tree graph; otherwise chains
-        self.tree = tree if tree_nodes > 0 and hasattr(drafter, "propose_tree") else None
+        # schedule's depth) when the drafter builds them (a TreeDrafter) and the batch size has
+        # a tree graph; otherwise chains
+        self.tree = tree if tree_nodes > 0 and isinstance(drafter, TreeDrafter) else None
         self.tree_nodes, self.tree_top_k = tree_nodes, tree_top_k
         self.waiting: deque[tuple[Hashable, Request]] = deque()
         self.running: list[_Running] = []
@@ -297,12 +297,11 @@ def _tree_round(target: Model, drafter: Drafter, verifier: TreeVerifier, running
         return None
     depths = _depths(drafter, running, draft_len, target.max_seq_len)
     engine_before = drafter.engine_seconds
-    trees: list[DraftTree | None] = []
-    for r, (seq, depth) in enumerate(zip(running, depths)):
-        tree = drafter.propose_tree(_draft_row(seq), depth, nodes, top_k, slot=r) if depth > 0 else None
-        if tree is not None and seq.request.rules is not None:  # nodes the grammar forbids are not verified
-            tree = seq.request.rules.valid_tree(_output(seq), tree)
-        trees.append(tree)
+    assert isinstance(drafter, TreeDrafter)  # the loop's tree verifier is set for tree drafters only
+    trees = drafter.propose_trees([_draft_row(seq) for seq in running], depths, nodes, top_k)
+    # nodes the grammar forbids are not verified
+    trees = [seq.request.rules.valid_tree(_output(seq), tree) if tree is not None and seq.request.rules is not None
+             else tree for seq, tree in zip(running, trees)]
     draft_s, draft_engine_s = time.perf_counter() - start, drafter.engine_seconds - engine_before
     for seq in running:  # every row waits for the whole draft, as for the verify pass
         seq.stats.draft_s += draft_s

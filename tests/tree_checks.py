@@ -19,15 +19,15 @@ def trees_drafted(pipe, drafter: str, prompt: str | list[str], nodes: int,
     slots = 1 if isinstance(prompt, str) else pipe.batched_target(len(prompt)).slots
     chosen = pipe.drafter(drafter, slots)  # the instance the loop over those slots drafts with
     seen = []
-    propose_tree = chosen.propose_tree
+    propose_trees = chosen.propose_trees
 
-    def spy(row, depth, count, top_k, slot=0):
-        tree = propose_tree(row, depth, count, top_k, slot=slot)
-        if tree is not None:
-            seen.append((np.array(row.context), tree, depth, count))
-        return tree
+    def spy(rows, depths, count, top_k):
+        trees = propose_trees(rows, depths, count, top_k)
+        seen.extend((np.array(row.context), tree, depth, count)
+                    for row, depth, tree in zip(rows, depths, trees) if tree is not None)
+        return trees
 
-    chosen.propose_tree = spy
+    chosen.propose_trees = spy
     try:
         if isinstance(prompt, str):
             pipe.generate(prompt, drafter=drafter, max_new_tokens=new_tokens, adaptive=False, tree_nodes=nodes)
@@ -35,7 +35,7 @@ def trees_drafted(pipe, drafter: str, prompt: str | list[str], nodes: int,
             pipe.generate_batch(prompt, drafter=drafter, max_new_tokens=new_tokens, adaptive=False, schedule=False,
                                 tree_nodes=nodes, max_batch=len(prompt))
     finally:
-        del chosen.propose_tree
+        del chosen.propose_trees
     return seen
 
 

@@ -523,11 +523,12 @@ class ChainHead:
 
 def validate_chain(ctx: HeadContext, reference: Reference, spec: ChainSpec, graphs: dict[str, tuple[int, bool]],
                    paths: dict, width: int, batched: dict[str, tuple[int, int, bool]] | None = None,
-                   tree: tuple[str, Path, int] | None = None) -> None:
+                   tree: tuple[str, Path, dict[str, int], int] | None = None) -> None:
     """Every graph against the reference on real text, at several cache lengths, through the
     runtime's ModelRunner (the cache filled by the catch-up graphs, chunk by chunk); then each
     batched graph row by row against the batch-1 graph (``validate_chain_batched``); then the
-    tree step (``tree``: its engine name, path and rows; chain_tree.validate_chain_tree)."""
+    tree step (``tree``: its engine name, path, batched entries and rows;
+    chain_tree.validate_chain_tree)."""
     from specexport.runtime.engine import EngineOptions, SharedGraphs
     from specexport.runtime.kv_cache import KVCache
     from specexport.runtime.ort_engine import OrtEngine

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specexport.errors import BadInput
+from specexport.runtime.drafters import TreeDrafter
 from specexport.runtime.runner import time_interleaved
 
 
@@ -139,7 +140,7 @@ def run_labels(pipe, drafters: list[str], tree_nodes: list[int] | None) -> list[
         return drafters
     labels = []
     for name in drafters:
-        trees = hasattr(pipe.drafter(name), "propose_tree")
+        trees = isinstance(pipe.drafter(name), TreeDrafter)
         for nodes in tree_nodes if trees else [0]:
             pipe.tree_nodes(nodes)  # a size the directory has no tree graph for fails here
             labels.append(run_label(name, nodes) if nodes else name)
@@ -213,7 +214,7 @@ def tree_setting(pipe, name: str, nodes: int | None, options: BenchOptions) -> i
     recipe's for a drafter that builds trees."""
     if nodes is not None:
         return nodes
-    if options.tree_nodes is not None or not hasattr(pipe.drafter(name), "propose_tree"):
+    if options.tree_nodes is not None or not isinstance(pipe.drafter(name), TreeDrafter):
         return 0
     return pipe.tree_nodes(None)
 

@@ -28,11 +28,12 @@ def _autoscale(value: str | None) -> tuple[int, int] | None:
     return low, high
 
 
-def check_servable(engine_dir: Path, drafter: str, max_batch: int | None) -> str:
+def check_servable(engine_dir: Path, drafter: str, max_batch: int | None, tree_nodes: int | None = None) -> str:
     """Fail before the port opens on what would fail while loading: the directory, a target
-    that cannot batch, the drafter, batched engines. Returns the drafter to run."""
+    that cannot batch, the drafter, batched engines, a tree size without its graph. Returns
+    the drafter to run."""
     from specexport.contract import Manifest
-    from specexport.runtime.api import batched_refusal, check_drafter
+    from specexport.runtime.api import batched_refusal, check_drafter, check_tree_nodes
     from specexport.serve.config import refuse_recurrent_target
 
     manifest = Manifest.load(engine_dir)
@@ -47,6 +48,7 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None) -> str
     if target is not None:
         raise BadInput(f"{engine_dir}: {target}")
     check_drafter(manifest, drafter, max_batch, "--drafter")
+    check_tree_nodes(manifest, tree_nodes)
     return drafter
 
 
@@ -69,6 +71,9 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None) -> str
 @click.option("--per-sequence", is_flag=True, help="Each round's width from the rows' own acceptance and costs.")
 @click.option("--adaptive/--fixed-depth", default=True, show_default=True,
               help="Each request's own adaptive depth under the schedule, as `generate` chooses it alone.")
+@click.option("--tree-nodes", type=click.IntRange(min=0), default=None,
+              help="Draft nodes per round as a token tree, for drafters that build trees (at B > 1 at most the "
+                   "schedule's depth per row; 0: chains; default: the recipe's draft.tree).")
 @click.option("--ray", "use_ray", is_flag=True, help="Serve through Ray Serve: one engine loop per replica.")
 @click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True, help="With --ray.")
 @click.option("--autoscale", default=None, help="With --ray: MIN:MAX replicas, scaled by ongoing requests.")
@@ -81,7 +86,7 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None) -> str
 def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int | None, max_waiting: int,
           threads: int | None, api_key: str | None, served_model_name: str, no_schedule: bool, per_sequence: bool,
           adaptive: bool, use_ray: bool, replicas: int, autoscale: str | None, ray_address: str | None, log_level: str,
-          special_tokens_in_content: bool) -> None:
+          special_tokens_in_content: bool, tree_nodes: int | None) -> None:
     """Serve ENGINE_DIR over OpenAI's API: /v1/completions, /v1/chat/completions (streamed or
     not), /v1/models, /health and /metrics (Prometheus). One engine thread batches every
     request; depth follows the plan's draft.schedule, and each request's adaptive depth under it.
@@ -91,11 +96,11 @@ def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int |
             raise missing_extra(package, extra)
     if not use_ray and (replicas != 1 or autoscale or ray_address):
         raise BadInput("--replicas, --autoscale and --ray-address need --ray")
-    check_servable(engine_dir, drafter, max_batch)
+    check_servable(engine_dir, drafter, max_batch, tree_nodes)
     from specexport.serve.config import ServeConfig
 
     config = ServeConfig(str(engine_dir.resolve()), served_model_name, drafter, max_batch, max_waiting, threads,
-                         api_key, not no_schedule, per_sequence, adaptive, special_tokens_in_content)
+                         api_key, not no_schedule, per_sequence, adaptive, special_tokens_in_content, tree_nodes)
     if use_ray:
         if importlib.util.find_spec("ray") is None:
             raise missing_extra("ray", "ray")

@@ -72,7 +72,7 @@ class ServerState:
             pipe = self.loader(self.config)
             loop = pipe.batch_loop(drafter=self.config.drafter, max_batch=self.config.max_batch,
                                    schedule=self.config.schedule, per_sequence=self.config.per_sequence,
-                                   adaptive=self.config.adaptive)
+                                   adaptive=self.config.adaptive, tree_nodes=self.config.tree_nodes)
             self.metrics = ServerMetrics(self.config.served_name, pipe.manifest.draft_len)
             engine = EngineThread(pipe, loop, self.metrics, self.config.max_waiting)
             engine.start()

@@ -23,6 +23,7 @@ class ServeConfig:
     # a message's "<|im_end|>" etc. become control tokens, as transformers renders them (default:
     # content is encoded as text, so a user cannot write a system turn)
     special_tokens_in_content: bool = False
+    tree_nodes: int | None = None  # draft nodes per row as a token tree (0: chains; default: the recipe's)
 
     @property
     def served_name(self) -> str:

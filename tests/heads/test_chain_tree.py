@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from specexport.exporter.heads.chain_tree import ChainTreeGraph
 from tests.heads.chain_checkpoints import write_eagle3, write_mtp_target
 from tests.heads.chain_reference import context_states, load_chain_heads, one_torch_thread, reference_levels
-from tests.heads.common import PROMPTS, SHAPES, build
+from tests.heads.common import PROMPTS, SHAPES, build, build_head_only
 from tests.heads.test_eagle3 import TARGET, target_config
 from tests.lossless import assert_lossless
 from tests.tree_checks import check_trees, spine_choice, trees_drafted
@@ -94,10 +95,10 @@ def test_the_tree_is_the_references_heaviest_candidates(case, grown):
     name, root, recipe, pipe = case
     target, heads = load_chain_heads(recipe, root)
     head, drafter = heads[name], pipe.drafter(name)
-    saved = drafter.tree_step
-    assert saved is not None, "the build has no tree step for the head"
+    saved = drafter.tree_steps
+    assert saved, "the build has no tree step for the head"
     if grown == "spine":
-        drafter.tree_step = None
+        drafter.tree_steps = {}
     try:
         with one_torch_thread():
             def reference(context, depth, nodes):
@@ -108,7 +109,7 @@ def test_the_tree_is_the_references_heaviest_candidates(case, grown):
             checked = sum(check_trees(trees_drafted(pipe, name, prompt, NODES), reference, 1e-3, 1e-3)
                           for prompt in PROMPTS)
     finally:
-        drafter.tree_step = saved
+        drafter.tree_steps = saved
     assert checked >= 6, f"only {checked} trees checked"
 
 
@@ -125,11 +126,11 @@ def test_the_tree_step_expands_siblings_and_the_spine_does_not(case):
     name, _, _, pipe = case
     drafter = pipe.drafter(name)
     expanded = [tree for prompt in PROMPTS for _, tree, *_ in trees_drafted(pipe, name, prompt, NODES)]
-    saved, drafter.tree_step = drafter.tree_step, None
+    saved, drafter.tree_steps = drafter.tree_steps, {}
     try:
         spine = [tree for prompt in PROMPTS for _, tree, *_ in trees_drafted(pipe, name, prompt, NODES)]
     finally:
-        drafter.tree_step = saved
+        drafter.tree_steps = saved
     assert sum(off_spine(t) for t in expanded) > 0, "no tree grew under a sibling"
     assert sum(off_spine(t) for t in spine) == 0
     assert max(int(np.bincount(t.depths()).max()) for t in spine) > 1, "no tree branched"
@@ -171,9 +172,83 @@ def test_each_rows_tree_in_a_batch_is_the_references(batched_eagle3):
     assert any(nodes < NODES and list(context[: len(second)]) == second for context, _, _, nodes in trees), \
         "row 1 drafted no tree beside row 0"
     assert checked >= 4, f"only {checked} trees checked"
+    assert pipe.drafter("e-safe", 2).tree_steps[2].opened, "the rows' trees were not grown by the batch's tree step"
     ids = [pipe.prompt_ids(p) for p in PROMPTS[:2]]
     got = pipe.generate_batch(ids, drafter="e-safe", max_new_tokens=20, tree_nodes=NODES, max_batch=2, schedule=False)
     for prompt, result in zip(ids, got):
         assert result.stats.tree_nodes > 0
         assert_lossless(pipe, prompt, pipe.generate(prompt_ids=prompt, max_new_tokens=20).token_ids, result.token_ids,
                         "EAGLE-3 batched tree")
+
+
+class RowZeroLevel(ChainTreeGraph):
+    """The failing control's tree step: every batch row's nodes placed and masked as row 0's
+    (its write slot, offsets and cache mask), as a graph that broadcast one row's level would."""
+
+    def forward(self, input_ids, features, cache_length, tree_offsets, tree_past_mask, *past):
+        return super().forward(input_ids, features, cache_length[:1].expand_as(cache_length),
+                               tree_offsets[:1].expand_as(tree_offsets), tree_past_mask[:1].expand_as(tree_past_mask),
+                               *past)
+
+
+@pytest.mark.parametrize("graph_class", [ChainTreeGraph, RowZeroLevel])
+def test_the_batched_tree_step_is_checked_row_by_row(tmp_path, monkeypatch, graph_class):
+    # the build runs the batch-2 and batch-3 tree steps on rows at their own cache lengths and
+    # levels against the batch-1 graph on each row alone; a graph mixing rows fails the build
+    from specexport.errors import SpecexportError
+    from specexport.exporter.heads import chain_tree
+
+    write_eagle3(tmp_path / "safe", target_config(), "safeailab")
+    recipe = {**RECIPES["e-safe"], "shapes": {**SHAPES, "batch": [1, 2, 3]}}
+    monkeypatch.setattr(chain_tree, "ChainTreeGraph", graph_class)
+    if graph_class is RowZeroLevel:
+        with pytest.raises(SpecexportError, match="row 1 .* differs"):
+            build_head_only(recipe, tmp_path, tmp_path / "head")
+        return
+    builder = build_head_only(recipe, tmp_path, tmp_path / "head")
+    batched = [e for e in builder.engines if e.role.value == "tree" and e.batch > 1]
+    assert sorted(e.batch for e in batched) == [2, 3], batched
+    for entry in batched:
+        figures = entry.parity
+        assert figures["argmax_agreement"] == 1.0 and figures["max_rel_output_diff"] < 1e-5, (entry.name, figures)
+
+
+def test_a_batch_grows_each_rows_tree_as_its_slot_alone(batched_eagle3):
+    # at every batched round of a decode, the batch's trees (one catch-up call, one tree step a
+    # level for both rows) are grown again slot by slot from the same state: the same trees,
+    # and the same rows written into each slot's part of the head's cache (a batched step that
+    # wrote or read another row's slot differs here even where no deep node makes the cut)
+    _, _, pipe = batched_eagle3
+    drafter = pipe.drafter("e-safe", 2)
+    tensors = drafter.catchup.caches.tensors
+    compared = []
+    batched_trees = drafter.propose_trees
+
+    def both(rows, depths, nodes, top_k):
+        state = ([list(p) for p in drafter._pending], list(drafter._committed),
+                 {k: v.copy() for k, v in tensors.items()})
+        got = batched_trees(rows, depths, nodes, top_k)
+        after = {k: v.copy() for k, v in tensors.items()}
+        drafter._pending, drafter._committed = [list(p) for p in state[0]], list(state[1])
+        for name, array in tensors.items():
+            array[...] = state[2][name]
+        want = [drafter.propose_tree(row, depth, nodes, top_k, slot=r) if depth > 0 else None
+                for r, (row, depth) in enumerate(zip(rows, depths))]
+        for g, w in zip(got, want):
+            assert (g is None) == (w is None)
+            if g is not None:
+                assert g.tokens.tolist() == w.tokens.tolist() and g.parents.tolist() == w.parents.tolist()
+                assert g.weights == pytest.approx(w.weights, rel=1e-3)
+        for name, array in tensors.items():
+            np.testing.assert_allclose(after[name][: len(rows)], array[: len(rows)], atol=1e-4, err_msg=name)
+        compared.append(sum(t is not None for t in got))
+        return want
+
+    drafter.propose_trees = both
+    try:
+        ids = [pipe.prompt_ids(p) for p in PROMPTS[:2]]
+        pipe.generate_batch(ids, drafter="e-safe", max_new_tokens=16, tree_nodes=NODES, max_batch=2, schedule=False,
+                            adaptive=False)
+    finally:
+        del drafter.propose_trees
+    assert sum(n == 2 for n in compared) >= 3, compared

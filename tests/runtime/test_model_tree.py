@@ -93,3 +93,28 @@ def test_each_rows_tree_in_a_batch_is_the_models_own(batched, name):
         assert result.stats.tree_nodes > 0
         assert_lossless(batched, prompt, batched.generate(prompt_ids=prompt, max_new_tokens=24).token_ids,
                         result.token_ids, f"{name} batched tree")
+
+
+@pytest.mark.parametrize("rule", ["right", "control-residual-keeps-rejected", "control-no-renormalisation"])
+def test_sampled_model_trees_follow_the_target(pipe, rule, monkeypatch):
+    # the int4 copy's siblings are the target's likely tokens, so the sibling rule decides what
+    # comes out: two sampled tokens (T = 1, top-k 3) through its trees are distributed as the
+    # target's under tree_rejection; the same draws under a wrong sibling rule (the failing
+    # controls of tests/runtime/test_tree.py, run through the loop here) fail
+    import specexport.runtime.loop as loop
+    from specexport.runtime.acceptance import Sampling
+    from tests.lossless import assert_sampled_as_target, exact_sequence_probs, sample_counts
+    from tests.runtime.test_tree import _no_renormalisation, _residual_keeps_rejected
+
+    wrong = {"control-residual-keeps-rejected": _residual_keeps_rejected,
+             "control-no-renormalisation": _no_renormalisation}
+    if rule in wrong:
+        monkeypatch.setattr(loop, "tree_rejection", wrong[rule])
+    ids = pipe.prompt_ids(PROMPTS[0])
+    exact = exact_sequence_probs(pipe, ids, Sampling(1.0, top_k=3), 2)
+    draws = 1500
+    counts, stats = sample_counts(pipe, ids, draws, drafter="quantized-self", tree_nodes=NODES, max_new_tokens=2,
+                                  temperature=1.0, top_k=3, adaptive=False)
+    assert sum(s.tree_nodes for s in stats) >= draws  # every draw verified a tree
+    assert sum(s.accepted for s in stats) > draws // 10  # and a node was often kept
+    assert_sampled_as_target(counts, exact, draws, right_rule=rule == "right")

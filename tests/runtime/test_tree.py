@@ -70,14 +70,16 @@ def _wrong_rule(renormalise: bool, exclude_rejected: bool):
         node, path = ROOT, []
         while True:
             p = as_kept(target(node + 1))
-            probs = np.array(p.probs)
+            probs = np.array(p.probs, dtype=np.float64)
             for child in tree.children(node):
-                x = int(tree.tokens[child])
-                if rng.random() * (probs.sum() if renormalise else 1.0) < (probs[x] if renormalise else p.prob(x)):
+                at = p.index(int(tree.tokens[child]))
+                if at is not None and rng.random() * (probs.sum() if renormalise else 1.0) < (
+                        probs[at] if renormalise else p.probs[at]):
                     break
-                probs[x] = 0.0
+                if at is not None:
+                    probs[at] = 0.0
             else:
-                return path, _inverse_cdf(probs if exclude_rejected else p.probs, rng)
+                return path, p.token(_inverse_cdf(probs if exclude_rejected else np.array(p.probs), rng))
             node = child
             path.append(node)
 
