@@ -3,17 +3,17 @@
 A drafter weighs each node by its estimate that the node ends up on the accepted path (the
 joint draft probability for a head, the share of matches through it for prompt lookup), so a
 tree of n nodes is expected to commit 1 + sum of its n best weights. Those weights are the
-drafter's opinion, not the target's: a scale c, the tokens accepted over the weight predicted
-in recent rounds (forgotten like adaptive depth's alpha), calibrates them. Each round keeps the
-n that maximises
+drafter's opinion, not the target's: a scale c_d per depth d, the nodes accepted at that depth
+over the weight predicted there in recent rounds (forgotten like adaptive depth's alpha),
+calibrates them. Each round keeps the n that maximises
 
-    (1 + c · (w_1 + ... + w_n)) / T_tree(1 + n)
+    (1 + c_d(1) · w_1 + ... + c_d(n) · w_n) / T_tree(1 + n)
 
 with T_tree the measured cost of the tree graph that holds 1 + n rows. The drafts already exist,
 so the drafter's cost does not enter (adaptive depth decided how deep to draft).
 
 Rows of a batch share one pass of the graph of the largest tree, so there n is chosen once for
-all of them (``shared_size``): the sum over rows of 1 + c_r · (row r's n best weights), over
+all of them (``shared_size``): the sum over rows of 1 + row r's calibrated n best weights, over
 T_tree(B, 1 + n) at that batch size. A row with a confident drafter spends its n on one path (a
 chain), an unsure one on siblings: the shape is each row's own, the width the batch's.
 """
@@ -21,7 +21,7 @@ chain), an unsure one on siblings: the shape is each row's own, the width the ba
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,14 +32,32 @@ from specexport.runtime.tree import DraftTree
 class TreeSizer:
     verify_cost: Callable[[int], float | None]  # rows (1 + nodes) -> seconds of that tree pass (None: unknown)
     decay: float = 0.9
-    _predicted: float = 0.0  # forgotten sums of weight verified and of nodes accepted
-    _accepted: float = 0.0
+    # forgotten sums, by depth (index d: depth d + 1), of the weight verified and the nodes accepted
+    _predicted: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    _accepted: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def scale(self) -> float:
-        """Accepted nodes per unit of predicted weight, with one round's worth of prior at 1 (the
-        drafter's weights taken as they are until rounds say otherwise)."""
-        return (self._accepted + 1.0) / (self._predicted + 1.0)
+        """Accepted nodes per unit of predicted weight over every depth, with one round's worth of
+        prior at 1."""
+        return (float(self._accepted.sum()) + 1.0) / (float(self._predicted.sum()) + 1.0)
+
+    def scales(self, depth: int) -> np.ndarray:
+        """[depth] accepted nodes per unit of predicted weight at depths 1..depth, each with one
+        round's worth of prior at 1 (the drafter's weights taken as they are until rounds say
+        otherwise). By depth, because a drafter's error grows with depth unevenly: prompt lookup
+        weighs every node of a lone match 1, and the target leaves such a path part way down."""
+        known = min(depth, len(self._predicted))
+        scales = np.ones(depth)
+        scales[:known] = (self._accepted[:known] + 1.0) / (self._predicted[:known] + 1.0)
+        return scales
+
+    def expected(self, tree: DraftTree) -> np.ndarray:
+        """[N] nodes expected on the accepted path of the tree's n best nodes (``ranked``), n = 1..N:
+        each node's weight capped by its parent's, scaled at its depth."""
+        ranked = tree.ranked()
+        depths = tree.depths()[ranked]  # [N]
+        return np.cumsum(tree.capped_weights()[ranked] * self.scales(int(depths.max()))[depths - 1])
 
     def size(self, tree: DraftTree) -> int:
         """The node count with the most expected tokens per second (the whole tree without weights
@@ -47,16 +65,21 @@ class TreeSizer:
         return shared_size([self], [tree], self.verify_cost)
 
     def update(self, tree: DraftTree, accepted: int) -> None:
-        """A verified tree and the nodes of it the target accepted."""
-        if tree.weights is None:
+        """A verified tree and the nodes of it the target accepted (its path reached depths
+        1..accepted)."""
+        if tree.weights is None or tree.size == 0:
             return
-        self._predicted = self.decay * self._predicted + float(tree.capped_weights().sum())
-        self._accepted = self.decay * self._accepted + accepted
+        depths = tree.depths()
+        deepest = max(int(depths.max()), len(self._predicted))
+        predicted = np.bincount(depths - 1, weights=tree.capped_weights(), minlength=deepest)  # [deepest]
+        reached = (np.arange(deepest) < accepted).astype(np.float64)  # [deepest]
+        self._predicted = self.decay * np.pad(self._predicted, (0, deepest - len(self._predicted))) + predicted
+        self._accepted = self.decay * np.pad(self._accepted, (0, deepest - len(self._accepted))) + reached
 
 
 def shared_size(sizers: Sequence[TreeSizer], trees: Sequence[DraftTree], verify_cost: Callable[[int], float | None]) -> int:
     """The node count n that rows verified in one pass are cut to: the most expected tokens of
-    all rows per second of the pass, sum_r (1 + c_r · sum of row r's n best weights) / T(1 + n);
+    all rows per second of the pass, sum_r (1 + row r's expected nodes of its n best) / T(1 + n);
     the largest tree's size where a tree has no weights or a cost is unknown."""
     largest = max(tree.size for tree in trees)
     if largest == 0 or any(tree.weights is None for tree in trees if tree.size):
@@ -66,6 +89,6 @@ def shared_size(sizers: Sequence[TreeSizer], trees: Sequence[DraftTree], verify_
         return largest
     expected = np.zeros(largest)  # [N] tokens of all rows with n = 1..N nodes each
     for sizer, tree in zip(sizers, trees):
-        gained = np.cumsum(tree.capped_weights()[tree.ranked()]) if tree.size else np.zeros(1)  # [size]
-        expected += 1.0 + sizer.scale * np.pad(gained, (0, largest - len(gained)), mode="edge")
+        gained = sizer.expected(tree) if tree.size else np.zeros(1)  # [size]
+        expected += 1.0 + np.pad(gained, (0, largest - len(gained)), mode="edge")
     return int(np.argmax(expected / np.asarray(costs))) + 1

@@ -176,3 +176,22 @@ def test_the_tree_size_follows_the_costs_and_the_record():
         steep.update(tree.best(2), accepted=0)
     assert steep.scale < 0.2 and steep.size(tree) == 1
     assert TreeSizer(lambda rows: None).size(tree) == 6  # no costs: the whole tree
+
+
+def test_the_tree_size_is_calibrated_by_depth():
+    """Prompt lookup's lone match weighs every node of its path 1; the target keeps its first
+    two nodes every round. Calibrated by depth, the size falls to those two; one scale for all
+    depths (the failing control: accepted over predicted in total, a third) would keep all six,
+    since a third of a token per node still beats the cost of a row."""
+    from specexport.runtime.tree_size import TreeSizer
+
+    chain = DraftTree(np.arange(6), np.array([-1, 0, 1, 2, 3, 4]), weights=np.ones(6))
+    sizer = TreeSizer(lambda rows: 1.0 + 0.1 * (rows - 1))
+    assert sizer.size(chain) == 6  # no record yet: the weights as they are
+    for _ in range(20):
+        sizer.update(chain, accepted=2)
+    scales = sizer.scales(6)
+    assert scales[:2] == pytest.approx([1.0, 1.0], abs=0.02) and (scales[2:] < 0.15).all(), scales
+    assert sizer.size(chain) == 2
+    uniform = 1.0 + sizer.scale * np.arange(1, 7)  # [6] tokens with n nodes under one scale
+    assert int(np.argmax(uniform / (1.0 + 0.1 * np.arange(1, 7)))) + 1 == 6
