@@ -25,7 +25,7 @@ from specexport.contract import LOGITS, NEXT_TOKENS
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
 from specexport.runtime.model import Model
 from specexport.runtime.rules import SequenceRules
-from specexport.runtime.tree import DraftTree, grow_spine
+from specexport.runtime.tree import DraftTree, Spine, grow_spine
 
 TargetOut = Mapping[str, np.ndarray]  # target output name -> [n, ...] rows of committed positions
 PartCosts = Mapping[str, Mapping[int, float]]  # a drafter's graph part ("step", "catchup", "block") -> tokens -> ms
@@ -307,7 +307,38 @@ class ModelDrafter:
 
     def propose_trees(self, rows: Sequence[DraftRow], depths: Sequence[int], nodes: int,
                       top_k: int) -> list[DraftTree | None]:
-        return trees_slot_by_slot(self, rows, depths, nodes, top_k)
+        """``propose_tree`` for every running row at once: one call feeds every drafting row
+        what its cache row lacks, then each spine step is one call over the rows whose spine
+        goes on (the others sit out), as ``propose`` steps chains."""
+        n = len(rows)
+        if n == 1:
+            return trees_slot_by_slot(self, rows, depths, nodes, top_k)
+        depths = [max(0, min(d, self.model.max_seq_len - len(row.context))) for row, d in zip(rows, depths)]
+        active = [r for r in range(n) if depths[r] > 0]
+        trees: list[DraftTree | None] = [None] * n
+        if not active:
+            return trees
+        widest = self.model.widths(n)[-1]
+        feed = {}
+        for r in active:
+            context = rows[r].context
+            self._length[r] = min(self._length[r], len(context) - 1)  # always feed the last token
+            if len(context) - self._length[r] > widest:  # after rounds at depth 0
+                self._forward_alone(r, context[self._length[r] : len(context) - widest])
+            feed[r] = context[self._length[r] :]
+        out = self._run(n, feed, True)
+        at = {r: len(tokens) - 1 for r, tokens in feed.items()}  # each row's last fed token: level 1
+        spines = {r: Spine(depths[r], nodes, top_k) for r in active}
+        while at:
+            stepping = {r: token for r in at if (token := spines[r].add(out[LOGITS][r, at[r]])) is not None}
+            if not stepping:
+                break
+            out = self._run(n, {r: np.array([token]) for r, token in stepping.items()}, True)
+            at = dict.fromkeys(stepping, 0)
+        for r in active:
+            trees[r] = spines[r].tree(f"{self.name}/tree")
+            self._base[r], self._k[r] = len(rows[r].context), 1  # accept keeps base + min(n, 0): the context
+        return trees
 
     def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
         """The model's greedy chain of up to ``depth`` as the spine, each step's top-k hanging

@@ -144,26 +144,44 @@ def spine_tree(top_tokens: np.ndarray, top_logprobs: np.ndarray, nodes: int, tag
                      np.array(weights, dtype=np.float64))
 
 
+class Spine:
+    """``spine_tree`` over a chain being drafted, one level at a time: ``add`` takes a level's
+    logits and returns the spine token to step next, or None once the chain stops: at ``depth``
+    levels, or once no deeper node can make the cut (``nodes`` candidates already weigh at least
+    the deepest spine node, and joint probability only falls along the spine). ``top`` picks a
+    level's candidates (default ``top_candidates``)."""
+
+    def __init__(self, depth: int, nodes: int, top_k: int,
+                 top: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]] | None = None):
+        self.depth, self.nodes, self.top_k = depth, nodes, top_k
+        self._top = top or top_candidates
+        self._tops: list[np.ndarray] = []  # per level: [k] tokens
+        self._logps: list[np.ndarray] = []  # per level: [k] log q
+
+    def add(self, logits: np.ndarray) -> int | None:
+        """The next level's logits [V]: its candidates join; the spine token to step, or None."""
+        tokens, logp = self._top(logits, self.top_k)
+        self._tops.append(tokens)
+        self._logps.append(logp)
+        spine = np.cumsum([lp[0] for lp in self._logps])  # [j+1] log joint of the spine nodes
+        heavier = sum(int((spine[i] - lp[0] + lp >= spine[-1]).sum()) for i, lp in enumerate(self._logps))
+        if len(self._tops) == self.depth or heavier >= self.nodes:
+            return None
+        return int(tokens[0])
+
+    def tree(self, tag: str = "") -> DraftTree:
+        return spine_tree(np.stack(self._tops), np.stack(self._logps), self.nodes, tag)
+
+
 def grow_spine(next_logits: Callable[[int | None], np.ndarray], depth: int, nodes: int, top_k: int,
                tag: str = "", top: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]] | None = None) -> DraftTree:
-    """``spine_tree`` over a chain drafted here: ``next_logits(None)`` gives level 1's logits,
-    ``next_logits(token)`` the next level's after the spine's ``token``; ``top`` picks a level's
-    candidates (default ``top_candidates``). The chain stops at ``depth`` levels, or once no
-    deeper node can make the cut: ``nodes`` candidates already weigh at least the deepest spine
-    node, and joint probability only falls along the spine."""
-    top = top or top_candidates
-    tops, logps = [], []  # per level: [k] tokens, [k] log q
-    logits = next_logits(None)
-    for j in range(depth):
-        tokens, logp = top(logits, top_k)
-        tops.append(tokens)
-        logps.append(logp)
-        spine = np.cumsum([lp[0] for lp in logps])  # [j+1] log joint of the spine nodes
-        heavier = sum(int((spine[i] - lp[0] + lp >= spine[-1]).sum()) for i, lp in enumerate(logps))
-        if j + 1 == depth or heavier >= nodes:
-            break
-        logits = next_logits(int(tokens[0]))
-    return spine_tree(np.stack(tops), np.stack(logps), nodes, tag)
+    """``Spine`` over a chain drafted here: ``next_logits(None)`` gives level 1's logits,
+    ``next_logits(token)`` the next level's after the spine's ``token``."""
+    spine = Spine(depth, nodes, top_k, top)
+    token = spine.add(next_logits(None))
+    while token is not None:
+        token = spine.add(next_logits(token))
+    return spine.tree(tag)
 
 
 def top_candidates(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

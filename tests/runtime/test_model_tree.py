@@ -80,8 +80,22 @@ def batched(tiny_engines):
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_each_rows_tree_in_a_batch_is_the_models_own(batched, name):
     # two prompts decode together: each row's trees come from its own slot's cache row (a tree
-    # drafted from the other row's, or a stale one, fails the reference); lossless per row
-    trees = trees_drafted(batched, name, PROMPTS[:2], NODES, new_tokens=16)
+    # drafted from the other row's, or a stale one, fails the reference), both rows' spines
+    # stepped in one call of the model; lossless per row
+    model = batched.drafter(name, batched.batched_target(2).slots).model
+    rows_per_call: list[int] = []
+    run = model.run
+
+    def counted(n, feed, *args, **kwargs):
+        rows_per_call.append(len(feed))
+        return run(n, feed, *args, **kwargs)
+
+    model.run = counted
+    try:
+        trees = trees_drafted(batched, name, PROMPTS[:2], NODES, new_tokens=16)
+    finally:
+        del model.run
+    assert max(rows_per_call, default=0) == 2, "the rows' trees were drafted one row at a time"
     together = [t for t in trees if t[3] < NODES]  # rounds of both rows: at most the depth each
     second = batched.prompt_ids(PROMPTS[1])
     assert any(list(context[: len(second)]) == second for context, *_ in together), "row 1 drafted no tree"
