@@ -274,15 +274,7 @@ class ModelDrafter:
         if not active:
             return drafts
         sampled = any(not rows[r].sampling.greedy for r in active)
-        widest = self.model.widths(n)[-1] if n > 1 else None
-        feed = {}
-        for r in active:
-            context = rows[r].context
-            # always feed the last token (its output is the first draft)
-            self._length[r] = min(self._length[r], len(context) - 1)
-            if widest is not None and len(context) - self._length[r] > widest:  # after rounds at depth 0
-                self._forward_alone(r, context[self._length[r] : len(context) - widest])
-            feed[r] = context[self._length[r] :]
+        feed = self._gaps(rows, active)
         out = self._run(n, feed, sampled)
         at = {r: len(tokens) - 1 for r, tokens in feed.items()}  # each row's last fed token: its first draft
         tokens = np.zeros((n, max(ks)), dtype=np.int64)  # [n, k_max]
@@ -318,14 +310,7 @@ class ModelDrafter:
         trees: list[DraftTree | None] = [None] * n
         if not active:
             return trees
-        widest = self.model.widths(n)[-1]
-        feed = {}
-        for r in active:
-            context = rows[r].context
-            self._length[r] = min(self._length[r], len(context) - 1)  # always feed the last token
-            if len(context) - self._length[r] > widest:  # after rounds at depth 0
-                self._forward_alone(r, context[self._length[r] : len(context) - widest])
-            feed[r] = context[self._length[r] :]
+        feed = self._gaps(rows, active)
         out = self._run(n, feed, True)
         at = {r: len(tokens) - 1 for r, tokens in feed.items()}  # each row's last fed token: level 1
         spines = {r: Spine(depths[r], nodes, top_k) for r in active}
@@ -371,6 +356,20 @@ class ModelDrafter:
     def move(self, src: int, dst: int) -> None:
         self.model.move(src, dst, self._length[src])
         self._length[dst], self._base[dst], self._k[dst] = self._length[src], self._base[src], self._k[src]
+
+    def _gaps(self, rows: Sequence[DraftRow], active: list[int]) -> dict[int, np.ndarray]:
+        """What each drafting row's cache row lacks of its context, always its last token (whose
+        output is the first draft): slot -> tokens for one call over the rows. A gap wider than
+        the batched graphs (after rounds at depth 0) is fed first through the slot's runner."""
+        widest = self.model.widths(len(rows))[-1] if len(rows) > 1 else None
+        feed = {}
+        for r in active:
+            context = rows[r].context
+            self._length[r] = min(self._length[r], len(context) - 1)
+            if widest is not None and len(context) - self._length[r] > widest:
+                self._forward_alone(r, context[self._length[r] : len(context) - widest])
+            feed[r] = context[self._length[r] :]
+        return feed
 
     def _run(self, n: int, feed: dict[int, np.ndarray], want_logits: bool) -> dict[str, np.ndarray]:
         """One step over the first ``n`` slots, each fed row at its own length; lengths advance."""

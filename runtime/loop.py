@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -297,8 +298,8 @@ def _tree_round(target: Model, drafter: Drafter, verifier: TreeVerifier, running
         return None
     depths = _depths(drafter, running, draft_len, target.max_seq_len)
     engine_before = drafter.engine_seconds
-    assert isinstance(drafter, TreeDrafter)  # the loop's tree verifier is set for tree drafters only
-    trees = drafter.propose_trees([_draft_row(seq) for seq in running], depths, nodes, top_k)
+    # the loop keeps a tree verifier for tree drafters only (BatchLoop.__init__)
+    trees = cast(TreeDrafter, drafter).propose_trees([_draft_row(seq) for seq in running], depths, nodes, top_k)
     # nodes the grammar forbids are not verified
     trees = [seq.request.rules.valid_tree(_output(seq), tree) if tree is not None and seq.request.rules is not None
              else tree for seq, tree in zip(running, trees)]

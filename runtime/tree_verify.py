@@ -179,11 +179,10 @@ class TreeVerifier:
         """Keep the slot's root and accepted nodes ``path`` (root to leaf) at ``length``,
         ``length``+1, ...: the slot's cache then holds ``length`` + 1 + len(path) positions."""
         rows = [0, *(1 + p for p in path)]  # graph rows, increasing
+        source = length + np.asarray(rows)  # [1+len(path)] slots the pass wrote them at
         for name, array in self.tensors.items():  # [slots, n_kv, S_max, hd]
-            if self.in_place:
-                for j, r in enumerate(rows):
-                    if r != j:
-                        array[slot, :, length + j] = array[slot, :, length + r]
+            if self.in_place:  # one gather per tensor (it copies before the slots are overwritten)
+                array[slot, :, length : length + len(rows)] = array[slot][:, source]  # [n_kv, 1+len(path), hd]
             else:
                 array[slot, :, length : length + len(rows)] = self._presents[name][slot][:, rows]  # [n_kv, 1+len(path), hd]
         cache = self.caches[slot]

@@ -38,15 +38,17 @@ PRESENT = "present"  # present.{i}.key|value: the T new positions, or the whole 
 LOGITS = "logits"  # [B, T, V] float32
 NEXT_TOKENS = "next_tokens"  # [B, T] int64, the in-graph argmax
 KV_KINDS = ("key", "value")
-# Tree verify graphs (Role.TREE, every batch size): the T rows are a token tree (runtime/tree.py), row 0
-# its root. Each row sits at cache_length + its offset (its depth) and attends to the cache and
-# to its ancestors (ort-gqa graphs turn the mask into GroupQueryAttention's additive bias).
+# Tree verify graphs (Role.TREE, every batch size): the T rows are a token tree
+# (runtime/tree.py), row 0 its root. Each row sits at cache_length + its offset (its depth) and
+# attends to the cache and to its ancestors (ort-gqa graphs turn the mask into
+# GroupQueryAttention's additive bias).
 TREE_OFFSETS = "tree_offsets"  # [B, T] int64
 TREE_MASK = "tree_mask"  # [B, T, T] bool: row t sees row t' (an ancestor, or itself)
 # A chain head's tree step (Role.TREE, every batch size): T draft nodes of one level per batch
-# row, each fed the head's own hidden of its parent's row. The head's cache holds the committed rows and the rows of the
-# nodes expanded before; row t sits at cache_length + TREE_OFFSETS[t] (its depth's position;
-# the offset may be negative) and sees the cache slots this mask allows, and itself.
+# row, each fed the head's own hidden of its parent's row. The head's cache holds the committed
+# rows and the rows of the nodes expanded before; row t sits at cache_length + TREE_OFFSETS[t]
+# (its depth's position; the offset may be negative) and sees the cache slots this mask
+# allows, and itself.
 TREE_PAST_MASK = "tree_past_mask"  # [B, T, S_max] bool: row t sees cache slot s
 
 # Drafters that read the target's hidden states (EAGLE-3, MTP, DFlash, DSpark).
