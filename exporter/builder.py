@@ -20,6 +20,7 @@ from specexport import __version__
 from specexport.contract import (
     AUX_HIDDEN_STATES,
     BATCHED_ROLES,
+    CHAIN_TREE_INPUTS,
     KV_UPDATE_OF_ATTENTION,
     ROLE_PRIORITY,
     DrafterEntry,
@@ -257,6 +258,12 @@ class Builder:
         # first real presents). A linear-attention model's graphs unroll their recurrence over
         # T: one static graph per size (and batch 1 only: _state_refusal).
         shared = self.recipe.attention == "ort-gqa" and state is None
+        # ort-gqa trees: the target's one graph verifies trees too (its chain entries are fed a
+        # chain's offsets and mask by the backend, contract.CHAIN_TREE_INPUTS), so trees cost no
+        # second session and no second prepacked copy of the weights
+        folded = shared and name == "target" and self.recipe.draft.tree.max_nodes > 0
+        if folded:
+            decoder = self._tree_decoder(parts, taps)
         batched = shapes.batches != [1]
         # (batch, tokens, label): None a symbolic size
         exports: list[tuple[int | None, int | None, str]]
@@ -270,7 +277,8 @@ class Builder:
         try:
             for batch, tokens, label in exports:
                 with self.rep.step("export", label) as s:
-                    proto = export_graph(decoder, batch, tokens, self.recipe.opset)
+                    proto = (export_tree_graph(decoder, None, self.recipe.opset, batch) if folded
+                             else export_graph(decoder, batch, tokens, self.recipe.opset))
                     s.detail = f"{len(proto.graph.node)} nodes" + (
                         f", {'batch and ' if batched else ''}token count symbolic" if shared else "")
                 static_batch = batch if batch is not None else 1  # a shared graph's files are named at batch 1
@@ -296,7 +304,7 @@ class Builder:
                 if static_batch == 1 or graphs.batched(tokens):
                     self._save(tmp, name, tokens, kind, proto, stores[name], graphs, static_batch)
             if name == "target" and self.recipe.draft.tree.max_nodes:
-                self._export_tree(tmp, name, kind, parts, taps, stores[name], quantizer)
+                self._export_tree(tmp, name, parts, taps, stores[name], quantizer, proto if folded else None)
         finally:
             for store in stores.values():
                 store.close()
@@ -318,40 +326,36 @@ class Builder:
             self.models[q_name] = ModelEntry(q_name, "quantized-self", kv, vocab, f"{q_name}.weights",
                                              self.recipe.attention, {**untapped, **quant}, state)
 
-    def _export_tree(self, tmp: Path, name: str, kind: str, parts, taps: tuple[int, ...], store: WeightStore,
-                     quantizer) -> None:
+    def _tree_decoder(self, parts, taps: tuple[int, ...]) -> StaticDecoder:
+        try:
+            return StaticDecoder(parts, self.recipe.shapes.max_seq_len, self.recipe.attention, taps=taps,
+                                 tree=True).eval()
+        except ValueError as err:
+            raise BadInput(f"recipe: draft.tree: {err}") from None
+
+    def _export_tree(self, tmp: Path, name: str, parts, taps: tuple[int, ...], store: WeightStore,
+                     quantizer, folded: onnx.ModelProto | None) -> None:
         """The target's tree verify graphs, the same weights (contract.TREE_*; runtime/tree.py), at
-        every batch size of the recipe: for ort-gqa one graph with a symbolic row count (and batch,
-        when batched) and an entry for every tree size 2..1 + draft.tree.max_nodes at each batch
-        (a small tree runs only its rows); for standard attention one static graph of 1 + max_nodes
-        rows per batch size (smaller trees are padded). Batch 1 is checked against transformers
-        path by path, larger batches row by row against batch 1."""
+        every batch size of the recipe: for ort-gqa entries of the model's one graph (``folded``,
+        exported with the tree inputs and saved as ``{name}.onnx``), one for every tree size
+        2..1 + draft.tree.max_nodes at each batch (a small tree runs only its rows); for standard
+        attention one static graph of 1 + max_nodes rows per batch size (smaller trees are
+        padded). Batch 1 is checked against transformers path by path, larger batches row by row
+        against batch 1."""
         largest = 1 + self.recipe.draft.tree.max_nodes
         if largest > self.recipe.shapes.max_seq_len:
             raise BadInput(f"recipe: draft.tree.max_nodes ({largest - 1}) must be below shapes.max_seq_len")
-        try:
-            decoder = StaticDecoder(parts, self.recipe.shapes.max_seq_len, self.recipe.attention, taps=taps,
-                                    tree=True).eval()
-        except ValueError as err:
-            raise BadInput(f"recipe: draft.tree: {err}") from None
-        shared = self.recipe.attention == "ort-gqa"
         batches = self.recipe.shapes.batches
-        batched = batches != [1]
-        # (file batch: None symbolic, the batch sizes its entries serve)
-        files = [(None if batched else 1, batches)] if shared else [(b, [b]) for b in batches]
-        for file_batch, served in files:
-            file_name = f"{name}.tree" if shared else engine_name(name, Role.TREE, file_batch, largest)
-            with self.rep.step("export", file_name) as s:
-                proto = export_tree_graph(decoder, None if shared else largest, self.recipe.opset, file_batch)
-                s.detail = f"{len(proto.graph.node)} nodes" + (
-                    f", {'batch and ' if batched else ''}row count symbolic" if shared else "")
-            if quantizer is not None:
-                proto = quantizer.apply(proto, self.recipe.shapes.max_seq_len)
-            path = tmp / f"{file_name}.onnx"
-            store.save(proto, path)
-            onnx.checker.check_model(str(path))
+        # the batch sizes each file's entries serve: one file for all, or one per batch
+        files = [batches] if folded is not None else [[b] for b in batches]
+        decoder = None if folded is not None else self._tree_decoder(parts, taps)
+        for served in files:
+            if folded is not None:
+                proto, path = folded, tmp / f"{name}.onnx"
+            else:
+                proto, path = self._export_static_tree(tmp, name, decoder, store, quantizer, served[0], largest)
             for batch in served:
-                for tokens in range(2, largest + 1) if shared else [largest]:
+                for tokens in range(2, largest + 1) if folded is not None else [largest]:
                     graph_name = engine_name(name, Role.TREE, batch, tokens)
                     inputs, outputs = tensor_specs(proto, "inputs", tokens, batch), tensor_specs(proto, "outputs", tokens, batch)
                     self.specs[graph_name] = (inputs, outputs)
@@ -365,6 +369,20 @@ class Builder:
                     self.tree_files[name] = GraphUnderTest(graph, path, largest)
                 else:
                     self.tree_batched.setdefault(name, []).append(BatchedGraph(graph, path, largest, batch))
+
+    def _export_static_tree(self, tmp: Path, name: str, decoder: StaticDecoder, store: WeightStore,
+                            quantizer, batch: int, rows: int) -> tuple[onnx.ModelProto, Path]:
+        """Standard attention's tree verify graph of ``batch`` rows of ``rows`` tree rows."""
+        file_name = engine_name(name, Role.TREE, batch, rows)
+        with self.rep.step("export", file_name) as s:
+            proto = export_tree_graph(decoder, rows, self.recipe.opset, batch)
+            s.detail = f"{len(proto.graph.node)} nodes"
+        if quantizer is not None:
+            proto = quantizer.apply(proto, self.recipe.shapes.max_seq_len)
+        path = tmp / f"{file_name}.onnx"
+        store.save(proto, path)
+        onnx.checker.check_model(str(path))
+        return proto, path
 
     def _precision_refusal(self, parts, precision: str) -> str | None:
         """Why ``precision`` cannot be built for this model; None when it can."""
@@ -407,7 +425,9 @@ class Builder:
                 if rows > 1 and role not in BATCHED_ROLES:
                     continue
                 graph_name = engine_name(model, role, rows, size)
-                inputs = tensor_specs(proto, "inputs", size, rows)
+                # a chain entry of a graph that verifies trees too: the backend feeds the tree inputs
+                inputs = {k: v for k, v in tensor_specs(proto, "inputs", size, rows).items()
+                          if k not in CHAIN_TREE_INPUTS}
                 outputs = tensor_specs(proto, "outputs", size, rows)
                 self.specs[graph_name] = (inputs, outputs)
                 if rows == 1:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specexport.contract import EngineEntry, TensorSpec
+from specexport.contract import INPUT_IDS, EngineEntry, TensorSpec, chain_tree_feeds
 from specexport.errors import BadInput, MissingDependency, missing_extra
 from specexport.runtime.engine import EngineOptions, SharedGraphs, check_feeds
 
@@ -137,6 +137,9 @@ class OrtEngine:
 
         key = ("onnxruntime", str(Path(path).resolve()), options.device)
         self._session = make() if shared is None else shared.get(key, make)
+        # A chain entry of a graph that also verifies trees: the file's tree inputs, fed a chain's
+        extra = {i.name for i in self._session.get_inputs()} - set(inputs)
+        self._constant = chain_tree_feeds(extra, inputs.get(INPUT_IDS)) if extra else {}
         self._ortvalue = ort.OrtValue.ortvalue_from_numpy
         self._checked = False
         self._bindings: dict[tuple, tuple] = {}  # outputs -> (feeds, bound, binding, output buffers)
@@ -148,7 +151,7 @@ class OrtEngine:
             self._checked = True
         names = list(outputs) if outputs is not None else list(self.outputs)
         if not bound:
-            values = self._session.run(names, feeds)
+            values = self._session.run(names, {**feeds, **self._constant} if self._constant else feeds)
             return dict(zip(names, values))
         binding, buffers = self._binding(feeds, names, bound)
         self._session.run_with_iobinding(binding)
@@ -171,6 +174,8 @@ class OrtEngine:
         binding = self._session.io_binding()
         for name in self.inputs:
             binding.bind_ortvalue_input(name, self._ortvalue(feeds[name]))  # shares the memory
+        for name, value in self._constant.items():
+            binding.bind_ortvalue_input(name, self._ortvalue(value))
         buffers = {name: np.empty(self.outputs[name].shape, dtype=self.outputs[name].dtype) for name in names}
         for name, array in {**buffers, **bound}.items():
             binding.bind_ortvalue_output(name, self._ortvalue(array))

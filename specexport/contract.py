@@ -16,6 +16,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from specexport import atomic
 from specexport.errors import BadInput
 
@@ -44,6 +46,10 @@ KV_KINDS = ("key", "value")
 # GroupQueryAttention's additive bias).
 TREE_OFFSETS = "tree_offsets"  # [B, T] int64
 TREE_MASK = "tree_mask"  # [B, T, T] bool: row t sees row t' (an ancestor, or itself)
+# An ort-gqa target built with trees has ONE graph for chains and trees (one onnxruntime session,
+# the weights prepacked once): its chain entries do not list the tree inputs, and the backend
+# feeds them a chain's (chain_tree_feeds), constant for an entry's static shape.
+CHAIN_TREE_INPUTS = (TREE_OFFSETS, TREE_MASK)
 # A chain head's tree step (Role.TREE, every batch size): T draft nodes of one level per batch
 # row, each fed the head's own hidden of its parent's row. The head's cache holds the committed
 # rows and the rows of the nodes expanded before; row t sits at cache_length + TREE_OFFSETS[t]
@@ -141,6 +147,20 @@ def graph_inputs(num_layers: int, valid_tokens: bool = False, state_layers: int 
     tree_inputs = [TREE_OFFSETS, TREE_MASK] if tree else []
     return [INPUT_IDS, CACHE_LENGTH, *tree_inputs, *([VALID_TOKENS] if valid_tokens else []),
             *past_names(num_layers), *state_past_names(state_layers)]
+
+
+def chain_tree_feeds(names: set[str], ids: TensorSpec | None) -> dict[str, np.ndarray]:
+    """A chain's tree inputs for a graph that also verifies trees: every row at its offset
+    (offsets 0..T-1 [B, T]) seeing the rows before it (a causal mask [B, T, T]). ``names``: the
+    inputs the graph has beyond an entry's; ``ids``: the entry's INPUT_IDS, [B, T]."""
+    unknown = sorted(set(names) - set(CHAIN_TREE_INPUTS))
+    if unknown or ids is None:
+        raise BadInput(f"graph inputs {unknown or sorted(names)} are not in its manifest entry; rebuild the "
+                       "engine directory")
+    batch, tokens = ids.shape
+    chain = {TREE_OFFSETS: np.broadcast_to(np.arange(tokens, dtype=np.int64), (batch, tokens)),  # [B, T]
+             TREE_MASK: np.broadcast_to(np.tri(tokens, dtype=bool), (batch, tokens, tokens))}  # [B, T, T]
+    return {name: np.ascontiguousarray(chain[name]) for name in names}
 
 
 def graph_outputs(num_layers: int, state_layers: int = 0) -> list[str]:

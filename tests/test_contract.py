@@ -12,6 +12,7 @@ import tokenize
 import typing
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -328,3 +329,14 @@ def test_no_tensor_name_literal_outside_the_contract():
                 else:
                     found.append(f"{rel}:{line}: {name!r} (use the constant or helper of specexport/contract.py)")
     assert not found, "\n".join(found)
+
+
+def test_a_chain_fed_to_a_tree_graph_is_each_row_at_its_offset_seeing_the_rows_before():
+    ids = contract.TensorSpec("int64", (2, 3))
+    feeds = contract.chain_tree_feeds(set(contract.CHAIN_TREE_INPUTS), ids)
+    assert feeds[contract.TREE_OFFSETS].tolist() == [[0, 1, 2]] * 2
+    causal = [[True, False, False], [True, True, False], [True, True, True]]
+    assert feeds[contract.TREE_MASK].tolist() == [causal] * 2
+    assert feeds[contract.TREE_MASK].dtype == bool and feeds[contract.TREE_OFFSETS].dtype == np.int64
+    with pytest.raises(BadInput, match=r"\['valid_tokens'\].*rebuild"):
+        contract.chain_tree_feeds({contract.TREE_MASK, "valid_tokens"}, ids)

@@ -231,3 +231,25 @@ def test_sampled_trees_in_a_batch_follow_the_target(batched):
         nodes += first.stats.tree_nodes
     assert nodes > draws // 2  # most draws verified a tree beside the other row
     assert_sampled_as_target(counts, exact, draws, right_rule=True)
+
+
+@pytest.mark.parametrize("batch", [(1,), (1, 2, 4)])
+def test_ort_gqa_chains_and_trees_run_on_one_session(tiny_engines, batch):
+    # the target's one graph verifies chains and trees: its tree entries point at the chain
+    # entries' file, and decoding both ways opens one onnxruntime session, one copy of the weights
+    from specexport.contract import CHAIN_TREE_INPUTS
+    from specexport.runtime import load
+
+    engines = tiny_engines.get("llama", drafters=("ngram",), attention="ort-gqa", batch=batch, tree_nodes=NODES,
+                               **TINY_SHAPE)
+    pipe = load(engines, threads=2)
+    target = [e for e in pipe.manifest.engines if e.model == "target"]
+    assert {e.path for e in target} == {"target.onnx"}
+    assert all(set(CHAIN_TREE_INPUTS) <= set(e.inputs) for e in target if e.role == "tree")
+    assert not any(set(CHAIN_TREE_INPUTS) & set(e.inputs) for e in target if e.role != "tree")
+    ids = pipe.prompt_ids(PROMPTS[1])
+    want = pipe.generate(prompt_ids=ids, drafter="none", max_new_tokens=24).token_ids
+    tree = pipe.generate(prompt_ids=ids, drafter="ngram", max_new_tokens=24, tree_nodes=NODES)
+    chain = pipe.generate(prompt_ids=ids, drafter="ngram", max_new_tokens=24, tree_nodes=0)
+    assert tree.token_ids == want == chain.token_ids and tree.stats.tree_nodes > 0
+    assert len(pipe.sessions) == 1
