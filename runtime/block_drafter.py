@@ -15,7 +15,7 @@ where the product falls below it (a depth signal on top of the adaptive depth's 
 Sampling stays exact: each draft's q is the warped distribution it was drawn from, over target
 ids (a reduced draft vocabulary is mapped back through d2t).
 
-A tree (``propose_tree``, one slot at a time) branches where the block is unsure: the greedy block is
+A tree (``BlockSlot.tree``) branches where the block is unsure: the greedy block is
 the spine, each position's top-k hang under the spine node before it as leaves, and the nodes
 of highest joint draft probability are verified (runtime/tree.py ``spine_tree``). A block's
 positions are drafted together (DSpark's serial head conditions each on the spine's token
@@ -27,8 +27,9 @@ numpy heads). One running row proposes through its slot alone, at batch 1. With 
 drafting row whose pending context fits a round's graph (C = 1+D) joins one call of the
 batched block graph, each at its own ``cache_length`` with its own ``context_valid`` and
 anchor; the runtime writes each row's real context rows into its cache row, and each row drafts
-from its own slice of the outputs. A row with more pending context (the prompt after a join, a
-row back from rounds at depth 0) proposes alone through its slot.
+from its own slice of the outputs (a chain, or with ``propose_trees`` its tree). A row with more
+pending context (the prompt after a join, a row back from rounds at depth 0) proposes alone
+through its slot.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from specexport.contract import (
     present_names,
 )
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
-from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut, trees_slot_by_slot
+from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut
 from specexport.runtime.engine import Engine
 from specexport.runtime.kv_cache import CacheLength
 from specexport.runtime.model import BatchedCall
@@ -282,7 +283,10 @@ class BlockSlot:
         (runtime/tree.py grow_spine; DSpark's serial head conditions each position on the spine's
         token before it)."""
         anchor = int(context[-1])
-        out = self._flush(anchor, True)
+        return self.tree_from(self._flush(anchor, True), anchor, k, nodes, top_k)
+
+    def tree_from(self, out: dict[str, np.ndarray], anchor: int, k: int, nodes: int, top_k: int) -> DraftTree:
+        """``tree`` from a block call's outputs (row 0 of each: [1, n, ...]) after ``anchor``."""
         base = out[LOGITS][0]  # [n, V_d]
         hidden = out[BLOCK_HIDDEN][0] if self.heads.serial else None  # [n, H]
         if hidden is not None:
@@ -381,7 +385,18 @@ class BlockDrafter:
 
     def propose_trees(self, rows: Sequence[DraftRow], depths: Sequence[int], nodes: int,
                       top_k: int) -> list[DraftTree | None]:
-        return trees_slot_by_slot(self, rows, depths, nodes, top_k)
+        """Each drafting row's tree (BlockSlot.tree): rows whose pending context fits a round's
+        graph from one call of the batched block graph, as ``propose``; the others alone."""
+        trees: list[DraftTree | None] = [None] * len(rows)
+        drafting = [r for r, slot in enumerate(self.slots[: len(rows)])
+                    if slot.pending_rows and min(depths[r], slot.drafts) > 0]
+        call, together = self._together(rows, drafting)
+        for r in (r for r in drafting if r not in together):
+            trees[r] = self.slots[r].tree(rows[r].context, depths[r], nodes, top_k)
+        if call is not None and together:
+            for r, (out, anchor) in self._run_together(call, together, True).items():
+                trees[r] = self.slots[r].tree_from(out, anchor, depths[r], nodes, top_k)
+        return trees
 
     def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
         """A tree for the sequence in ``slot``: BlockSlot.tree."""
@@ -391,27 +406,41 @@ class BlockDrafter:
         return state.tree(row.context, depth, nodes, top_k)
 
     def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
+        drafts = [EMPTY_DRAFT] * len(rows)
+        drafting = [r for r in range(len(rows)) if ks[r] > 0]
+        call, together = self._together(rows, drafting)
+        for r in (r for r in drafting if r not in together):  # alone, at batch 1
+            drafts[r] = self.slots[r].propose(rows[r].context, ks[r], rows[r].sampling, rows[r].rng)
+        if call is not None and together:
+            want_logits = any(self.slots[r].heads.serial or not rows[r].sampling.greedy for r in together)
+            for r, (out, anchor) in self._run_together(call, together, want_logits).items():
+                drafts[r] = self.slots[r].draft_from(out, anchor, ks[r], rows[r].sampling, rows[r].rng)
+        return drafts
+
+    def _together(self, rows: Sequence[DraftRow], drafting: list[int]) -> tuple[BatchedCall | None, dict[int, tuple]]:
+        """The batched block graph for the rows (None at one row or without one) and the
+        drafting rows whose pending context fits it: slot -> (its cache length, [anchor], its
+        context rows), taken from the slots; the others draft alone."""
         n = len(rows)
         call = self.calls[min(b for b in self.calls if b >= n)] if n > 1 and self.calls else None
-        drafts = [EMPTY_DRAFT] * n
-        together: dict[int, tuple[int, np.ndarray, dict[str, np.ndarray]]] = {}  # slot -> (length, [anchor], context)
-        for r in (r for r in range(n) if ks[r] > 0):
-            slot, row = self.slots[r], rows[r]
-            if call is None or slot.pending_rows > call.tokens:  # alone, at batch 1
-                drafts[r] = slot.propose(row.context, ks[r], row.sampling, row.rng)
-            else:
-                together[r] = (slot.runner.cache.length, row.context[-1:], {CONTEXT_FEATURES: slot.take_pending()})
-        if not together or call is None:
-            return drafts
-        want_logits = any(self.slots[r].heads.serial or not rows[r].sampling.greedy for r in together)
+        if call is None:
+            return None, {}
+        return call, {r: (self.slots[r].runner.cache.length, rows[r].context[-1:],
+                          {CONTEXT_FEATURES: self.slots[r].take_pending()})
+                      for r in drafting if self.slots[r].pending_rows <= call.tokens}
+
+    def _run_together(self, call: BatchedCall, together: dict[int, tuple], want_logits: bool
+                      ) -> dict[int, tuple[dict[str, np.ndarray], int]]:
+        """One call of the batched block graph for ``together``: slot -> (its outputs as a
+        batch-1 call's, [1, n, ...], and its anchor)."""
         extra = [BLOCK_HIDDEN] if BLOCK_HIDDEN in call.engine.outputs else []
         out = call.run(together, want_logits, extra)  # next_tokens [B, n], logits [B, n, V_d], block_hidden [B, n, H]
+        mine = {}
         for r, (_, anchor, context) in together.items():
-            slot, row = self.slots[r], rows[r]
-            slot.runner.cache.advance(len(context[CONTEXT_FEATURES]))
-            mine = {name: array[r : r + 1] for name, array in out.items() if not name.startswith(PRESENT)}
-            drafts[r] = slot.draft_from(mine, int(anchor[0]), ks[r], row.sampling, row.rng)
-        return drafts
+            self.slots[r].runner.cache.advance(len(context[CONTEXT_FEATURES]))
+            mine[r] = ({name: array[r : r + 1] for name, array in out.items() if not name.startswith(PRESENT)},
+                       int(anchor[0]))
+        return mine
 
 
 def make(pipe, entry, slots: int) -> BlockDrafter:

@@ -1,7 +1,8 @@
 """Block heads' token trees, DFlash and DSpark (runtime/block_drafter.py BlockSlot.tree): the
 greedy block is the spine and each position's top-k hang under it as leaves, the heaviest by
 joint draft probability kept. DFlash's trees are checked against the published math's block
-(exporter/heads/block_reference.py); both kinds decode exactly as the target alone."""
+(exporter/heads/block_reference.py); both kinds decode exactly as the target alone, and at
+batch 2 draft every row's tree in one block call, each the tree its prompt drafts alone."""
 
 from __future__ import annotations
 
@@ -86,3 +87,54 @@ def test_greedy_block_trees_decode_as_the_target_alone(pipe, head):
         assert_lossless(pipe, ids, base, spec.token_ids, f"{head} tree on {prompt!r}")
         branched += max(int(np.bincount(t.depths()).max()) for _, t, *_ in trees_drafted(pipe, head, prompt, NODES)) > 1
     assert branched, "no tree branched"
+
+
+@pytest.fixture(scope="module")
+def batched(folders):
+    """Both heads with tree graphs at batch 1 and 2 (the block graphs batched too)."""
+    from specexport.runtime import load
+
+    root, _ = folders
+    raw = recipe(*[{"kind": "dflash" if name == "zlab" else "dspark", "name": name, "path": name} for name in HEADS])
+    raw["draft"]["tree"] = {"max_nodes": NODES, "top_k": TOP_K}
+    raw["shapes"] = {**raw["shapes"], "batch": [1, 2]}
+    return load(build(raw, root, root / "engines-batched"))
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+def test_each_rows_block_tree_in_a_batch_is_its_own(batched, head):
+    # two prompts decode together: every round one call of the batched block graph drafts both
+    # rows, and each row's trees are the ones its prompt's decode alone drafts, round by round
+    # (a row reading the other row's slice of the block, or its context, differs); lossless
+    drafter = batched.drafter(head, batched.batched_target(2).slots)
+    call = drafter.calls[2]
+    rows_per_call: list[int] = []
+    run = call.run
+
+    def counted(together, *args, **kwargs):
+        rows_per_call.append(len(together))
+        return run(together, *args, **kwargs)
+
+    call.run = counted
+    try:
+        together = trees_drafted(batched, head, PROMPTS[:2], NODES, new_tokens=16)
+    finally:
+        del call.run
+    assert max(rows_per_call, default=0) == 2, "the rows' trees were drafted one row at a time"
+    width = batched.manifest.draft_len  # at B > 1 a row's tree has at most the depth's nodes
+    for prompt in PROMPTS[:2]:
+        ids = batched.prompt_ids(prompt)
+        alone = [(context, tree) for context, tree, *_ in trees_drafted(batched, head, prompt, width, new_tokens=16)]
+        mine = [(context, tree) for context, tree, *_ in together if list(context[: len(ids)]) == ids]
+        assert len(mine) >= 3, f"row {prompt!r} drafted {len(mine)} trees"
+        for (context, tree), (want_context, want) in zip(mine, alone):
+            assert np.array_equal(context, want_context)
+            assert tree.tokens.tolist() == want.tokens.tolist() and tree.parents.tolist() == want.parents.tolist()
+            np.testing.assert_allclose(tree.weights, want.weights, rtol=1e-4, atol=1e-6)
+    ids = [batched.prompt_ids(p) for p in PROMPTS[:2]]
+    got = batched.generate_batch(ids, drafter=head, max_new_tokens=20, adaptive=False, schedule=False,
+                                 tree_nodes=NODES, max_batch=2)
+    for prompt, result in zip(ids, got):
+        assert result.stats.tree_nodes > 0
+        assert_lossless(batched, prompt, batched.generate(prompt_ids=prompt, max_new_tokens=20).token_ids,
+                        result.token_ids, f"{head} batched trees")
