@@ -90,6 +90,9 @@ class TreeVerifier:
         self.seconds = 0.0
         self._presents: dict[str, np.ndarray] = {}  # an appending graph's K/V of the last run [B, n_kv, T, hd]
         self._costs: dict[int, dict[int, float]] = {}  # batch -> rows -> seconds of one pass (absent: not timed)
+        # (batch, rows) -> the feeds (cache views, then the tree's small arrays, updated in place)
+        # and the bound outputs of that graph: one I/O binding per graph, not one per pass
+        self._held: dict[tuple[int, int], tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]] = {}
 
     @property
     def nodes(self) -> int:
@@ -168,12 +171,18 @@ class TreeVerifier:
         nodes = next(iter(rows.values()))[2].size
         engine = self.engines[(batch, 1 + nodes)]
         feeds = batched_tree_feeds(rows, batch, nodes, VALID_TOKENS in engine.inputs)
-        cache = {name: array[:batch] for name, array in self.tensors.items()}  # [B, n_kv, S_max, hd] views
+        held = self._held.get((batch, 1 + nodes))
+        if held is None:  # the first pass of this graph: the dicts every later pass reuses
+            cache = {name: array[:batch] for name, array in self.tensors.items()}  # [B, n_kv, S_max, hd] views
+            bound = {present_of(name): array for name, array in cache.items()} if self.in_place else None
+            held = self._held[(batch, 1 + nodes)] = ({**cache, **feeds}, bound)
+        else:  # written in place, so the engine's I/O binding over them is made once
+            for name, value in feeds.items():
+                held[0][name][...] = value
         names = [NEXT_TOKENS, *([LOGITS] if want_logits else []), *want]
         if not self.in_place:
-            names += [present_of(p) for p in cache]
-        bound = {present_of(name): array for name, array in cache.items()} if self.in_place else None
-        return engine.run({**cache, **feeds}, names, bound)
+            names += [present_of(p) for p in self.tensors]
+        return engine.run(held[0], names, held[1])
 
     def commit(self, length: int, path: list[int], slot: int = 0) -> None:
         """Keep the slot's root and accepted nodes ``path`` (root to leaf) at ``length``,
