@@ -47,6 +47,11 @@ from specexport.runtime.engine import EngineOptions, SharedGraphs, check_feeds
 
 # onnxruntime-gpu installs the same module as the CPU onnxruntime every extra brings: a swap, not an extra
 ONNXRUNTIME_GPU_SWAP = "pip uninstall -y onnxruntime && pip install 'onnxruntime-gpu>=1.20'"
+# onnxruntime's CUDA GroupQueryAttention takes an attention bias only on its unfused path (it
+# refused one before microsoft/onnxruntime#29525), and a target built with trees gives every call one
+FOLDED_ON_GPU = ("this target's ort-gqa graph also verifies token trees (draft.tree), so every call gives "
+                 "GroupQueryAttention a bias, which onnxruntime's CUDA kernel runs unfused or refuses; for a GPU "
+                 "build without draft.tree, or use attention: standard with TensorRT")
 _PROVIDERS = {
     "cpu": ["CPUExecutionProvider"],
     "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
@@ -137,9 +142,11 @@ class OrtEngine:
 
         key = ("onnxruntime", str(Path(path).resolve()), options.device)
         self._session = make() if shared is None else shared.get(key, make)
-        # A chain entry of a graph that also verifies trees: the file's tree inputs, fed a chain's
+        # A chain entry of a graph that also verifies trees lacks the tree inputs: fed a chain's
         extra = {i.name for i in self._session.get_inputs()} - set(inputs)
         self._constant = chain_tree_feeds(extra, inputs.get(INPUT_IDS)) if extra else {}
+        if self._constant and options.device != "cpu":
+            warnings.warn(FOLDED_ON_GPU, RuntimeWarning, stacklevel=2)
         self._ortvalue = ort.OrtValue.ortvalue_from_numpy
         self._checked = False
         self._bindings: dict[tuple, tuple] = {}  # outputs -> (feeds, bound, binding, output buffers)
