@@ -23,7 +23,16 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from specexport.contract import AUX_HIDDEN_STATES, CACHE_LENGTH, INPUT_IDS, LOGITS, NEXT_TOKENS, VALID_TOKENS
+from specexport.contract import (
+    AUX_HIDDEN_STATES,
+    CACHE_LENGTH,
+    INPUT_IDS,
+    LOGITS,
+    NEXT_TOKENS,
+    TREE_MASK,
+    TREE_OFFSETS,
+    VALID_TOKENS,
+)
 
 PADDED = f"{INPUT_IDS}__padded"
 VALID_PADDED = f"{VALID_TOKENS}__padded"
@@ -66,8 +75,11 @@ def pad_single_rows(model: onnx.ModelProto, max_seq_len: int) -> None:
         helper.make_node("Mul", ["rowpad_busy_count", "rowpad_count"], ["rowpad_added"]),  # [B]
         helper.make_node("Add", [VALID_TOKENS, "rowpad_added"], [VALID_PADDED]),  # [B]
     ]
-    head = len(nodes)  # these run before the graph's own nodes; the slices after
     renamed = {INPUT_IDS: PADDED, VALID_TOKENS: VALID_PADDED}
+    if TREE_OFFSETS in {i.name for i in graph.input}:  # a target that verifies trees on this graph
+        nodes += _padded_tree_inputs(graph)
+        renamed.update({TREE_OFFSETS: f"{TREE_OFFSETS}__padded", TREE_MASK: f"{TREE_MASK}__padded"})
+    head = len(nodes)  # these run before the graph's own nodes; the slices after
     for node in graph.node:
         for i, name in enumerate(node.input):
             if name in renamed:
@@ -87,3 +99,19 @@ def pad_single_rows(model: onnx.ModelProto, max_seq_len: int) -> None:
     graph.node.extend(nodes[head:])
     for node in reversed(nodes[:head]):
         graph.node.insert(0, node)
+
+
+def _padded_tree_inputs(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The tree inputs of a graph that verifies trees too, padded with the call's pad row: its
+    offset the last row's (the pad row's own position is never read), and a mask row and
+    column of True. The real rows stay as they were: GroupQueryAttention masks causally by slot
+    besides the bias, so no real row sees the pad row after it, and the pad row sees rows (no
+    row of all -inf)."""
+    graph.initializer.extend([numpy_helper.from_array(np.zeros(4, dtype=np.int64), "rowpad_zeros4"),
+                              numpy_helper.from_array(np.array(True), "rowpad_true")])
+    return [
+        helper.make_node("Pad", [TREE_OFFSETS, "rowpad_pads"], [f"{TREE_OFFSETS}__padded"], mode="edge"),  # [B, T + pad]
+        helper.make_node("Concat", ["rowpad_zeros4", "rowpad_count", "rowpad_count"], ["rowpad_mask_pads"], axis=0),
+        helper.make_node("Pad", [TREE_MASK, "rowpad_mask_pads", "rowpad_true"], [f"{TREE_MASK}__padded"],
+                         mode="constant"),  # [B, T + pad, T + pad]
+    ]

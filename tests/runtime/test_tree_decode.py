@@ -233,15 +233,16 @@ def test_sampled_trees_in_a_batch_follow_the_target(batched):
     assert_sampled_as_target(counts, exact, draws, right_rule=True)
 
 
-@pytest.mark.parametrize("batch", [(1,), (1, 2, 4)])
-def test_ort_gqa_chains_and_trees_run_on_one_session(tiny_engines, batch):
+@pytest.mark.parametrize("batch,precision", [((1,), "fp32"), ((1, 2, 4), "fp32"), ((1,), "int4")])
+def test_ort_gqa_chains_and_trees_run_on_one_session(tiny_engines, batch, precision):
     # the target's one graph verifies chains and trees: its tree entries point at the chain
     # entries' file, and decoding both ways opens one onnxruntime session, one copy of the weights
+    # (int4: the graph pads a one-token call's tree inputs with its pad row too, exporter/row_pad.py)
     from specexport.contract import CHAIN_TREE_INPUTS
     from specexport.runtime import load
 
     engines = tiny_engines.get("llama", drafters=("ngram",), attention="ort-gqa", batch=batch, tree_nodes=NODES,
-                               **TINY_SHAPE)
+                               precision=precision, **TINY_SHAPE)
     pipe = load(engines, threads=2)
     target = [e for e in pipe.manifest.engines if e.model == "target"]
     assert {e.path for e in target} == {"target.onnx"}
