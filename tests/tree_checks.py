@@ -4,7 +4,8 @@ draft probabilities)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -73,3 +74,36 @@ def check_trees(trees, reference: Callable[[np.ndarray, int, int], tuple[list, n
         assert [weight[p] for p in want] == pytest.approx(np.exp(joints[: len(want)]), rel=rel)
         checked += 1
     return checked
+
+
+def assert_batch_of_trees_lossless(pipe, drafter: str, prompts: Sequence[str], new_tokens: int, nodes: int,
+                                   adaptive: bool = False) -> None:
+    """The prompts decoded together with trees: every row verified trees and emitted what the
+    target alone emits for its prompt."""
+    from tests.lossless import assert_lossless
+
+    ids = [pipe.prompt_ids(p) for p in prompts]
+    got = pipe.generate_batch(ids, drafter=drafter, max_new_tokens=new_tokens, adaptive=adaptive, schedule=False,
+                              tree_nodes=nodes, max_batch=len(ids))
+    for prompt, result in zip(ids, got):
+        assert result.stats.tree_nodes > 0
+        assert_lossless(pipe, prompt, pipe.generate(prompt_ids=prompt, max_new_tokens=new_tokens).token_ids,
+                        result.token_ids, f"{drafter} trees in a batch")
+
+
+@contextmanager
+def rows_per_call(owner, rows_of: Callable[..., int]) -> Iterator[list[int]]:
+    """The rows of every ``owner.run(...)`` call inside the block (``rows_of`` reads them from
+    its arguments): an instance attribute shadows the method until the block ends."""
+    counts: list[int] = []
+    run = owner.run
+
+    def counted(*args, **kwargs):
+        counts.append(rows_of(*args))
+        return run(*args, **kwargs)
+
+    owner.run = counted
+    try:
+        yield counts
+    finally:
+        del owner.run

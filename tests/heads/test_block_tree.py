@@ -19,7 +19,13 @@ from tests.heads.block_checkpoints import (
     write_zlab_dflash,
 )
 from tests.lossless import assert_lossless
-from tests.tree_checks import check_trees, spine_choice, trees_drafted
+from tests.tree_checks import (
+    assert_batch_of_trees_lossless,
+    check_trees,
+    rows_per_call,
+    spine_choice,
+    trees_drafted,
+)
 
 NODES, TOP_K = 5, 3
 HEADS = {"zlab": ("z-lab", write_zlab_dflash), "ds": ("deepspec", write_deepspec_dspark)}
@@ -107,20 +113,9 @@ def test_each_rows_block_tree_in_a_batch_is_its_own(batched, head):
     # rows, and each row's trees are the ones its prompt's decode alone drafts, round by round
     # (a row reading the other row's slice of the block, or its context, differs); lossless
     drafter = batched.drafter(head, batched.batched_target(2).slots)
-    call = drafter.calls[2]
-    rows_per_call: list[int] = []
-    run = call.run
-
-    def counted(together, *args, **kwargs):
-        rows_per_call.append(len(together))
-        return run(together, *args, **kwargs)
-
-    call.run = counted
-    try:
+    with rows_per_call(drafter.calls[2], lambda together, *_: len(together)) as counts:
         together = trees_drafted(batched, head, PROMPTS[:2], NODES, new_tokens=16)
-    finally:
-        del call.run
-    assert max(rows_per_call, default=0) == 2, "the rows' trees were drafted one row at a time"
+    assert max(counts, default=0) == 2, "the rows' trees were drafted one row at a time"
     width = batched.manifest.draft_len  # at B > 1 a row's tree has at most the depth's nodes
     for prompt in PROMPTS[:2]:
         ids = batched.prompt_ids(prompt)
@@ -131,10 +126,4 @@ def test_each_rows_block_tree_in_a_batch_is_its_own(batched, head):
             assert np.array_equal(context, want_context)
             assert tree.tokens.tolist() == want.tokens.tolist() and tree.parents.tolist() == want.parents.tolist()
             np.testing.assert_allclose(tree.weights, want.weights, rtol=1e-4, atol=1e-6)
-    ids = [batched.prompt_ids(p) for p in PROMPTS[:2]]
-    got = batched.generate_batch(ids, drafter=head, max_new_tokens=20, adaptive=False, schedule=False,
-                                 tree_nodes=NODES, max_batch=2)
-    for prompt, result in zip(ids, got):
-        assert result.stats.tree_nodes > 0
-        assert_lossless(batched, prompt, batched.generate(prompt_ids=prompt, max_new_tokens=20).token_ids,
-                        result.token_ids, f"{head} batched trees")
+    assert_batch_of_trees_lossless(batched, head, PROMPTS[:2], 20, NODES)

@@ -19,7 +19,7 @@ from tests.heads.chain_reference import context_states, load_chain_heads, one_to
 from tests.heads.common import PROMPTS, SHAPES, build, build_head_only
 from tests.heads.test_eagle3 import TARGET, target_config
 from tests.lossless import assert_lossless
-from tests.tree_checks import check_trees, spine_choice, trees_drafted
+from tests.tree_checks import assert_batch_of_trees_lossless, check_trees, spine_choice, trees_drafted
 
 NODES, TOP_K = 5, 3
 TREE = {"max_draft": 3, "tree": {"max_nodes": NODES, "top_k": TOP_K}}
@@ -173,12 +173,7 @@ def test_each_rows_tree_in_a_batch_is_the_references(batched_eagle3):
         "row 1 drafted no tree beside row 0"
     assert checked >= 4, f"only {checked} trees checked"
     assert pipe.drafter("e-safe", 2).tree_steps[2].opened, "the rows' trees were not grown by the batch's tree step"
-    ids = [pipe.prompt_ids(p) for p in PROMPTS[:2]]
-    got = pipe.generate_batch(ids, drafter="e-safe", max_new_tokens=20, tree_nodes=NODES, max_batch=2, schedule=False)
-    for prompt, result in zip(ids, got):
-        assert result.stats.tree_nodes > 0
-        assert_lossless(pipe, prompt, pipe.generate(prompt_ids=prompt, max_new_tokens=20).token_ids, result.token_ids,
-                        "EAGLE-3 batched tree")
+    assert_batch_of_trees_lossless(pipe, "e-safe", PROMPTS[:2], 20, NODES, adaptive=True)
 
 
 class RowZeroLevel(ChainTreeGraph):

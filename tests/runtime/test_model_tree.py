@@ -12,7 +12,13 @@ import pytest
 
 from tests.conftest import TINY_SHAPE
 from tests.lossless import assert_lossless
-from tests.tree_checks import check_trees, spine_choice, trees_drafted
+from tests.tree_checks import (
+    assert_batch_of_trees_lossless,
+    check_trees,
+    rows_per_call,
+    spine_choice,
+    trees_drafted,
+)
 
 NODES, TOP_K = 6, 4
 DRAFTERS = ("quantized-self", "draft-model")
@@ -83,30 +89,14 @@ def test_each_rows_tree_in_a_batch_is_the_models_own(batched, name):
     # drafted from the other row's, or a stale one, fails the reference), both rows' spines
     # stepped in one call of the model; lossless per row
     model = batched.drafter(name, batched.batched_target(2).slots).model
-    rows_per_call: list[int] = []
-    run = model.run
-
-    def counted(n, feed, *args, **kwargs):
-        rows_per_call.append(len(feed))
-        return run(n, feed, *args, **kwargs)
-
-    model.run = counted
-    try:
+    with rows_per_call(model, lambda n, feed, *_: len(feed)) as counts:
         trees = trees_drafted(batched, name, PROMPTS[:2], NODES, new_tokens=16)
-    finally:
-        del model.run
-    assert max(rows_per_call, default=0) == 2, "the rows' trees were drafted one row at a time"
+    assert max(counts, default=0) == 2, "the rows' trees were drafted one row at a time"
     together = [t for t in trees if t[3] < NODES]  # rounds of both rows: at most the depth each
     second = batched.prompt_ids(PROMPTS[1])
     assert any(list(context[: len(second)]) == second for context, *_ in together), "row 1 drafted no tree"
     assert check_trees(trees, spine_reference(batched, name), 1e-4, 1e-4) >= 6
-    ids = [batched.prompt_ids(p) for p in PROMPTS[:2]]
-    got = batched.generate_batch(ids, drafter=name, max_new_tokens=24, adaptive=False, schedule=False,
-                                 tree_nodes=NODES, max_batch=2)
-    for prompt, result in zip(ids, got):
-        assert result.stats.tree_nodes > 0
-        assert_lossless(batched, prompt, batched.generate(prompt_ids=prompt, max_new_tokens=24).token_ids,
-                        result.token_ids, f"{name} batched tree")
+    assert_batch_of_trees_lossless(batched, name, PROMPTS[:2], 24, NODES)
 
 
 @pytest.mark.parametrize("rule", ["right", "control-residual-keeps-rejected", "control-no-renormalisation"])
