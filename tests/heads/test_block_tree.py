@@ -44,11 +44,13 @@ def folders(tmp_path_factory, target):
 
 @pytest.fixture(scope="module")
 def pipe(folders):
+    """Both heads with tree graphs at batch 1 and 2 (the block graphs batched too)."""
     from specexport.runtime import load
 
     root, _ = folders
     raw = recipe(*[{"kind": "dflash" if name == "zlab" else "dspark", "name": name, "path": name} for name in HEADS])
     raw["draft"]["tree"] = {"max_nodes": NODES, "top_k": TOP_K}
+    raw["shapes"] = {**raw["shapes"], "batch": [1, 2]}
     return load(build(raw, root, root / "engines"))
 
 
@@ -95,35 +97,23 @@ def test_greedy_block_trees_decode_as_the_target_alone(pipe, head):
     assert branched, "no tree branched"
 
 
-@pytest.fixture(scope="module")
-def batched(folders):
-    """Both heads with tree graphs at batch 1 and 2 (the block graphs batched too)."""
-    from specexport.runtime import load
-
-    root, _ = folders
-    raw = recipe(*[{"kind": "dflash" if name == "zlab" else "dspark", "name": name, "path": name} for name in HEADS])
-    raw["draft"]["tree"] = {"max_nodes": NODES, "top_k": TOP_K}
-    raw["shapes"] = {**raw["shapes"], "batch": [1, 2]}
-    return load(build(raw, root, root / "engines-batched"))
-
-
 @pytest.mark.parametrize("head", list(HEADS))
-def test_each_rows_block_tree_in_a_batch_is_its_own(batched, head):
+def test_each_rows_block_tree_in_a_batch_is_its_own(pipe, head):
     # two prompts decode together: every round one call of the batched block graph drafts both
     # rows, and each row's trees are the ones its prompt's decode alone drafts, round by round
     # (a row reading the other row's slice of the block, or its context, differs); lossless
-    drafter = batched.drafter(head, batched.batched_target(2).slots)
+    drafter = pipe.drafter(head, pipe.batched_target(2).slots)
     with rows_per_call(drafter.calls[2], lambda together, *_: len(together)) as counts:
-        together = trees_drafted(batched, head, PROMPTS[:2], NODES, new_tokens=16)
+        together = trees_drafted(pipe, head, PROMPTS[:2], NODES, new_tokens=16)
     assert max(counts, default=0) == 2, "the rows' trees were drafted one row at a time"
-    width = batched.manifest.draft_len  # at B > 1 a row's tree has at most the depth's nodes
+    width = pipe.manifest.draft_len  # at B > 1 a row's tree has at most the depth's nodes
     for prompt in PROMPTS[:2]:
-        ids = batched.prompt_ids(prompt)
-        alone = [(context, tree) for context, tree, *_ in trees_drafted(batched, head, prompt, width, new_tokens=16)]
+        ids = pipe.prompt_ids(prompt)
+        alone = [(context, tree) for context, tree, *_ in trees_drafted(pipe, head, prompt, width, new_tokens=16)]
         mine = [(context, tree) for context, tree, *_ in together if list(context[: len(ids)]) == ids]
         assert len(mine) >= 3, f"row {prompt!r} drafted {len(mine)} trees"
         for (context, tree), (want_context, want) in zip(mine, alone):
             assert np.array_equal(context, want_context)
             assert tree.tokens.tolist() == want.tokens.tolist() and tree.parents.tolist() == want.parents.tolist()
             np.testing.assert_allclose(tree.weights, want.weights, rtol=1e-4, atol=1e-6)
-    assert_batch_of_trees_lossless(batched, head, PROMPTS[:2], 20, NODES)
+    assert_batch_of_trees_lossless(pipe, head, PROMPTS[:2], 20, NODES)
