@@ -263,7 +263,8 @@ class Pipeline:
                 engines = {(e.batch, e.tokens): LazyEngine(e, self.manifest.root, self.options, cache, self.sessions)
                            for e in entries}
                 tensors = target.caches.tensors if target.caches.tensors is not None else cache.view()
-                self._trees[target.slots] = TreeVerifier(engines, entries[-1], target.caches.slots, tensors)
+                tuned = {(e.batch, e.tokens): ms / 1e3 for e in entries if (ms := self.cost_ms(e))}
+                self._trees[target.slots] = TreeVerifier(engines, entries[-1], target.caches.slots, tensors, tuned)
         return self._trees[target.slots]
 
     def tree_nodes(self, asked: int | None) -> int:

@@ -25,6 +25,7 @@ from specexport.runtime import sidecar
 from specexport.runtime.runner import time_interleaved
 
 COSTS = "costs.json"
+TREES = "target trees"  # the schedule's name for the target's tree verify graphs
 COSTS_FORMAT = 1
 _log = logging.getLogger(__name__)
 
@@ -90,12 +91,21 @@ def tune(pipe, rounds: int = 9) -> dict:
             continue
         runner = pipe.runner(model)
         runners[model] = (runner, runner.sizes)
+    # the target's tree verify graphs, every (batch, rows): tree rounds size trees by them
+    trees = pipe.tree_verifier(pipe.batched_target())
+    if trees is not None:
+        runners[TREES] = (trees, sorted(trees.engines))
     times = time_interleaved(runners, rounds)
     measured: dict[str, dict[str, float]] = {}
-    for model in runners:
+    for model in (m for m in runners if m != TREES):
         backend = pipe.backend_of(model)
         for entry in pipe.manifest.engines_of(model, backend):
             measured.setdefault(backend, {})[entry.name] = round(times[model][entry.tokens] * 1e3, 3)
+    if trees is not None:
+        backend = pipe.backend_of("target")
+        for entry in pipe.manifest.engines_of("target", backend, batch=None, tree=True):
+            if (entry.batch, entry.tokens) in times[TREES]:
+                measured.setdefault(backend, {})[entry.name] = round(times[TREES][(entry.batch, entry.tokens)] * 1e3, 3)
     root = pipe.manifest.root
     manifest_sha = sha256_of(root / MANIFEST)
     previous = sidecar.read_json(root, COSTS)

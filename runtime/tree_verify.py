@@ -81,7 +81,9 @@ class TreeVerifier:
     ``tensors``: the K/V arrays [slots, n_kv, S_max, hd] they are rows of."""
 
     def __init__(self, engines: Mapping[tuple[int, int], object], entry: EngineEntry, caches: list,
-                 tensors: Mapping[str, np.ndarray]):
+                 tensors: Mapping[str, np.ndarray], costs: Mapping[tuple[int, int], float] | None = None):
+        """``costs``: (batch, rows) -> seconds of a pass measured before (specexport tune); a
+        batch size all of whose graphs have one is not timed on first use."""
         self.engines, self.caches, self.tensors = dict(engines), caches, dict(tensors)
         self.batches = sorted({b for b, _ in self.engines if b <= len(caches)})
         self.rows = max(t for _, t in self.engines)  # 1 + N: the root and up to N nodes
@@ -90,6 +92,10 @@ class TreeVerifier:
         self.seconds = 0.0
         self._presents: dict[str, np.ndarray] = {}  # an appending graph's K/V of the last run [B, n_kv, T, hd]
         self._costs: dict[int, dict[int, float]] = {}  # batch -> rows -> seconds of one pass (absent: not timed)
+        for batch in self.batches:
+            known = {rows: (costs or {}).get((b, rows)) for b, rows in self.engines if b == batch}
+            if all(known.values()):
+                self._costs[batch] = {rows: float(s) for rows, s in known.items() if s}
         # (batch, rows) -> the feeds (cache views, then the tree's small arrays, updated in place)
         # and the bound outputs of that graph: one I/O binding per graph, not one per pass
         self._held: dict[tuple[int, int], tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]] = {}
@@ -111,8 +117,8 @@ class TreeVerifier:
 
     def cost(self, rows: int, batch: int = 1) -> float | None:
         """Seconds of a pass over ``rows`` rows (root + nodes; the graph that holds them) at
-        ``batch``; the first ask at a batch size times its every size (about a second for
-        SmolLM2's 12 on 2 cores at batch 1)."""
+        ``batch``: tuned, or the first ask at a batch size times its every size (about a second
+        for SmolLM2's 12 on 2 cores at batch 1); then a running average of the passes run."""
         if rows - 1 > self.nodes:
             return None
         if batch not in self._costs:

@@ -254,3 +254,39 @@ def test_ort_gqa_chains_and_trees_run_on_one_session(tiny_engines, batch, precis
     chain = pipe.generate(prompt_ids=ids, drafter="ngram", max_new_tokens=24, tree_nodes=0)
     assert tree.token_ids == want == chain.token_ids and tree.stats.tree_nodes > 0
     assert len(pipe.sessions) == 1
+
+
+def test_tune_times_the_tree_graphs_and_tree_rounds_read_them(tiny_engines, tmp_path, monkeypatch):
+    # `specexport tune` times every tree verify graph at every batch size; a pipeline loaded
+    # afterwards sizes trees by those figures instead of timing the graphs on first use
+    import json
+    import shutil
+
+    from specexport.contract import Manifest, Role
+    from specexport.runtime import load
+    from specexport.runtime.costs import COSTS
+    from tests.conftest import run_cli
+
+    copy = tmp_path / "engines"
+    shutil.copytree(tiny_engines.get("llama", drafters=("ngram",), attention="ort-gqa", batch=(1, 2),
+                                     tree_nodes=NODES, **TINY_SHAPE), copy)
+    code, _, err = run_cli("tune", copy, "--rounds", "1", "--threads", "2")
+    assert code == 0, err
+    costs = json.loads((copy / COSTS).read_text())["engines"]["onnxruntime"]
+    trees = [e for e in Manifest.load(copy).engines if e.role == Role.TREE]
+    assert {e.batch for e in trees} == {1, 2} and all(costs[e.name] > 0 for e in trees)
+
+    def untimed(self, key, want_logits=False):
+        raise AssertionError(f"the tree graph {key} was timed although tuned")
+
+    monkeypatch.setattr(TreeVerifier, "time_run", untimed)
+    pipe = load(copy, threads=2)
+    verifier = pipe.tree_verifier(pipe.batched_target())
+    for batch in (1, 2):
+        for rows in range(2, NODES + 2):
+            name = next(e.name for e in trees if (e.batch, e.tokens) == (batch, rows))
+            assert verifier.cost(rows, batch) == pytest.approx(costs[name] / 1e3)
+    ids = pipe.prompt_ids(PROMPTS[1])
+    got = pipe.generate(prompt_ids=ids, drafter="ngram", max_new_tokens=24, tree_nodes=NODES)  # adaptive: sized by them
+    assert got.token_ids == pipe.generate(prompt_ids=ids, drafter="none", max_new_tokens=24).token_ids
+    assert got.stats.tree_nodes > 0
