@@ -17,6 +17,16 @@ REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "bench" / "prompts" / "dev.jsonl"
 
 
+def copy_engines(src: Path, dst: Path) -> Path:
+    """A copy of an engine directory that other test workers may be loading at the same time:
+    their atomic writes' in-flight files (``.NAME.partial-PID...``, ``.NAME.old-PID``, such as
+    a load's verification record) come and go while it is copied, so they are left out (one
+    vanishing mid-copy failed a clean-clone run)."""
+    import shutil
+
+    return Path(shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".*.partial-*", ".*.old-*")))
+
+
 def run_cli(*args: str) -> tuple[int, str, str]:
     """Run `specexport ARGS` in this process, as the console script does: (exit code, out, err)."""
     from specexport.cli import main

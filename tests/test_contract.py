@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import re
-import shutil
 import tokenize
 import typing
 from pathlib import Path
@@ -45,7 +44,7 @@ from specexport.contract import (
     write_manifest,
 )
 from specexport.errors import BadInput
-from tests.conftest import TINY_SHAPE
+from tests.conftest import TINY_SHAPE, copy_engines
 
 
 @pytest.fixture(scope="module", params=["standard", "ort-gqa"])
@@ -98,7 +97,7 @@ def test_a_tensorrt_manifest_written_by_the_same_path_reads_back(tiny_engines, t
 
     src = tiny_engines.get("llama", **TINY_SHAPE)
     dst = tmp_path / "trt"
-    shutil.copytree(src, dst)
+    copy_engines(src, dst)
     manifest = read_manifest(dst)
     device, options = CudaDevice(0, "NVIDIA H200", "9.0"), TrtBuildOptions(precision="fp16")
     compiled = []
@@ -130,7 +129,7 @@ def test_manifests_written_before_the_contract_still_load(tiny_engines, tmp_path
     optional sections. They load to the defaults."""
     src = tiny_engines.get("llama", **TINY_SHAPE)
     dst = tmp_path / "old"
-    shutil.copytree(src, dst)
+    copy_engines(src, dst)
     raw = json.loads((dst / MANIFEST).read_text())
     old_trt = {k: v for k, v in raw["engines"][0].items() if k in
                ("name", "model", "role", "batch", "tokens", "inputs", "outputs")}
@@ -150,7 +149,7 @@ def test_manifests_written_before_the_contract_still_load(tiny_engines, tmp_path
 
 def test_an_unknown_role_is_one_line_naming_the_manifest(tiny_engines, tmp_path):
     dst = tmp_path / "bad"
-    shutil.copytree(tiny_engines.get("llama", **TINY_SHAPE), dst)
+    copy_engines(tiny_engines.get("llama", **TINY_SHAPE), dst)
     raw = json.loads((dst / MANIFEST).read_text())
     raw["engines"][0]["role"] = "draft"
     (dst / MANIFEST).write_text(json.dumps(raw))
@@ -248,7 +247,7 @@ def test_head_params_are_typed_when_read(tiny_engines, tmp_path):
 
 def _edited_manifest(tiny_engines, tmp_path, edit) -> Path:
     dst = tmp_path / "edited"
-    shutil.copytree(tiny_engines.get("llama", **TINY_SHAPE), dst)
+    copy_engines(tiny_engines.get("llama", **TINY_SHAPE), dst)
     raw = json.loads((dst / MANIFEST).read_text())
     edit(raw)
     (dst / MANIFEST).write_text(json.dumps(raw))

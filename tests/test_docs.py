@@ -25,7 +25,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from specexport import docs
-from tests.conftest import REPO
+from tests.conftest import REPO, copy_engines
 
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
@@ -254,7 +254,7 @@ def test_quickstart_runs_as_written_on_a_tiny_model(batched_engines, tiny_engine
     date), with the server on a free port."""
     (tmp_path / "recipes").mkdir()
     shutil.copy(tiny_engines.recipe(batched_engines), tmp_path / "recipes" / "smollm2-135m.yaml")
-    shutil.copytree(batched_engines, tmp_path / "engines" / "smollm2-135m")
+    copy_engines(batched_engines, tmp_path / "engines" / "smollm2-135m")
     blocks = [b for b in quickstart_blocks(README.read_text()) if b.tiny_run]
     script = quickstart_script(blocks).replace("8000", str(free_port()))
     code, output = run_script(script, tmp_path, tmp_path / "quickstart.log", timeout=300)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, TINY_SHAPE
+from tests.conftest import REPO, TINY_SHAPE, copy_engines
 from tests.test_packaging import is_onnxruntime
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ def test_cpu_extra_alone_runs_generate_and_bench(tiny_engines, tmp_path):
         assert found == "True", f"{package} is importable in the cpu-only install"
 
     engines = tmp_path / "device" / "engines"  # a copy elsewhere, as deployed
-    shutil.copytree(tiny_engines.get("llama", **TINY_SHAPE), engines)
+    copy_engines(tiny_engines.get("llama", **TINY_SHAPE), engines)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "loop", "category": "grounded", "prompt": "1, 2, 3, 1, 2, 3, 1,"}) + "\n")
 

@@ -14,7 +14,7 @@ import pytest
 from specexport.contract import Manifest, sha256_of
 from specexport.runtime.costs import COSTS
 from specexport.runtime.integrity import RECORD
-from tests.conftest import ALL_DRAFTERS, TINY_SHAPE, run_cli, tiny_recipe
+from tests.conftest import ALL_DRAFTERS, TINY_SHAPE, copy_engines, run_cli, tiny_recipe
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def _copy_small(small, tmp_path):
     assert small["code"] == 0, small["err"]
     recipe = tmp_path / "r.yaml"
     shutil.copy2(small["recipe"], recipe)
-    shutil.copytree(small["engines"], tmp_path / "engines")
+    copy_engines(small["engines"], tmp_path / "engines")
     return recipe, tmp_path / "engines"
 
 

@@ -16,7 +16,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from specexport.errors import BadInput, SpecexportError
-from tests.conftest import run_cli
+from tests.conftest import copy_engines, run_cli
 from tests.heads.block_checkpoints import (
     PROMPTS,
     build,
@@ -321,13 +321,12 @@ def test_the_cli_exits_2_on_a_malformed_head(tmp_path, target):
 def test_tune_times_the_block_graphs_too(engines, tmp_path):
     """`specexport tune` times every graph of every model: block graphs take one anchor token
     for C context rows, so the runner sizes their input_ids from the graph (it failed before)."""
-    import shutil
 
     from specexport.contract import Manifest, Role
     from specexport.runtime.costs import COSTS
 
     copy = tmp_path / "engines"
-    shutil.copytree(engines, copy)
+    copy_engines(engines, copy)
     code, _, err = run_cli("tune", copy, "--rounds", "1", "--threads", "1")
     assert code == 0, err
     costs = json.loads((copy / COSTS).read_text())["engines"]["onnxruntime"]

@@ -29,6 +29,7 @@ import pytest
 
 from specexport.contract import LOGITS, MANIFEST, EngineEntry, Manifest, read_manifest
 from specexport.errors import BadInput
+from tests.conftest import copy_engines
 from tests.gpu import needs_gpu
 from tests.scaffold import as_tensorrt_build, json_from_fake_gpu
 
@@ -95,12 +96,11 @@ def test_the_shared_catchup_graph_as_exported_is_not_static(engines):
 
 
 def test_an_unsupported_operator_in_a_head_graph_fails_the_lint(engines, tmp_path):
-    import shutil
 
     from specexport.exporter.lint import lint_tensorrt
 
     broken = tmp_path / "engines"
-    shutil.copytree(engines, broken)
+    copy_engines(engines, broken)
     path = broken / "dflash.block.b1.t4.onnx"
     model = onnx.load(str(path), load_external_data=False)
     node = next(n for n in model.graph.node if n.op_type == "Softmax")

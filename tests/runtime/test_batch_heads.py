@@ -34,6 +34,7 @@ from specexport.runtime.chain_drafter import ChainDrafter
 from specexport.runtime.engine import EngineOptions
 from specexport.runtime.loop import BatchLoop, Request
 from specexport.runtime.ort_engine import OrtEngine
+from tests.conftest import copy_engines
 from tests.heads.block_checkpoints import (
     TARGET,
     tiny_target,
@@ -350,12 +351,11 @@ def test_the_build_check_of_the_batched_target_fails_when_a_rows_taps_are_wrong(
     """validate_batched compares each row's aux_hidden_states (what the heads read) with the
     batch-1 graph's on that row: the built graph passes, one whose taps are wrong for rows
     other than the first (its logits untouched) fails the build in one line naming the row."""
-    import shutil
 
     from specexport.exporter.validate import BatchedGraph, validate_batched
 
     copy = tmp_path / "engines"
-    shutil.copytree(heads_engines, copy)
+    copy_engines(heads_engines, copy)
     entries = {e.name: e for e in pipe.manifest.engines}
     specs = {name: (e.inputs, e.outputs) for name, e in entries.items()}
     ids = np.random.default_rng(1).integers(3, 200, size=pipe.max_seq_len)

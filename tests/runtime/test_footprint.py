@@ -4,7 +4,6 @@
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 
@@ -16,13 +15,13 @@ from specexport.runtime import load
 from specexport.runtime.costs import COSTS
 from specexport.runtime.integrity import RECORD, scan
 from specexport.runtime.runner import time_interleaved
-from tests.conftest import REPO, TINY_SHAPE, run_cli
+from tests.conftest import REPO, TINY_SHAPE, copy_engines, run_cli
 
 
 @pytest.fixture
 def engines(tiny_engines, tmp_path):
     copy = tmp_path / "engines"
-    shutil.copytree(tiny_engines.get("llama", **TINY_SHAPE), copy)
+    copy_engines(tiny_engines.get("llama", **TINY_SHAPE), copy)
     return copy
 
 
@@ -112,7 +111,7 @@ def test_a_changed_manifest_means_a_full_check(engines):
 def test_a_copied_directory_is_checked_in_full(engines, tmp_path):
     load(engines)
     copy = tmp_path / "copy"
-    shutil.copytree(engines, copy)  # the record travels along, but names another directory
+    copy_engines(engines, copy)  # the record travels along, but names another directory
     assert (copy / RECORD).is_file()
     assert _hashed(copy) == set(Manifest.load(copy).files)
 

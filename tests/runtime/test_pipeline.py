@@ -1,13 +1,12 @@
 """The runtime over real (tiny) engine directories: losslessness, stops, sampling, the CLI."""
 
 import json
-import shutil
 
 import pytest
 
 from specexport.runtime import load
 from specexport.runtime.acceptance import Sampling
-from tests.conftest import LOSSLESS_PAIRS, TINY_SHAPE, lossless_drafters, run_cli
+from tests.conftest import LOSSLESS_PAIRS, TINY_SHAPE, copy_engines, lossless_drafters, run_cli
 from tests.lossless import (
     assert_lossless,
     assert_sampled_as_target,
@@ -97,7 +96,7 @@ def test_eos_and_max_new_tokens_and_kv_full(tiny_engines, attention, tmp_path):
     baseline = pipe.generate(prompt_ids=ids, max_new_tokens=40).token_ids
     first = next(i for i in range(4, len(baseline)) if baseline[i] not in baseline[:i])
     copy = tmp_path / "eos-engines"
-    shutil.copytree(engines, copy)
+    copy_engines(engines, copy)
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["tokenizer"]["eos_token_ids"] = [baseline[first]]
     (copy / "manifest.json").write_text(json.dumps(manifest))

@@ -1,20 +1,19 @@
 """Bad input to the runtime: one line on stderr, exit code 2."""
 
 import json
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO, TINY_SHAPE, check_one_line, run_cli
+from tests.conftest import REPO, TINY_SHAPE, check_one_line, copy_engines, run_cli
 from tests.lossless import assert_lossless
 
 
 @pytest.fixture
 def engines_copy(tiny_engines, tmp_path):
     copy = tmp_path / "engines"
-    shutil.copytree(tiny_engines.get("llama", **TINY_SHAPE), copy)
+    copy_engines(tiny_engines.get("llama", **TINY_SHAPE), copy)
     return copy
 
 

@@ -13,7 +13,7 @@ from specexport.runtime.drafters import Stateless, trees_slot_by_slot
 from specexport.runtime.loop import BatchLoop
 from specexport.runtime.tree import DraftTree
 from specexport.runtime.tree_verify import TreeVerifier
-from tests.conftest import TINY_SHAPE
+from tests.conftest import TINY_SHAPE, copy_engines
 from tests.lossless import assert_sampled_as_target, exact_sequence_probs, sample_counts
 
 NODES = 6
@@ -260,7 +260,6 @@ def test_tune_times_the_tree_graphs_and_tree_rounds_read_them(tiny_engines, tmp_
     # `specexport tune` times every tree verify graph at every batch size; a pipeline loaded
     # afterwards sizes trees by those figures instead of timing the graphs on first use
     import json
-    import shutil
 
     from specexport.contract import Manifest, Role
     from specexport.runtime import load
@@ -268,7 +267,7 @@ def test_tune_times_the_tree_graphs_and_tree_rounds_read_them(tiny_engines, tmp_
     from tests.conftest import run_cli
 
     copy = tmp_path / "engines"
-    shutil.copytree(tiny_engines.get("llama", drafters=("ngram",), attention="ort-gqa", batch=(1, 2),
+    copy_engines(tiny_engines.get("llama", drafters=("ngram",), attention="ort-gqa", batch=(1, 2),
                                      tree_nodes=NODES, **TINY_SHAPE), copy)
     code, _, err = run_cli("tune", copy, "--rounds", "1", "--threads", "2")
     assert code == 0, err

@@ -18,7 +18,6 @@ import ast
 import importlib.util
 import inspect
 import json
-import shutil
 import textwrap
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from specexport.runtime.trt_engine import (
     rebuild_command,
     require_tensorrt,
 )
-from tests.conftest import check_one_line, run_cli
+from tests.conftest import check_one_line, copy_engines, run_cli
 from tests.gpu import NO_GPU, needs_gpu, without_gpu
 from tests.scaffold import as_tensorrt_build, json_from_fake_gpu
 
@@ -85,7 +84,7 @@ def test_build_from_onnx_names_the_extra_and_leaves_the_directory(tiny_dir, tmp_
     from specexport.progress import Reporter
 
     engines = tmp_path / "engines"
-    shutil.copytree(tiny_dir, engines)
+    copy_engines(tiny_dir, engines)
     before = sorted(p.name for p in engines.iterdir())
     with pytest.raises(BadInput, match=r"pip install 'specexport\[gpu\]'") as err:
         build_from_onnx(engines, Reporter(quiet=True), precision="fp16")
