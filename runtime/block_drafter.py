@@ -59,7 +59,7 @@ from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut
 from specexport.runtime.engine import Engine
 from specexport.runtime.kv_cache import CacheLength
 from specexport.runtime.model import BatchedCall
-from specexport.runtime.tree import DraftTree, grow_spine, top_candidates
+from specexport.runtime.tree import DraftTree, SizeHint, grow_spine, top_candidates
 
 PAD_ID = 0  # the anchor of a call whose drafts are thrown away (a prompt chunk)
 
@@ -278,14 +278,15 @@ class BlockSlot:
             return self._serial(out, anchor, k, sampling, rng)
         return self._parallel(out, k, sampling, rng)
 
-    def tree(self, context: np.ndarray, k: int, nodes: int, top_k: int) -> DraftTree:
+    def tree(self, context: np.ndarray, k: int, nodes: int, top_k: int, hint: SizeHint | None = None) -> DraftTree:
         """Up to ``nodes`` of the block's top-k per position over its greedy spine of up to ``k``
         (runtime/tree.py grow_spine; DSpark's serial head conditions each position on the spine's
         token before it)."""
         anchor = int(context[-1])
-        return self.tree_from(self._flush(anchor, True), anchor, k, nodes, top_k)
+        return self.tree_from(self._flush(anchor, True), anchor, k, nodes, top_k, hint)
 
-    def tree_from(self, out: dict[str, np.ndarray], anchor: int, k: int, nodes: int, top_k: int) -> DraftTree:
+    def tree_from(self, out: dict[str, np.ndarray], anchor: int, k: int, nodes: int, top_k: int,
+                  hint: SizeHint | None = None) -> DraftTree:
         """``tree`` from a block call's outputs (row 0 of each: [1, n, ...]) after ``anchor``."""
         base = out[LOGITS][0]  # [n, V_d]
         hidden = out[BLOCK_HIDDEN][0] if self.heads.serial else None  # [n, H]
@@ -302,7 +303,7 @@ class BlockSlot:
             ids, logp = top_candidates(logits, count)
             return np.array([self.heads.target_id(int(i)) for i in ids], dtype=np.int64), logp
 
-        return grow_spine(next_logits, min(k, self.drafts), nodes, top_k, f"{self.name}/tree", top)
+        return grow_spine(next_logits, min(k, self.drafts), nodes, top_k, f"{self.name}/tree", top, hint)
 
     def _parallel(self, out, k, sampling, rng) -> Draft:
         """DFlash: every slot's distribution is fixed by the block; each is drawn on its own."""
@@ -392,10 +393,10 @@ class BlockDrafter:
                     if slot.pending_rows and min(depths[r], slot.drafts) > 0]
         call, together = self._together(rows, drafting)
         for r in (r for r in drafting if r not in together):
-            trees[r] = self.slots[r].tree(rows[r].context, depths[r], nodes, top_k)
+            trees[r] = self.slots[r].tree(rows[r].context, depths[r], nodes, top_k, rows[r].tree_size)
         if call is not None and together:
             for r, (out, anchor) in self._run_together(call, together, True).items():
-                trees[r] = self.slots[r].tree_from(out, anchor, depths[r], nodes, top_k)
+                trees[r] = self.slots[r].tree_from(out, anchor, depths[r], nodes, top_k, rows[r].tree_size)
         return trees
 
     def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
@@ -403,7 +404,7 @@ class BlockDrafter:
         state = self.slots[slot]
         if state.pending_rows == 0 or min(depth, state.drafts) <= 0:
             return None
-        return state.tree(row.context, depth, nodes, top_k)
+        return state.tree(row.context, depth, nodes, top_k, row.tree_size)
 
     def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
         drafts = [EMPTY_DRAFT] * len(rows)

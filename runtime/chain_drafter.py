@@ -58,7 +58,7 @@ from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut, trees_sl
 from specexport.runtime.engine import LazyEngine
 from specexport.runtime.model import Model
 from specexport.runtime.runner import PAD_ID
-from specexport.runtime.tree import ROOT, DraftTree, grow_spine, top_candidates
+from specexport.runtime.tree import ROOT, DraftTree, SizeHint, expansion_budget, grow_spine, top_candidates
 
 if TYPE_CHECKING:
     from specexport.runtime.api import Pipeline
@@ -163,7 +163,8 @@ class ChainDrafter:
         grown = {}
         for r in active:
             at = len(feed[r][1]) - 1  # the row's last fed row: its logits give level 1
-            grown[r] = self._expansion(out[LOGITS][r, at], out[HIDDEN_OUT][r, at], depths[r], nodes, top_k, r)
+            grown[r] = self._expansion(out[LOGITS][r, at], out[HIDDEN_OUT][r, at], depths[r], nodes, top_k, r,
+                                       rows[r].tree_size)
         tensors = self.catchup.caches.tensors
         assert tensors is not None  # _tree_batch found a batched tree step: the slots share host tensors
         self._grow(grown, self.tree_steps[batch], {name: array[:batch] for name, array in tensors.items()})
@@ -180,10 +181,11 @@ class ChainDrafter:
         out = self.catchup.run_slot(slot, fed, True, (HIDDEN_OUT,))
         at = len(fed[1]) - 1  # the last fed row: its logits give level 1
         if 1 in self.tree_steps and depth > 1:
-            expansion = self._expansion(out[LOGITS][0, at], out[HIDDEN_OUT][0, at], depth, nodes, top_k, slot)
+            expansion = self._expansion(out[LOGITS][0, at], out[HIDDEN_OUT][0, at], depth, nodes, top_k, slot,
+                                        row.tree_size)
             self._grow({0: expansion}, self.tree_steps[1], self.catchup.runners[slot].cache.view())
             return expansion.tree(f"{self.name}/tree")
-        return self._spine(out, at, depth, nodes, top_k, slot)
+        return self._spine(out, at, depth, nodes, top_k, slot, row.tree_size)
 
     def _tree_batch(self, rows: int) -> int | None:
         """The smallest batch size of the tree step that holds ``rows`` slots of the shared host
@@ -193,12 +195,13 @@ class ChainDrafter:
         return min((b for b in self.tree_steps if rows <= b <= self.catchup.slots), default=None)
 
     def _expansion(self, logits: np.ndarray, hidden: np.ndarray, depth: int, nodes: int, top_k: int,
-                   slot: int) -> Expansion:
+                   slot: int, hint: SizeHint | None = None) -> Expansion:
         """The slot's expansion from its last committed row's ``logits`` [V] and ``hidden`` [H],
         its tree-step rows written after the committed ones (as deep as they fit the cache)."""
         committed = self._committed[slot]
         depth = min(depth, (self.max_seq_len - committed) // self.tree_rows + 1)
-        return Expansion(lambda row: self._top(row, top_k), logits, hidden, depth, nodes, self.tree_rows, committed)
+        return Expansion(lambda row: self._top(row, top_k), logits, hidden, depth, nodes, self.tree_rows, committed,
+                         hint)
 
     def _grow(self, grown: dict[int, Expansion], engine: LazyEngine, cache: dict[str, np.ndarray]) -> None:
         """Expand every sequence of ``grown`` (batch row -> its expansion) level by level: one
@@ -221,7 +224,7 @@ class ChainDrafter:
                 grown[r].grow(out[LOGITS][r, :count], out[HIDDEN_OUT][r, :count])
 
     def _spine(self, out: dict[str, np.ndarray], at: int, depth: int, nodes: int, top_k: int,
-               slot: int) -> DraftTree:
+               slot: int, hint: SizeHint | None = None) -> DraftTree:
         """The tree over the head's greedy chain of up to ``depth`` steps (runtime/tree.py grow_spine)."""
         steps = 0
 
@@ -234,24 +237,29 @@ class ChainDrafter:
             return out[LOGITS][0, at]
 
         depth = min(depth, self.max_seq_len - self._committed[slot] + 1)
-        return grow_spine(next_logits, depth, nodes, top_k, f"{self.name}/tree", self._top)
+        return grow_spine(next_logits, depth, nodes, top_k, f"{self.name}/tree", self._top, hint)
 
     def _top(self, logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The head's k best target ids after one row and their log q (logits [V_target]), over
-        its draft vocabulary only: a reduced one (-inf elsewhere) is a sixth of SmolLM2's."""
+        """The head's k best target ids after one row and their log q (logits [V_target]; [n,
+        V_target]: each row's, [n, k]), over its draft vocabulary only: a reduced one (-inf
+        elsewhere) is a sixth of SmolLM2's."""
         if self._draftable is None:
-            self._draftable = np.flatnonzero(np.isfinite(logits))  # fixed by the graph's scatter
-        tokens, logp = top_candidates(logits[self._draftable], k)
+            self._draftable = np.flatnonzero(np.isfinite(logits.reshape(-1, logits.shape[-1])[0]))  # the graph's scatter
+        tokens, logp = top_candidates(np.take(logits, self._draftable, axis=-1), k)
         return self._draftable[tokens], logp
 
     def _catch_up(self, n: int, slot: int, context: np.ndarray) -> tuple[int, np.ndarray, dict[str, np.ndarray]]:
         """The slot's pending rows as its row of the catch-up call; what the call cannot take goes
-        first, alone, through the slot's runner. The rows count as committed from here on."""
+        first, alone, through the slot's runner, without logits. The call takes at most its
+        largest decoding graph's rows even alone (where the runner would chunk any number): only
+        the last row's logits are read, and a prompt's would be tens of MB (SmolLM2: 200 KB a
+        row), which cost the first tree round of a 400-token prompt about 0.2 s. The rows count
+        as committed from here on."""
         features = np.concatenate(self._pending[slot])  # [m, F]
         self._pending[slot] = []
         start = self._committed[slot]
         tokens = context[start + 1 : start + 1 + len(features)]  # row p: token x_{p+1}
-        extra = len(features) - self.catchup.holds(n, len(features))
+        extra = len(features) - min(self.catchup.holds(n, len(features)), max(self.catchup.widths(n)))
         if extra > 0:  # the prompt after a join, a row back from rounds at depth 0
             runner = self.catchup.runners[slot]
             runner.cache.set_length(start)
@@ -318,10 +326,12 @@ class Expansion:
     ``committed`` rows, in expansion order."""
 
     def __init__(self, top: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], logits: np.ndarray,
-                 hidden: np.ndarray, depth: int, nodes: int, width: int, committed: int):
+                 hidden: np.ndarray, depth: int, nodes: int, width: int, committed: int, hint: SizeHint | None = None):
         self._top, self.depth, self.nodes, self.width, self.committed = top, depth, nodes, width, committed
+        self.hint = hint
         tokens, logp = top(logits)
         self.token, self.parent, self.joint = tokens.tolist(), [ROOT] * len(tokens), logp.tolist()
+        self._depth = [1] * len(tokens)  # each candidate's depth
         self._level = list(range(len(self.token)))  # the candidates of the level being expanded
         self._hidden_of: dict[int, np.ndarray] = {ROOT: hidden}  # expanded candidate -> its row's hidden [H]
         self._slot_of: dict[int, int] = {}  # expanded candidate -> its row's cache slot
@@ -333,9 +343,12 @@ class Expansion:
         """The nodes to expand next as a tree-step row, or None: the tree is grown."""
         if self._depth_done >= self.depth:
             return None
-        cut = sorted(self.joint, reverse=True)[self.nodes - 1] if len(self.joint) >= self.nodes else -np.inf
-        self._chosen = [c for c in sorted(self._level, key=lambda c: -self.joint[c])[: self.width]
-                        if self.joint[c] > cut]
+        ranked = sorted(self._level, key=lambda c: -self.joint[c])[: self.width]
+        budget = self.nodes if not ranked else \
+            expansion_budget(self.nodes, self.hint, np.exp(self.joint), np.asarray(self._depth), ranked[0],
+                             self.depth - self._depth_done)
+        cut = sorted(self.joint, reverse=True)[budget - 1] if len(self.joint) >= budget else -np.inf
+        self._chosen = [c for c in ranked if self.joint[c] > cut]
         if not self._chosen:
             self.depth = self._depth_done  # no child of this level could make the cut
             return None
@@ -353,13 +366,15 @@ class Expansion:
     def grow(self, logits: np.ndarray, hidden: np.ndarray) -> None:
         """The tree step's output for the chosen nodes, logits [n, V] and hidden [n, H]."""
         self._level = []
+        tops, top_logps = self._top(logits)  # [n, k] each
         for i, c in enumerate(self._chosen):
             self._slot_of[c], self._hidden_of[c] = self._write + i, hidden[i]
-            kids, kid_logp = self._top(logits[i])
+            kids, kid_logp = tops[i], top_logps[i]
             self._level += range(len(self.token), len(self.token) + len(kids))
             self.token += kids.tolist()
             self.parent += [c] * len(kids)
             self.joint += (self.joint[c] + kid_logp).tolist()
+            self._depth += [self._depth[c] + 1] * len(kids)
         self._write += len(self._chosen)
         self._depth_done += 1
 

@@ -25,7 +25,7 @@ from specexport.contract import LOGITS, NEXT_TOKENS
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
 from specexport.runtime.model import Model
 from specexport.runtime.rules import SequenceRules
-from specexport.runtime.tree import DraftTree, Spine, grow_spine
+from specexport.runtime.tree import DraftTree, SizeHint, Spine, grow_spine
 
 TargetOut = Mapping[str, np.ndarray]  # target output name -> [n, ...] rows of committed positions
 PartCosts = Mapping[str, Mapping[int, float]]  # a drafter's graph part ("step", "catchup", "block") -> tokens -> ms
@@ -41,6 +41,9 @@ class DraftRow:
     rng: np.random.Generator  # the sequence's own stream (drafts drawn from it, then its rejection)
     rules: SequenceRules | None = None  # the request's logits rules (the target's rows get them too)
     prompt_len: int = 0  # where the output starts in context
+    # adaptive tree rounds: how many nodes of a tree the loop would verify (a drafter that grows
+    # its tree level by level stops at a level none of whose nodes could be among them)
+    tree_size: SizeHint | None = None
 
     def q(self, logits: np.ndarray, drafted: np.ndarray) -> Kept:
         """The distribution a sampled draft is drawn from: the drafter's logits [V] after
@@ -313,7 +316,7 @@ class ModelDrafter:
         feed = self._gaps(rows, active)
         out = self._run(n, feed, True)
         at = {r: len(tokens) - 1 for r, tokens in feed.items()}  # each row's last fed token: level 1
-        spines = {r: Spine(depths[r], nodes, top_k) for r in active}
+        spines = {r: Spine(depths[r], nodes, top_k, hint=rows[r].tree_size) for r in active}
         while at:
             stepping = {r: token for r in at if (token := spines[r].add(out[LOGITS][r, at[r]])) is not None}
             if not stepping:
@@ -335,15 +338,15 @@ class ModelDrafter:
         depth = min(depth, self.model.max_seq_len - len(context))
         if depth <= 0:
             return None
-        self._length[slot] = min(self._length[slot], len(context) - 1)  # always feed the last token
+        widest = self.model.widths(1)[-1]
 
         def next_logits(token: int | None) -> np.ndarray:  # [V]: the context's last row, then each step's
-            fed = context[self._length[slot] :] if token is None else np.array([token])
+            fed = self._gap(slot, context, widest) if token is None else np.array([token])
             out = self.model.run_slot(slot, (self._length[slot], fed, {}), True)
             self._length[slot] += len(fed)
             return out[LOGITS][0, len(fed) - 1]
 
-        tree = grow_spine(next_logits, depth, nodes, top_k, f"{self.name}/tree")
+        tree = grow_spine(next_logits, depth, nodes, top_k, f"{self.name}/tree", hint=row.tree_size)
         self._base[slot], self._k[slot] = len(context), 1  # accept keeps base + min(n, 0): the context
         return tree
 
@@ -358,18 +361,20 @@ class ModelDrafter:
         self._length[dst], self._base[dst], self._k[dst] = self._length[src], self._base[src], self._k[src]
 
     def _gaps(self, rows: Sequence[DraftRow], active: list[int]) -> dict[int, np.ndarray]:
-        """What each drafting row's cache row lacks of its context, always its last token (whose
-        output is the first draft): slot -> tokens for one call over the rows. A gap wider than
-        the batched graphs (after rounds at depth 0) is fed first through the slot's runner."""
-        widest = self.model.widths(len(rows))[-1] if len(rows) > 1 else None
-        feed = {}
-        for r in active:
-            context = rows[r].context
-            self._length[r] = min(self._length[r], len(context) - 1)
-            if widest is not None and len(context) - self._length[r] > widest:
-                self._forward_alone(r, context[self._length[r] : len(context) - widest])
-            feed[r] = context[self._length[r] :]
-        return feed
+        """What each drafting row's cache row lacks of its context (``_gap``): slot -> tokens for
+        one call over the rows."""
+        widest = self.model.widths(len(rows))[-1]
+        return {r: self._gap(r, rows[r].context, widest) for r in active}
+
+    def _gap(self, slot: int, context: np.ndarray, widest: int) -> np.ndarray:
+        """What the slot's cache row lacks of ``context``, always its last token (whose output is
+        the first draft). A gap wider than ``widest`` (after rounds at depth 0) is fed first
+        through the slot's runner, without logits: only the last row's are read, and a long
+        gap's would be MBs (200 KB a row for SmolLM2's vocabulary)."""
+        self._length[slot] = min(self._length[slot], len(context) - 1)
+        if len(context) - self._length[slot] > widest:
+            self._forward_alone(slot, context[self._length[slot] : len(context) - widest])
+        return context[self._length[slot] :]
 
     def _run(self, n: int, feed: dict[int, np.ndarray], want_logits: bool) -> dict[str, np.ndarray]:
         """One step over the first ``n`` slots, each fed row at its own length; lengths advance."""

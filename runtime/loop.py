@@ -30,7 +30,7 @@ from specexport.runtime.logprobs import Logprobs
 from specexport.runtime.model import Model
 from specexport.runtime.rules import RuledRows, SequenceRules, greedy_walk
 from specexport.runtime.stats import DecodeStats
-from specexport.runtime.tree import DraftTree, tree_greedy, tree_rejection
+from specexport.runtime.tree import DraftTree, SizeHint, tree_greedy, tree_rejection
 from specexport.runtime.tree_size import TreeSizer, shared_size
 from specexport.runtime.tree_verify import TreeVerifier
 
@@ -297,9 +297,14 @@ def _tree_round(target: Model, drafter: Drafter, verifier: TreeVerifier, running
     if batch is None or nodes <= 0 or not all(verifier.fits(seq.length - 1, nodes, batch) for seq in running):
         return None
     depths = _depths(drafter, running, draft_len, target.max_seq_len)
+    for seq in running:  # each adaptive row calibrates its own weights; the others are taken as they are
+        if seq.policy is not None and seq.tree_sizer is None:
+            seq.tree_sizer = TreeSizer(verifier.cost)
     engine_before = drafter.engine_seconds
-    # the loop keeps a tree verifier for tree drafters only (BatchLoop.__init__)
-    trees = cast(TreeDrafter, drafter).propose_trees([_draft_row(seq) for seq in running], depths, nodes, top_k)
+    # the loop keeps a tree verifier for tree drafters only (BatchLoop.__init__); an adaptive row
+    # alone has its drafter stop growing where the size below would cut
+    rows = [_draft_row(seq, _size_hint(seq.tree_sizer, verifier) if n == 1 else None) for seq in running]
+    trees = cast(TreeDrafter, drafter).propose_trees(rows, depths, nodes, top_k)
     # nodes the grammar forbids are not verified
     trees = [seq.request.rules.valid_tree(_output(seq), tree) if tree is not None and seq.request.rules is not None
              else tree for seq, tree in zip(running, trees)]
@@ -311,9 +316,6 @@ def _tree_round(target: Model, drafter: Drafter, verifier: TreeVerifier, running
         return None
     drafted = [tree if tree is not None else _NO_TREE for tree in trees]
     if any(seq.policy is not None for seq in running):  # adaptive: the trees' best shared size at this batch
-        for seq in running:  # each adaptive row calibrates its own weights; the others are taken as they are
-            if seq.policy is not None and seq.tree_sizer is None:
-                seq.tree_sizer = TreeSizer(verifier.cost)
         sizers = [seq.tree_sizer or TreeSizer(verifier.cost) for seq in running]
         keep = shared_size(sizers, drafted, lambda rows: verifier.cost(rows, batch))
         drafted = [tree.best(keep) if tree.size > keep else tree for tree in drafted]
@@ -414,10 +416,20 @@ def _draft(drafter: Drafter, running: list[_Running], ks: list[int], start: floa
     return drafts
 
 
-def _draft_row(seq: _Running) -> DraftRow:
+def _draft_row(seq: _Running, tree_size: SizeHint | None = None) -> DraftRow:
     """What the drafter sees of a running sequence."""
     request = seq.request
-    return DraftRow(seq.context[: seq.length], request.sampling, request.rng, request.rules, len(request.prompt))
+    return DraftRow(seq.context[: seq.length], request.sampling, request.rng, request.rules, len(request.prompt),
+                    tree_size)
+
+
+def _size_hint(sizer: TreeSizer | None, verifier: TreeVerifier) -> SizeHint | None:
+    """The size an adaptive sequence verifying alone will cut its tree to (None: a fixed-size
+    row). Not at B > 1: there the rows share one size, which may give a row more nodes than its
+    own tree would choose."""
+    if sizer is None:
+        return None
+    return lambda weights, depths: sizer.size_ranked(weights, depths, verifier.cost)
 
 
 def _verify(target: Model, drafter: Drafter, running: list[_Running], drafts: list[Draft], draft_len: int,

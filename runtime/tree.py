@@ -32,6 +32,11 @@ from specexport.runtime.acceptance import Kept, _inverse_cdf, as_kept
 
 ROOT = -1
 
+# How many of a tree's best nodes the decode loop would verify (adaptive tree size,
+# runtime/tree_size.py), given their weights and depths [n], best first: a drafter growing a
+# tree level by level stops where no deeper node could be among them.
+SizeHint = Callable[[np.ndarray, np.ndarray], int]
+
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -47,7 +52,8 @@ class DraftTree:
             raise ValueError("a tree needs one parent per token")
         if self.weights is not None and len(self.weights) != len(self.tokens):
             raise ValueError("a tree needs one weight per token")
-        if any(not ROOT <= int(p) < i for i, p in enumerate(self.parents)):
+        parents = np.asarray(self.parents)  # [N]
+        if ((parents < ROOT) | (parents >= np.arange(len(parents)))).any():
             raise ValueError("parents must come before their children (topological order)")
 
     @property
@@ -144,16 +150,34 @@ def spine_tree(top_tokens: np.ndarray, top_logprobs: np.ndarray, nodes: int, tag
                      np.array(weights, dtype=np.float64))
 
 
+def expansion_budget(nodes: int, hint: SizeHint | None, weights: np.ndarray, depths: np.ndarray, under: int,
+                     levels: int = 1) -> int:
+    """How many nodes a descendant of candidate ``under`` would have to rank among to be
+    verified (candidates' ``weights`` and ``depths`` [N], each weight at most its parent's):
+    ``nodes``, or fewer where the loop would verify fewer of these candidates plus a path of
+    ``levels`` more nodes below ``under`` (``hint``). The path's nodes are given ``under``'s
+    weight, the most a descendant can weigh (joint probability only falls with depth), so a level
+    the hint turns away holds no node the loop would have verified."""
+    if hint is None:
+        return nodes
+    weights = np.append(weights, np.full(levels, weights[under]))  # [N+levels]
+    depths = np.append(depths, depths[under] + np.arange(1, levels + 1))  # [N+levels]
+    ranked = np.lexsort((np.arange(len(weights)), -weights))[:nodes]  # ties: the earlier (a parent first)
+    return min(nodes, hint(weights[ranked], depths[ranked]))
+
+
 class Spine:
     """``spine_tree`` over a chain being drafted, one level at a time: ``add`` takes a level's
     logits and returns the spine token to step next, or None once the chain stops: at ``depth``
     levels, or once no deeper node can make the cut (``nodes`` candidates already weigh at least
-    the deepest spine node, and joint probability only falls along the spine). ``top`` picks a
-    level's candidates (default ``top_candidates``)."""
+    the deepest spine node, and joint probability only falls along the spine; with a ``hint``,
+    the nodes the loop would verify, ``expansion_budget``). ``top`` picks a level's candidates
+    (default ``top_candidates``)."""
 
     def __init__(self, depth: int, nodes: int, top_k: int,
-                 top: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]] | None = None):
-        self.depth, self.nodes, self.top_k = depth, nodes, top_k
+                 top: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]] | None = None,
+                 hint: SizeHint | None = None):
+        self.depth, self.nodes, self.top_k, self.hint = depth, nodes, top_k, hint
         self._top = top or top_candidates
         self._tops: list[np.ndarray] = []  # per level: [k] tokens
         self._logps: list[np.ndarray] = []  # per level: [k] log q
@@ -164,20 +188,35 @@ class Spine:
         self._tops.append(tokens)
         self._logps.append(logp)
         spine = np.cumsum([lp[0] for lp in self._logps])  # [j+1] log joint of the spine nodes
+        if len(self._tops) == self.depth:
+            return None
         heavier = sum(int((spine[i] - lp[0] + lp >= spine[-1]).sum()) for i, lp in enumerate(self._logps))
-        if len(self._tops) == self.depth or heavier >= self.nodes:
+        if heavier >= self.nodes or heavier >= self._budget():
             return None
         return int(tokens[0])
+
+    def _budget(self) -> int:
+        """``expansion_budget`` for a child of the deepest spine node (candidates level-major:
+        level j's at j * k, its spine node first)."""
+        if self.hint is None:
+            return self.nodes
+        logps = np.stack(self._logps)  # [levels, k]
+        levels, k = logps.shape
+        spine = np.concatenate(([0.0], np.cumsum(logps[:-1, 0])))  # [levels] log joint above each level
+        weights = np.exp(spine[:, None] + logps).ravel()  # [levels * k]
+        depths = np.repeat(np.arange(1, levels + 1), k)  # [levels * k]
+        return expansion_budget(self.nodes, self.hint, weights, depths, (levels - 1) * k, self.depth - levels)
 
     def tree(self, tag: str = "") -> DraftTree:
         return spine_tree(np.stack(self._tops), np.stack(self._logps), self.nodes, tag)
 
 
 def grow_spine(next_logits: Callable[[int | None], np.ndarray], depth: int, nodes: int, top_k: int,
-               tag: str = "", top: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]] | None = None) -> DraftTree:
+               tag: str = "", top: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]] | None = None,
+               hint: SizeHint | None = None) -> DraftTree:
     """``Spine`` over a chain drafted here: ``next_logits(None)`` gives level 1's logits,
     ``next_logits(token)`` the next level's after the spine's ``token``."""
-    spine = Spine(depth, nodes, top_k, top)
+    spine = Spine(depth, nodes, top_k, top, hint)
     token = spine.add(next_logits(None))
     while token is not None:
         token = spine.add(next_logits(token))
@@ -186,12 +225,15 @@ def grow_spine(next_logits: Callable[[int | None], np.ndarray], depth: int, node
 
 def top_candidates(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """A drafter's ``k`` best tokens after one position and their log-probabilities, best first
-    (logits [V]; -inf outside a head's draft vocabulary)."""
-    top = np.argpartition(-logits, k - 1)[:k]  # [k]
-    top = top[np.argsort(-logits[top], kind="stable")]
-    peak = logits[top[0]]
-    log_norm = peak + np.log(np.exp(logits - peak).sum())
-    return top.astype(np.int64), (logits[top] - log_norm).astype(np.float64)
+    (logits [V]; -inf outside a head's draft vocabulary). Logits [n, V] give each row's, [n, k]."""
+    rows = np.atleast_2d(logits)  # [n, V]
+    top = np.argpartition(-rows, k - 1, axis=1)[:, :k]  # [n, k]
+    top = np.take_along_axis(top, np.argsort(-np.take_along_axis(rows, top, 1), axis=1, kind="stable"), 1)
+    picked = np.take_along_axis(rows, top, 1)  # [n, k]
+    peak = picked[:, :1]  # [n, 1]
+    log_norm = peak + np.log(np.exp(rows - peak).sum(axis=1, keepdims=True))  # [n, 1]
+    tokens, logp = top.astype(np.int64), (picked - log_norm).astype(np.float64)
+    return (tokens, logp) if logits.ndim == 2 else (tokens[0], logp[0])
 
 
 def tree_greedy(tree: DraftTree, choice: Callable[[int], int]) -> tuple[list[int], int]:

@@ -56,8 +56,17 @@ class TreeSizer:
         """[N] nodes expected on the accepted path of the tree's n best nodes (``ranked``), n = 1..N:
         each node's weight capped by its parent's, scaled at its depth."""
         ranked = tree.ranked()
-        depths = tree.depths()[ranked]  # [N]
-        return np.cumsum(tree.capped_weights()[ranked] * self.scales(int(depths.max()))[depths - 1])
+        return self.expected_ranked(tree.capped_weights()[ranked], tree.depths()[ranked])
+
+    def expected_ranked(self, weights: np.ndarray, depths: np.ndarray) -> np.ndarray:
+        """``expected`` from the best nodes' capped ``weights`` and ``depths`` [N], best first."""
+        return np.cumsum(weights * self.scales(int(depths.max()))[depths - 1])
+
+    def size_ranked(self, weights: np.ndarray, depths: np.ndarray,
+                    verify_cost: Callable[[int], float | None]) -> int:
+        """``size`` of a tree given as its best nodes (``expected_ranked``): a SizeHint
+        (runtime/tree.py) for a drafter that grows its tree alone."""
+        return _most_per_second(1.0 + self.expected_ranked(weights, depths), verify_cost)
 
     def size(self, tree: DraftTree) -> int:
         """The node count with the most expected tokens per second (the whole tree without weights
@@ -84,11 +93,18 @@ def shared_size(sizers: Sequence[TreeSizer], trees: Sequence[DraftTree], verify_
     largest = max(tree.size for tree in trees)
     if largest == 0 or any(tree.weights is None for tree in trees if tree.size):
         return largest
-    costs = [verify_cost(1 + n) for n in range(1, largest + 1)]
-    if any(not cost for cost in costs):
-        return largest
     expected = np.zeros(largest)  # [N] tokens of all rows with n = 1..N nodes each
     for sizer, tree in zip(sizers, trees):
         gained = sizer.expected(tree) if tree.size else np.zeros(1)  # [size]
-        expected += 1.0 + np.pad(gained, (0, largest - len(gained)), mode="edge")
+        expected[: len(gained)] += 1.0 + gained
+        expected[len(gained) :] += 1.0 + gained[-1]  # a smaller tree verifies all it has
+    return _most_per_second(expected, verify_cost)
+
+
+def _most_per_second(expected: np.ndarray, verify_cost: Callable[[int], float | None]) -> int:
+    """The n with the most ``expected`` tokens ([N], n = 1..N nodes) per second of a pass of
+    1 + n rows; N where a cost is unknown."""
+    costs = [verify_cost(1 + n) for n in range(1, len(expected) + 1)]
+    if any(not cost for cost in costs):
+        return len(expected)
     return int(np.argmax(expected / np.asarray(costs))) + 1

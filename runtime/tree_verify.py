@@ -92,6 +92,7 @@ class TreeVerifier:
         self.seconds = 0.0
         self._presents: dict[str, np.ndarray] = {}  # an appending graph's K/V of the last run [B, n_kv, T, hd]
         self._costs: dict[int, dict[int, float]] = {}  # batch -> rows -> seconds of one pass (absent: not timed)
+        self._sizes: dict[tuple[int, int], int] = {}  # (batch, nodes) -> rows of the graph that holds them
         for batch in self.batches:
             known = {rows: (costs or {}).get((b, rows)) for b, rows in self.engines if b == batch}
             if all(known.values()):
@@ -113,7 +114,12 @@ class TreeVerifier:
         return nodes <= self.nodes and length + self._size(batch, nodes) <= self.max_seq_len
 
     def _size(self, batch: int, nodes: int) -> int:
-        return min(rows for b, rows in self.engines if b == batch and rows >= 1 + nodes)
+        """The rows of the smallest graph at ``batch`` that holds a tree of ``nodes`` (asked for
+        every size of every adaptive round: looked up once)."""
+        key = (batch, nodes)
+        if key not in self._sizes:
+            self._sizes[key] = min(rows for b, rows in self.engines if b == batch and rows >= 1 + nodes)
+        return self._sizes[key]
 
     def cost(self, rows: int, batch: int = 1) -> float | None:
         """Seconds of a pass over ``rows`` rows (root + nodes; the graph that holds them) at

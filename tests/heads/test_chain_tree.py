@@ -148,6 +148,55 @@ def test_greedy_tree_decoding_is_the_target_alone(case, adaptive):
         assert_lossless(pipe, ids, base, spec.token_ids, f"{name} tree on {prompt!r}")
 
 
+def test_a_long_prompts_catch_up_asks_logits_of_its_last_graph_only(case, monkeypatch):
+    """The first tree round catches the head up on the whole prompt; only its last row's logits
+    are read, so the rows before the catch-up's largest decoding graph run without them (a
+    prompt's logits over the target's vocabulary would be tens of MB)."""
+    name, _, _, pipe = case
+    runner = pipe.drafter(name).catchup.runners[0]
+    asked = []
+    monkeypatch.setattr(runner, "_run", lambda size, want_logits, want=(), run=runner._run:
+                        asked.append((size, want_logits)) or run(size, want_logits, want))
+    ids = (pipe.prompt_ids(PROMPTS[1]) * 8)[: pipe.max_seq_len - 20]  # room for 8 tokens and a tree
+    assert len(ids) > 2 * max(runner.decoding_sizes)
+    spec = pipe.generate(prompt_ids=ids, max_new_tokens=8, drafter=name, tree_nodes=NODES)
+    assert spec.stats.tree_nodes > 0
+    first = next(i for i, (_, want_logits) in enumerate(asked) if want_logits)  # the first round's call
+    assert sum(size for size, _ in asked[:first]) >= len(ids) - 1 - max(runner.decoding_sizes), asked
+    assert asked[first][0] <= max(runner.decoding_sizes), asked
+
+
+def test_an_adaptive_tree_stops_growing_where_the_round_would_cut(case, monkeypatch):
+    """Alone and adaptive, the head stops at a level none of whose nodes the round's tree size
+    would verify (runtime/tree.py expansion_budget): the same trees are verified (the same
+    tokens, rounds, nodes and acceptances) with fewer tree-step calls than without it."""
+    from specexport.runtime import loop
+    from specexport.runtime.adaptive import DepthPolicy
+    from specexport.runtime.tree_verify import TreeVerifier
+
+    name, _, _, pipe = case
+    # the build's measured costs vary: fixed ones, so that both runs draft alike and deep enough
+    # to step (every round at the full depth; tree passes cost more with more rows)
+    monkeypatch.setattr(DepthPolicy, "best_depth", lambda self, tag, limit, sunk=False: limit)
+    monkeypatch.setattr(TreeVerifier, "cost", lambda self, rows, batch=1: 0.02 + 0.002 * rows ** 2)
+    engine = pipe.drafter(name).tree_steps[1]
+    calls = []
+    monkeypatch.setattr(engine, "run", lambda *args, run=engine.run: calls.append(1) or run(*args))
+
+    def decode():
+        calls.clear()
+        outs = [pipe.generate(prompt_ids=pipe.prompt_ids(p), max_new_tokens=20, drafter=name, tree_nodes=NODES)
+                for p in PROMPTS]
+        return [(g.token_ids, g.stats.rounds, g.stats.tree_nodes, g.stats.accepted) for g in outs], len(calls)
+
+    hinted, hinted_calls = decode()
+    monkeypatch.setattr(loop, "_size_hint", lambda sizer, verifier: None)
+    grown, grown_calls = decode()
+    assert hinted == grown
+    assert sum(rounds for _, rounds, _, _ in hinted) > 3 * len(PROMPTS)
+    assert hinted_calls < grown_calls, (hinted_calls, grown_calls)
+
+
 @pytest.fixture(scope="module")
 def batched_eagle3(tmp_path_factory):
     """The EAGLE-3 tree recipe at batch 1 and 2: (its folder, recipe, pipeline)."""

@@ -74,6 +74,32 @@ def test_greedy_model_trees_decode_as_the_target_alone(pipe, name):
         assert_lossless(pipe, ids, base, spec.token_ids, f"{name} tree on {prompt!r}")
 
 
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_a_wide_gap_goes_in_without_logits_but_its_last_graph(pipe, name, monkeypatch):
+    """After rounds at depth 0 a draft model's cache lacks what was committed meanwhile. Only the
+    last row's logits are read, so the gap goes in without them but for the last graph-full
+    (a long gap's logits over the vocabulary would be MBs), and the tree is the same."""
+    from specexport.runtime.acceptance import Sampling
+    from specexport.runtime.drafters import DraftRow
+
+    drafter = pipe.drafter(name)
+    runner = drafter.model.runners[0]
+    context = np.array((pipe.prompt_ids(PROMPTS[1]) * 4)[: pipe.max_seq_len - 12])
+    assert len(context) > 6 + 2 * max(runner.decoding_sizes)
+    row = DraftRow(context, Sampling(), np.random.default_rng(0))
+    drafter.join(0, context[:6], {})  # the prompt, then every round since at depth 0
+    asked = []
+    monkeypatch.setattr(runner, "_run", lambda size, want_logits, want=(), run=runner._run:
+                        asked.append((size, want_logits)) or run(size, want_logits, want))
+    tree = drafter.propose_tree(row, 3, NODES, TOP_K)
+    first = next(i for i, (_, want_logits) in enumerate(asked) if want_logits)
+    assert sum(size for size, _ in asked[:first]) >= len(context) - 6 - max(runner.decoding_sizes), asked
+    assert asked[first][0] <= max(runner.decoding_sizes), asked
+    drafter.join(0, context, {})  # the same context fed whole at join: the same tree
+    again = drafter.propose_tree(row, 3, NODES, TOP_K)
+    assert again.tokens.tolist() == tree.tokens.tolist() and again.parents.tolist() == tree.parents.tolist()
+
+
 @pytest.fixture(scope="module")
 def batched(tiny_engines):
     from specexport.runtime import load

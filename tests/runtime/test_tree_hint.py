@@ -1,0 +1,89 @@
+"""A drafter growing its tree alone stops at a level none of whose nodes the loop's adaptive tree
+size would verify (runtime/tree.py ``expansion_budget``): the verified tree stays the same and
+fewer steps run. Checked on the head's level-by-level expansion (runtime/chain_drafter.py
+``Expansion``) and on a draft model's spine (runtime/tree.py ``Spine``), over synthetic drafters
+whose logits hang on the path drafted, without engines."""
+
+from functools import partial
+
+import numpy as np
+import pytest
+
+from specexport.runtime.chain_drafter import Expansion
+from specexport.runtime.tree import DraftTree, grow_spine, top_candidates
+from specexport.runtime.tree_size import TreeSizer, shared_size
+
+V, TOP_K, NODES, DEPTH = 24, 3, 8, 6
+SEEDS = range(120)
+
+
+def path_logits(seed: int, path: tuple[int, ...]) -> np.ndarray:
+    """[V] a synthetic drafter's logits after ``path``: fixed per path, peaked by the seed (some
+    drafters confident, whose trees are chains, some unsure, whose trees branch)."""
+    sharpness = 0.5 + 4.0 * (seed % 7) / 6
+    return np.random.default_rng([seed, *path]).standard_normal(V) * sharpness
+
+
+def expand(seed: int, hint) -> tuple[DraftTree, int]:
+    """The head's expansion over the synthetic drafter: (its tree, the tree-step calls run)."""
+    tokens_at: dict[int, int] = {}  # cache slot -> its node's token
+    expansion = Expansion(lambda rows: top_candidates(rows, TOP_K), path_logits(seed, ()), np.zeros(2), DEPTH,
+                          NODES, TOP_K, 0, hint)
+    steps = 0
+    while (level := expansion.next_level()) is not None:
+        steps += 1
+        logits = []
+        for i, token in enumerate(level.tokens):
+            tokens_at[level.write + i] = token
+            path = tuple(tokens_at[slot] for slot in reversed(level.seen[i])) + (token,)
+            logits.append(path_logits(seed, path))
+        expansion.grow(np.stack(logits), np.zeros((len(logits), 2)))
+    return expansion.tree("head"), steps
+
+
+def spine(seed: int, hint) -> tuple[DraftTree, int]:
+    """A draft model's spine over the synthetic drafter: (its tree, the model steps run)."""
+    path: list[int] = []
+
+    def next_logits(token):
+        if token is not None:
+            path.append(token)
+        return path_logits(seed, tuple(path))
+
+    tree = grow_spine(next_logits, DEPTH, NODES, TOP_K, "spine", hint=hint)
+    return tree, len(path)
+
+
+def sizer_and_cost(seed: int):
+    """A tree sizer, fresh or calibrated by some rounds, and a pass cost per row count (convex,
+    or CPU-like steps)."""
+    sizer = TreeSizer(lambda rows: None)
+    verified = DraftTree(np.array([1, 2, 3]), np.array([-1, 0, 1]), "c", np.array([0.8, 0.5, 0.3]))
+    for accepted in range(seed % 4):  # rounds that kept fewer or more than the weights predicted
+        sizer.update(verified, accepted)
+    costs = [lambda rows: 1.0 + 0.08 * rows, lambda rows: 1.0 + 0.02 * rows ** 2,
+             lambda rows: [1.0, 1.0, 1.1, 1.15, 1.2, 1.3, 1.45, 1.5, 1.55, 1.6][min(rows, 9)]]
+    return sizer, costs[seed % 3]
+
+
+@pytest.mark.parametrize("grow", [expand, spine], ids=["head-expansion", "spine"])
+def test_a_tree_grown_with_the_loops_size_verifies_the_same_nodes_in_fewer_steps(grow):
+    saved = 0
+    for seed in SEEDS:
+        sizer, cost = sizer_and_cost(seed)
+        full, full_steps = grow(seed, None)
+        hinted, hinted_steps = grow(seed, partial(sizer.size_ranked, verify_cost=cost))
+        verified = full.best(shared_size([sizer], [full], cost))  # what the loop verifies of each
+        verified_hinted = hinted.best(shared_size([sizer], [hinted], cost))
+        assert verified_hinted.tokens.tolist() == verified.tokens.tolist(), seed
+        assert verified_hinted.parents.tolist() == verified.parents.tolist(), seed
+        assert hinted_steps <= full_steps, seed
+        saved += full_steps - hinted_steps
+    assert saved >= len(SEEDS) // 4, f"the hint saved {saved} steps over {len(SEEDS)} trees"
+
+
+def test_without_a_hint_the_tree_is_the_drafters_own():
+    # fixed-size rounds pass no hint: the expansion is EAGLE-2's over ``nodes``, as before
+    for seed in range(20):
+        tree, steps = expand(seed, None)
+        assert tree.size == NODES and 1 <= steps <= DEPTH - 1
