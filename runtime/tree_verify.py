@@ -201,7 +201,10 @@ class TreeVerifier:
         ``length``+1, ...: the slot's cache then holds ``length`` + 1 + len(path) positions."""
         rows = [0, *(1 + p for p in path)]  # graph rows, increasing
         source = length + np.asarray(rows)  # [1+len(path)] slots the pass wrote them at
-        for name, array in self.tensors.items():  # [slots, n_kv, S_max, hd]
+        # an in-place pass wrote a path of the tree's first rows (a chain's, often a spine's)
+        # where it belongs already
+        moved = not (self.in_place and rows[-1] == len(rows) - 1)
+        for name, array in self.tensors.items() if moved else ():  # [slots, n_kv, S_max, hd]
             if self.in_place:  # one gather per tensor (it copies before the slots are overwritten)
                 array[slot, :, length : length + len(rows)] = array[slot][:, source]  # [n_kv, 1+len(path), hd]
             else:
