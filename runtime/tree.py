@@ -227,9 +227,10 @@ def top_candidates(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """A drafter's ``k`` best tokens after one position and their log-probabilities, best first
     (logits [V]; -inf outside a head's draft vocabulary). Logits [n, V] give each row's, [n, k]."""
     rows = np.atleast_2d(logits)  # [n, V]
+    index = np.arange(len(rows))[:, None]  # [n, 1]
     top = np.argpartition(-rows, k - 1, axis=1)[:, :k]  # [n, k]
-    top = np.take_along_axis(top, np.argsort(-np.take_along_axis(rows, top, 1), axis=1, kind="stable"), 1)
-    picked = np.take_along_axis(rows, top, 1)  # [n, k]
+    top = top[index, np.argsort(-rows[index, top], axis=1, kind="stable")]  # [n, k] best first
+    picked = rows[index, top]  # [n, k]
     peak = picked[:, :1]  # [n, 1]
     log_norm = peak + np.log(np.exp(rows - peak).sum(axis=1, keepdims=True))  # [n, 1]
     tokens, logp = top.astype(np.int64), (picked - log_norm).astype(np.float64)
