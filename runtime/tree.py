@@ -123,6 +123,13 @@ class DraftTree:
         return offsets, mask
 
 
+def spine_joint(top_logprobs: np.ndarray) -> np.ndarray:
+    """[d, k] every candidate's log joint draft probability over a chain's levels (``top_logprobs``
+    [d, k], column 0 the spine): the spine's log q down to the level above, plus its own."""
+    above = np.concatenate(([0.0], np.cumsum(top_logprobs[:-1, 0])))  # [d] log joint of the spine above each level
+    return above[:, None] + top_logprobs
+
+
 def spine_tree(top_tokens: np.ndarray, top_logprobs: np.ndarray, nodes: int, tag: str = "") -> DraftTree:
     """EAGLE-2's selection over a drafted chain: level j's top-k tokens after the chain's first j
     (``top_tokens`` / ``top_logprobs`` [d, k], best first; column 0 is the chain, the spine)
@@ -131,8 +138,7 @@ def spine_tree(top_tokens: np.ndarray, top_logprobs: np.ndarray, nodes: int, tag
     highest weight are kept. Only the spine is expanded further: a sibling is a leaf, so the
     drafter runs one step per level, as for a chain."""
     depth, k = top_tokens.shape
-    spine = np.concatenate(([0.0], np.cumsum(top_logprobs[:, 0])))  # [d+1] log joint of spine nodes 0..d
-    joint = spine[:-1, None] + top_logprobs  # [d, k] log joint of every candidate
+    joint = spine_joint(top_logprobs)  # [d, k]
     order = np.lexsort((np.tile(np.arange(k), depth), np.repeat(np.arange(depth), k), -joint.ravel()))
     chosen = sorted(order[:nodes].tolist())  # level-major: every spine node before the level under it
     index: dict[int, int] = {}  # chosen spine level -> its node
@@ -187,25 +193,23 @@ class Spine:
         tokens, logp = self._top(logits, self.top_k)
         self._tops.append(tokens)
         self._logps.append(logp)
-        spine = np.cumsum([lp[0] for lp in self._logps])  # [j+1] log joint of the spine nodes
         if len(self._tops) == self.depth:
             return None
-        heavier = sum(int((spine[i] - lp[0] + lp >= spine[-1]).sum()) for i, lp in enumerate(self._logps))
-        if heavier >= self.nodes or heavier >= self._budget():
+        joint = spine_joint(np.stack(self._logps))  # [levels, k]
+        heavier = int((joint >= joint[-1, 0]).sum())  # candidates at least as heavy as the deepest spine node
+        if heavier >= self.nodes or heavier >= self._budget(joint):
             return None
         return int(tokens[0])
 
-    def _budget(self) -> int:
-        """``expansion_budget`` for a child of the deepest spine node (candidates level-major:
-        level j's at j * k, its spine node first)."""
+    def _budget(self, joint: np.ndarray) -> int:
+        """``expansion_budget`` below the deepest spine node (``joint`` [levels, k] level-major:
+        level j's candidates at j * k, its spine node first)."""
         if self.hint is None:
             return self.nodes
-        logps = np.stack(self._logps)  # [levels, k]
-        levels, k = logps.shape
-        spine = np.concatenate(([0.0], np.cumsum(logps[:-1, 0])))  # [levels] log joint above each level
-        weights = np.exp(spine[:, None] + logps).ravel()  # [levels * k]
+        levels, k = joint.shape
         depths = np.repeat(np.arange(1, levels + 1), k)  # [levels * k]
-        return expansion_budget(self.nodes, self.hint, weights, depths, (levels - 1) * k, self.depth - levels)
+        return expansion_budget(self.nodes, self.hint, np.exp(joint).ravel(), depths, (levels - 1) * k,
+                                self.depth - levels)
 
     def tree(self, tag: str = "") -> DraftTree:
         return spine_tree(np.stack(self._tops), np.stack(self._logps), self.nodes, tag)

@@ -200,15 +200,18 @@ class TreeVerifier:
         """Keep the slot's root and accepted nodes ``path`` (root to leaf) at ``length``,
         ``length``+1, ...: the slot's cache then holds ``length`` + 1 + len(path) positions."""
         rows = [0, *(1 + p for p in path)]  # graph rows, increasing
+        # an in-place pass already wrote a path of the tree's first rows (a chain-shaped one) in place
+        if not (self.in_place and rows[-1] == len(rows) - 1):
+            self._move(slot, length, rows)
+        cache = self.caches[slot]
+        cache.set_length(min(length, cache.length))
+        cache.advance(length + len(rows) - cache.length)
+
+    def _move(self, slot: int, length: int, rows: list[int]) -> None:
+        """The pass's ``rows`` of the slot's tree into the cache at ``length``, ``length`` + 1, ..."""
         source = length + np.asarray(rows)  # [1+len(path)] slots the pass wrote them at
-        # an in-place pass wrote a path of the tree's first rows (a chain's, often a spine's)
-        # where it belongs already
-        moved = not (self.in_place and rows[-1] == len(rows) - 1)
-        for name, array in self.tensors.items() if moved else ():  # [slots, n_kv, S_max, hd]
+        for name, array in self.tensors.items():  # [slots, n_kv, S_max, hd]
             if self.in_place:  # one gather per tensor (it copies before the slots are overwritten)
                 array[slot, :, length : length + len(rows)] = array[slot][:, source]  # [n_kv, 1+len(path), hd]
             else:
                 array[slot, :, length : length + len(rows)] = self._presents[name][slot][:, rows]  # [n_kv, 1+len(path), hd]
-        cache = self.caches[slot]
-        cache.set_length(min(length, cache.length))
-        cache.advance(length + len(rows) - cache.length)
