@@ -34,6 +34,7 @@ class DraftPlanResult:
     # per node; tile_tree_nodes is the tile rule's budget, the N with G · (1 + N) = one tile
     tree_nodes: int = 0
     tree_top_k: int = 4
+    tree_drafters: list[str] | None = None  # the drafters that decode trees by default (None: all that can)
     tile_tree_nodes: int = 0
 
     def to_dict(self) -> dict:
@@ -132,7 +133,7 @@ def plan_recipe_draft(recipe, base: Path, heads: int, kv_heads: int | None) -> D
     if steps is not None:
         steps = [[bound, min(depth, plan.draft_len)] for bound, depth in steps]
     return replace(plan, schedule=steps, schedule_source=source, tree_nodes=draft.tree.max_nodes,
-                   tree_top_k=draft.tree.top_k, tile_tree_nodes=plan.tile_draft_len)
+                   tree_top_k=draft.tree.top_k, tree_drafters=draft.tree.drafters, tile_tree_nodes=plan.tile_draft_len)
 
 
 def _calibration(recipe, base: Path) -> tuple[dict | None, Path | None]:

@@ -59,8 +59,10 @@ def tree_text(result: dict) -> str:
     """The tree budget: the tile's (a GPU's 1 + N rows fill one tile) and the recipe's."""
     tile_n = result.get("tile_tree_nodes", result["tile_draft_len"])
     built = result.get("tree_nodes", 0)
-    recipe = (f"{built} nodes built (draft.tree.max_nodes), up to {result.get('tree_top_k', 4)} children each"
-              if built else "none built (draft.tree.max_nodes: 0, chains only)")
+    chosen = result.get("tree_drafters")
+    users = "every drafter that builds trees" if chosen is None else ", ".join(chosen) or "none (asked per call)"
+    recipe = (f"{built} nodes built (draft.tree.max_nodes), up to {result.get('tree_top_k', 4)} children each; "
+              f"trees by default for {users}" if built else "none built (draft.tree.max_nodes: 0, chains only)")
     return f"tile budget N = {tile_n} (G·(1+N) = {result['group_size'] * (tile_n + 1)} rows); {recipe}"
 
 

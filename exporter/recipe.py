@@ -238,6 +238,9 @@ class TreePlan(_Strict):
 
     max_nodes: int = Field(0, ge=0)  # draft nodes of the tree graph (0: none built, chains only)
     top_k: int = Field(4, ge=1)  # children per node at most when a drafter builds a tree
+    # The drafters that decode trees unless asked otherwise (--tree-nodes); the others decode
+    # chains by default. None: every drafter that builds trees.
+    drafters: list[str] | None = None
 
 
 class DraftPlan(_Strict):
@@ -343,6 +346,10 @@ class Recipe(_Strict):
             raise ValueError(f"drafter names must be unique; repeated: {', '.join(dupes)}")
         if "target" in names or "none" in names:
             raise ValueError("'target' and 'none' are reserved and cannot name a drafter")
+        unknown = [n for n in self.draft.tree.drafters or [] if n not in names]
+        if unknown:
+            raise ValueError(f"draft.tree.drafters names {', '.join(unknown)}, not a drafter of this recipe "
+                             f"(its drafters: {', '.join(names) or 'none'})")
         return self
 
     @model_validator(mode="after")

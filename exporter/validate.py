@@ -10,6 +10,8 @@ stale data, which the in-graph mask must hide.
 
 from __future__ import annotations
 
+import copy
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,6 +253,19 @@ def reference_logits(hf_model, ids: np.ndarray) -> np.ndarray:
     return reference_forward(hf_model, ids)[0]
 
 
+def reference_continuations(hf_model, prefix: np.ndarray, continuations: list[np.ndarray]) -> np.ndarray:
+    """transformers' last logits [n, V] on ``prefix`` [S] followed by each continuation: the
+    prefix runs once, each continuation from a copy of transformers' own cache of it (a full
+    pass per path cost the build 13 passes over a half-full cache at each length)."""
+    # transformers renamed past_key_values to cache (5.2x warns on the old name)
+    name = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        past = hf_model(torch.from_numpy(prefix).unsqueeze(0), use_cache=True)[name]
+        rows = [hf_model(torch.from_numpy(ids).unsqueeze(0), **{name: copy.deepcopy(past)},
+                         use_cache=True).logits[0, -1] for ids in continuations]  # n of [V]
+    return torch.stack(rows).float().numpy()
+
+
 def reference_forward(hf_model, ids: np.ndarray, taps: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray | None]:
     """One full transformers pass on ``ids`` [S]: logits [S, V], and with ``taps`` the hidden
     states at those output_hidden_states indices concatenated as aux_hidden_states is
@@ -388,9 +403,8 @@ def validate_tree(graph: GraphUnderTest, specs, cache, ref_ids: np.ndarray, hf_m
         bound = cache.in_place_outputs() if in_place else None
         with _restored(cache, length, graph.tokens if in_place else 0):
             out = engine.run(feeds, [LOGITS, NEXT_TOKENS], bound)
-        want = np.stack([reference_logits(hf_model, np.array([*ref_ids[:length].tolist(), root,
-                                                              *tree.tokens[tree.path(row - 1)].tolist()]))[-1]
-                         for row in range(graph.tokens)])  # [T, V]
+        paths = [np.array([root, *tree.tokens[tree.path(row - 1)].tolist()]) for row in range(graph.tokens)]
+        want = reference_continuations(hf_model, np.asarray(ref_ids[:length]), paths)  # [T, V]
         parity.add(out[LOGITS][0], want, out[NEXT_TOKENS][0])
     return {**parity.to_dict(), "cache_lengths": lengths, "tree_parents": validation_tree(graph.tokens - 1, ref_ids, 0)
             .parents.tolist()}

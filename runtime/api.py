@@ -143,17 +143,25 @@ def batched_refusal(manifest: Manifest, drafter: str, max_batch: int | None = No
     return slots_refusal(manifest, model, backend, batches, need_graphs=entry.kind not in HEAD_KINDS)
 
 
-def check_tree_nodes(manifest: Manifest, asked: int | None) -> int:
-    """Draft nodes per tree round: ``asked`` (0: chains), default the recipe's (draft.tree); a
-    size the directory has no tree graph for is a one-line error naming --tree-nodes."""
-    built = int(manifest.plan.get("tree_nodes", 0))
-    nodes = built if asked is None else asked
-    if nodes and not built:
+def built_tree_nodes(manifest: Manifest) -> int:
+    """The tree graph's draft nodes (recipe draft.tree.max_nodes; 0: no tree graph built)."""
+    return int(manifest.plan.get("tree_nodes", 0))
+
+
+def check_tree_nodes(manifest: Manifest, asked: int | None, drafter: str | None = None) -> int:
+    """Draft nodes per tree round: ``asked`` (0: chains), default the recipe's (draft.tree) for a
+    drafter among draft.tree.drafters (all of them where the recipe names none), else 0; a size
+    the directory has no tree graph for is a one-line error naming --tree-nodes."""
+    built = built_tree_nodes(manifest)
+    if asked is None:
+        chosen = manifest.plan.get("tree_drafters")
+        return built if chosen is None or drafter is None or drafter in chosen else 0
+    if asked and not built:
         raise BadInput("--tree-nodes: this engine directory has no tree graph; rebuild with draft.tree.max_nodes "
                        "in the recipe")
-    if not 0 <= nodes <= built:
-        raise BadInput(f"--tree-nodes must be between 0 and {built}, the tree graph's nodes (got {nodes})")
-    return nodes
+    if not 0 <= asked <= built:
+        raise BadInput(f"--tree-nodes must be between 0 and {built}, the tree graph's nodes (got {asked})")
+    return asked
 
 
 def check_drafter(manifest: Manifest, drafter: str, max_batch: int | None, option: str = "",
@@ -267,9 +275,15 @@ class Pipeline:
                 self._trees[target.slots] = TreeVerifier(engines, entries[-1], target.caches.slots, tensors, tuned)
         return self._trees[target.slots]
 
-    def tree_nodes(self, asked: int | None) -> int:
-        """Draft nodes per tree round: ``asked`` (0: chains), default the recipe's (draft.tree)."""
-        return check_tree_nodes(self.manifest, asked)
+    def tree_nodes(self, asked: int | None, drafter: str | None = None) -> int:
+        """Draft nodes per tree round: ``asked`` (0: chains), default the recipe's (draft.tree) where
+        it names ``drafter`` among the drafters decoding trees (``check_tree_nodes``)."""
+        return check_tree_nodes(self.manifest, asked, drafter)
+
+    @property
+    def built_tree_nodes(self) -> int:
+        """The tree graph's draft nodes (0: none built): the most --tree-nodes can ask."""
+        return built_tree_nodes(self.manifest)
 
     @property
     def grammars(self) -> Grammars:
@@ -388,7 +402,7 @@ class Pipeline:
         target = self.batched_target(max_batch)
         chosen = self.drafter(drafter, target.slots)
         policy = (lambda: self._policy(chosen)) if adaptive and chosen.name != "none" else None
-        nodes = self.tree_nodes(tree_nodes)
+        nodes = self.tree_nodes(tree_nodes, chosen.name)
         return BatchLoop(target, chosen, draft_len=self._depth(draft_len),
                          eos_ids=self.text.eos_ids, on_token=on_token,
                          schedule=self.manifest.draft_schedule if schedule else None,

@@ -11,8 +11,10 @@ overwritten before it is read); an appending graph returned the rows' K/V as pre
 path's rows are written at L. Nothing else moves, and nothing cache-sized is allocated per round.
 
 Adaptive tree size (runtime/tree_size.py) and the batch's tree width (runtime/loop.py) read
-``cost``: every tree size of a batch size timed once on first ask, then a running average of
-the passes run.
+``cost``: the tuned costs (costs.json), else every tree size of a batch size timed once on first
+ask. Fixed from then on, like adaptive depth's: a running average of the passes run ratcheted
+trees down (a size timed slow on one noisy pass was no longer chosen, so never timed again), and
+made a seeded run's trees depend on the clock.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from specexport.contract import (
     KVUpdate,
     present_of,
 )
-from specexport.runtime.goodput import observed
 from specexport.runtime.runner import PAD_ID, time_interleaved
 from specexport.runtime.tree import DraftTree
 
@@ -124,7 +125,7 @@ class TreeVerifier:
     def cost(self, rows: int, batch: int = 1) -> float | None:
         """Seconds of a pass over ``rows`` rows (root + nodes; the graph that holds them) at
         ``batch``: tuned, or the first ask at a batch size times its every size (about a second
-        for SmolLM2's 12 on 2 cores at batch 1); then a running average of the passes run."""
+        for SmolLM2's 12 on 2 cores at batch 1)."""
         if rows - 1 > self.nodes:
             return None
         if batch not in self._costs:
@@ -170,8 +171,6 @@ class TreeVerifier:
         out = self._call(batch, padded, want_logits, want)
         elapsed = time.perf_counter() - start
         self.seconds += elapsed
-        if batch in self._costs:
-            self._costs[batch][size] = observed(self._costs[batch].get(size), elapsed)
         self._presents = {p: out.pop(present_of(p)) for p in self.tensors} if not self.in_place else {}
         return {slot: {name: value[slot, : 1 + tree.size] for name, value in out.items()}
                 for slot, (_, _, tree) in rows.items()}

@@ -53,7 +53,7 @@ def run_batched(pipe, prompts_path: Path, batches: list[int], drafters: list[str
     for name in drafters:  # before any run
         check_drafter(pipe.manifest, name, max(batches), "--drafters")
     records = load_prompts(prompts_path)
-    tree_drafters = frozenset(name for name in drafters if pipe.tree_nodes(None) and
+    tree_drafters = frozenset(name for name in drafters if pipe.built_tree_nodes and
                               isinstance(pipe.drafter(name), TreeDrafter))
     modes = _modes(pipe.manifest, drafters, tree_drafters)
     batch_peers, peers_skipped = _split_peers(peers, peers_skipped)
@@ -123,7 +123,7 @@ def _settings(pipe, rule: str) -> dict:
     """generate_batch's keyword arguments for a depth rule."""
     settings = dict(_RULES[rule])
     trees = settings.pop("trees")
-    return {**settings, "tree_nodes": pipe.tree_nodes(None) if trees else 0}
+    return {**settings, "tree_nodes": pipe.built_tree_nodes if trees else 0}
 
 
 def _split_peers(peers, peers_skipped) -> tuple[list, list[dict]]:

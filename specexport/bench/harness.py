@@ -211,12 +211,12 @@ def _our_runs(pipe, drafters: list[str], prompt: dict, prompt_ids: list[int], re
 
 def tree_setting(pipe, name: str, nodes: int | None, options: BenchOptions) -> int:
     """The tree nodes a run uses: its label's, 0 for the chain runs of --tree-nodes, else the
-    recipe's for a drafter that builds trees."""
+    recipe's default for the drafter (draft.tree.drafters)."""
     if nodes is not None:
         return nodes
     if options.tree_nodes is not None or not isinstance(pipe.drafter(name), TreeDrafter):
         return 0
-    return pipe.tree_nodes(None)
+    return pipe.tree_nodes(None, name)
 
 
 def _peer_runs(peers: list, prompt: dict, prompt_ids: list[int], repeat: int, max_new_tokens: int) -> list[dict]:

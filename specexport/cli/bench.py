@@ -34,7 +34,7 @@ from specexport.cli.output import print_json
               help="Choose each round's depth from measured costs and acceptance, or always draft --draft-len.")
 @click.option("--tree-nodes", default=None,
               help="Comma-separated tree sizes (0,6): each drafter that builds token trees runs at each, side by "
-                   "side, labelled DRAFTER+treeN (0: its chain). Default: the recipe's draft.tree.")
+                   "side, labelled DRAFTER+treeN (0: its chain). Default: the recipe's draft.tree for its drafters.")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default=None,
               help="Engines to run (default: onnxruntime when the directory has them).")
 @click.option("--host-kv", is_flag=True,

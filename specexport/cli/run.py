@@ -26,7 +26,8 @@ from specexport.cli.output import print_json
               help="Choose each round's depth from measured costs and acceptance, or always draft --draft-len.")
 @click.option("--tree-nodes", type=click.IntRange(0), default=None,
               help="Draft up to N nodes per round as a token tree where the drafter builds trees (0: chains; "
-                   "default: the recipe's draft.tree.max_nodes). One sequence at a time.")
+                   "default: the recipe's draft.tree.max_nodes for the drafters in draft.tree.drafters, else 0). "
+                   "With --prompts-file a row's tree has at most the batch's depth in nodes.")
 @click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True, help="Tokens to generate at most.")
 @click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 is off.")
@@ -61,11 +62,10 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
     if prompts_file is not None:
         if prompt is not None or prompt_file is not None:
             raise BadInput("give --prompts-file alone, without --prompt or --prompt-file")
-        if tree_nodes:
-            raise BadInput("--tree-nodes: trees decode one sequence at a time; drop it with --prompts-file")
         _generate_batch(engine_dir, prompts_file, max_batch, as_json, dict(
             chat=chat, drafter=drafter, draft_len=draft_len, adaptive=adaptive, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop, controls=controls),
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop, controls=controls,
+            tree_nodes=tree_nodes),
             dict(threads=threads, backend=backend, device=device))
         return
     if prompt_file is not None:

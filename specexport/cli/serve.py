@@ -73,7 +73,7 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None, tree_n
               help="Each request's own adaptive depth under the schedule, as `generate` chooses it alone.")
 @click.option("--tree-nodes", type=click.IntRange(min=0), default=None,
               help="Draft nodes per round as a token tree, for drafters that build trees (at B > 1 at most the "
-                   "schedule's depth per row; 0: chains; default: the recipe's draft.tree).")
+                   "schedule's depth per row; 0: chains; default: the recipe's draft.tree for its drafters).")
 @click.option("--ray", "use_ray", is_flag=True, help="Serve through Ray Serve: one engine loop per replica.")
 @click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True, help="With --ray.")
 @click.option("--autoscale", default=None, help="With --ray: MIN:MAX replicas, scaled by ongoing requests.")

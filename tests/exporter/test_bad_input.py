@@ -84,6 +84,11 @@ def test_draft_len_below_one(tmp_path):
     check_one_line(code, err, "draft.draft_len", "greater than or equal to 1")
 
 
+def test_tree_drafters_must_name_drafters_of_the_recipe(tmp_path):
+    code, _, err = run_cli("plan", _edit(tmp_path, draft={"tree": {"max_nodes": 4, "drafters": ["eagle3"]}}))
+    check_one_line(code, err, "draft.tree.drafters names eagle3", "not a drafter of this recipe")
+
+
 def test_missing_model_path(tmp_path):
     code, _, err = run_cli("build", _edit(tmp_path, target={"source": "hf", "path": "no/such/dir"}),
                            "-o", tmp_path / "out")

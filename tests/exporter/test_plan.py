@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import yaml
 
 from specexport.errors import BadInput
 from specexport.exporter.plan import plan_draft_len
@@ -96,3 +97,13 @@ def test_missing_calibration_file_falls_back_to_max_draft(tmp_path):
 def test_plan_human_output(tmp_path):
     code, out, _ = run_cli("plan", tiny_recipe(tmp_path / "r.yaml"))
     assert code == 0 and "tile rule" in out and "draft length" in out
+
+
+def test_plan_says_which_drafters_decode_trees(tmp_path):
+    recipe = yaml.safe_load(tiny_recipe(tmp_path / "base.yaml", drafters=[{"kind": "ngram"}]).read_text())
+    recipe["draft"]["tree"] = {"max_nodes": 4, "drafters": []}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    code, out, _ = run_cli("plan", tmp_path / "r.yaml", "--json")
+    assert code == 0 and json.loads(out)["tree_drafters"] == []
+    code, out, _ = run_cli("plan", tmp_path / "r.yaml")
+    assert code == 0 and "trees by default for none" in " ".join(out.split())

@@ -195,3 +195,19 @@ def test_the_tree_size_is_calibrated_by_depth():
     assert sizer.size(chain) == 2
     uniform = 1.0 + sizer.scale * np.arange(1, 7)  # [6] tokens with n nodes under one scale
     assert int(np.argmax(uniform / (1.0 + 0.1 * np.arange(1, 7)))) + 1 == 6
+
+
+def test_the_recipes_tree_drafters_decode_trees_by_default():
+    from types import SimpleNamespace
+
+    from specexport.errors import BadInput
+    from specexport.runtime.api import check_tree_nodes
+
+    manifest = SimpleNamespace(plan={"tree_nodes": 5, "tree_drafters": ["eagle3"]})
+    assert check_tree_nodes(manifest, None, "eagle3") == 5
+    assert check_tree_nodes(manifest, None, "ngram") == 0  # chains unless asked
+    assert check_tree_nodes(manifest, 3, "ngram") == 3
+    before = SimpleNamespace(plan={"tree_nodes": 5})  # a directory built before draft.tree.drafters
+    assert check_tree_nodes(before, None, "ngram") == 5
+    with pytest.raises(BadInput, match="--tree-nodes must be between 0 and 5"):
+        check_tree_nodes(manifest, 6, "eagle3")

@@ -104,6 +104,20 @@ def test_greedy_ngram_tree_equals_the_target_alone(pipe, prompt):
     assert chain.token_ids == want and chain.stats.tree_nodes == 0
 
 
+def test_tree_pass_costs_stay_fixed_once_known(pipe):
+    # adaptive tree size reads the tree passes' costs, timed on first ask (or tuned) and fixed
+    # then, as adaptive depth's are: a running average of the passes run made a seeded run's
+    # trees depend on the clock, and ratcheted them down (a size timed slow once was not chosen,
+    # so never timed again)
+    ids = pipe.prompt_ids(PROMPTS[0])
+    first = pipe.generate(prompt_ids=ids, drafter="ngram", max_new_tokens=48, tree_nodes=NODES)
+    verifier = pipe.tree_verifier(pipe.batched_target(1))
+    costs = [verifier.cost(1 + n) for n in range(1, NODES + 1)]
+    again = pipe.generate(prompt_ids=ids, drafter="ngram", max_new_tokens=48, tree_nodes=NODES)
+    assert first.stats.tree_nodes > 0 and again.stats.tree_nodes == first.stats.tree_nodes
+    assert [verifier.cost(1 + n) for n in range(1, NODES + 1)] == costs
+
+
 def test_a_hidden_path_is_accepted_and_the_cache_compacted(pipe):
     ids = [pipe.prompt_ids(PROMPTS[1])]
     want, drafter = decoy(pipe, ids, 40)
@@ -214,6 +228,25 @@ def test_a_batched_loop_decodes_ngram_trees_together(batched):
     assert [out[0], out[1]] == want
     assert finished[0].stats.tree_nodes > 0 and finished[1].stats.tree_nodes > 0
     assert {r.batch for r in rounds if r.width > 1} >= {1, 2}
+
+
+def test_generate_prompts_file_decodes_trees_together(batched, tmp_path):
+    # generate --prompts-file --tree-nodes: the batched loop's tree rounds, each output the
+    # target's alone
+    import json
+
+    from tests.conftest import run_cli
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(PROMPTS[1:])))
+    code, out, err = run_cli("generate", batched.manifest.root, "--prompts-file", prompts, "-d", "ngram", "-n", "24",
+                             "--tree-nodes", "4", "--max-batch", "2", "--json")
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    for line, prompt in zip(lines, PROMPTS[1:]):
+        want = batched.generate(prompt_ids=batched.prompt_ids(prompt), drafter="none", max_new_tokens=24).token_ids
+        assert line["token_ids"] == want
+    assert len(lines) == 2 and all(line["stats"]["tree_nodes"] > 0 for line in lines)
 
 
 def test_sampled_trees_in_a_batch_follow_the_target(batched):
