@@ -303,7 +303,7 @@ def _tree_round(target: Model, drafter: Drafter, verifier: TreeVerifier, running
     engine_before = drafter.engine_seconds
     # the loop keeps a tree verifier for tree drafters only (BatchLoop.__init__); an adaptive row
     # alone has its drafter stop growing where the size below would cut
-    rows = [_draft_row(seq, _size_hint(seq.tree_sizer, verifier) if n == 1 else None) for seq in running]
+    rows = [_draft_row(seq, _size_hint(seq.tree_sizer, verifier, drafter) if n == 1 else None) for seq in running]
     trees = cast(TreeDrafter, drafter).propose_trees(rows, depths, nodes, top_k)
     # nodes the grammar forbids are not verified
     trees = [seq.request.rules.valid_tree(_output(seq), tree) if tree is not None and seq.request.rules is not None
@@ -423,13 +423,14 @@ def _draft_row(seq: _Running, tree_size: SizeHint | None = None) -> DraftRow:
                     tree_size)
 
 
-def _size_hint(sizer: TreeSizer | None, verifier: TreeVerifier) -> SizeHint | None:
-    """The size an adaptive sequence verifying alone will cut its tree to (None: a fixed-size
-    row). Not at B > 1: there the rows share one size, which may give a row more nodes than its
-    own tree would choose."""
+def _size_hint(sizer: TreeSizer | None, verifier: TreeVerifier, drafter: Drafter) -> SizeHint | None:
+    """The size an adaptive sequence verifying alone will cut its tree to, counting the
+    drafter's steps down to its deepest node (None: a fixed-size row). Not at B > 1: there the
+    rows share one size, which may give a row more nodes than its own tree would choose."""
     if sizer is None:
         return None
-    return lambda weights, depths: sizer.size_ranked(weights, depths, verifier.cost)
+    return lambda weights, depths, drafted: sizer.size_ranked(weights, depths, verifier.cost, drafted,
+                                                              drafter.round_cost)
 
 
 def _verify(target: Model, drafter: Drafter, running: list[_Running], drafts: list[Draft], draft_len: int,

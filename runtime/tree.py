@@ -33,9 +33,10 @@ from specexport.runtime.acceptance import Kept, _inverse_cdf, as_kept
 ROOT = -1
 
 # How many of a tree's best nodes the decode loop would verify (adaptive tree size,
-# runtime/tree_size.py), given their weights and depths [n], best first: a drafter growing a
-# tree level by level stops where no deeper node could be among them.
-SizeHint = Callable[[np.ndarray, np.ndarray], int]
+# runtime/tree_size.py), given their weights and depths [n], best first, and the levels already
+# drafted (a deeper node costs the drafter more steps): a drafter growing a tree level by level
+# stops where no deeper node could be among them.
+SizeHint = Callable[[np.ndarray, np.ndarray, int], int]
 
 
 @dataclass(frozen=True)
@@ -166,10 +167,11 @@ def expansion_budget(nodes: int, hint: SizeHint | None, weights: np.ndarray, dep
     the hint turns away holds no node the loop would have verified."""
     if hint is None:
         return nodes
+    drafted = int(depths.max())
     weights = np.append(weights, np.full(levels, weights[under]))  # [N+levels]
     depths = np.append(depths, depths[under] + np.arange(1, levels + 1))  # [N+levels]
     ranked = np.lexsort((np.arange(len(weights)), -weights))[:nodes]  # ties: the earlier (a parent first)
-    return min(nodes, hint(weights[ranked], depths[ranked]))
+    return min(nodes, hint(weights[ranked], depths[ranked], drafted))
 
 
 class Spine:

@@ -62,11 +62,18 @@ class TreeSizer:
         """``expected`` from the best nodes' capped ``weights`` and ``depths`` [N], best first."""
         return np.cumsum(weights * self.scales(int(depths.max()))[depths - 1])
 
-    def size_ranked(self, weights: np.ndarray, depths: np.ndarray,
-                    verify_cost: Callable[[int], float | None]) -> int:
+    def size_ranked(self, weights: np.ndarray, depths: np.ndarray, verify_cost: Callable[[int], float | None],
+                    drafted: int = 0, draft_cost: Callable[[int], float] | None = None) -> int:
         """``size`` of a tree given as its best nodes (``expected_ranked``): a SizeHint
-        (runtime/tree.py) for a drafter that grows its tree alone."""
-        return _most_per_second(1.0 + self.expected_ranked(weights, depths), verify_cost)
+        (runtime/tree.py) for a drafter that grows its tree alone. With ``draft_cost`` (depth ->
+        seconds of the drafter's round that deep, ``Drafter.round_cost``), a pass of the n best
+        also pays for drafting down to the deepest of them, ``drafted`` levels being done."""
+        expected = 1.0 + self.expected_ranked(weights, depths)  # [N]
+        if draft_cost is None:
+            return _most_per_second(expected, verify_cost)
+        reach = np.maximum(np.maximum.accumulate(depths), drafted)  # [N] levels drafted for the n best
+        drafting = {int(d): draft_cost(int(d)) for d in np.unique(reach)}
+        return _most_per_second(expected, lambda rows: _plus(verify_cost(rows), drafting[int(reach[rows - 2])]))
 
     def size(self, tree: DraftTree) -> int:
         """The node count with the most expected tokens per second (the whole tree without weights
@@ -99,6 +106,10 @@ def shared_size(sizers: Sequence[TreeSizer], trees: Sequence[DraftTree], verify_
         expected[: len(gained)] += 1.0 + gained
         expected[len(gained) :] += 1.0 + gained[-1]  # a smaller tree verifies all it has
     return _most_per_second(expected, verify_cost)
+
+
+def _plus(cost: float | None, extra: float) -> float | None:
+    return None if not cost else cost + extra
 
 
 def _most_per_second(expected: np.ndarray, verify_cost: Callable[[int], float | None]) -> int:

@@ -169,7 +169,8 @@ def test_a_long_prompts_catch_up_asks_logits_of_its_last_graph_only(case, monkey
 def test_an_adaptive_tree_stops_growing_where_the_round_would_cut(case, monkeypatch):
     """Alone and adaptive, the head stops at a level none of whose nodes the round's tree size
     would verify (runtime/tree.py expansion_budget): the same trees are verified (the same
-    tokens, rounds, nodes and acceptances) with fewer tree-step calls than without it."""
+    tokens, rounds, nodes and acceptances) with fewer tree-step calls than without it. The
+    head's steps are free here; what pricing them changes is tests/runtime/test_tree_hint.py's."""
     from specexport.runtime import loop
     from specexport.runtime.adaptive import DepthPolicy
     from specexport.runtime.tree_verify import TreeVerifier
@@ -179,6 +180,7 @@ def test_an_adaptive_tree_stops_growing_where_the_round_would_cut(case, monkeypa
     # to step (every round at the full depth; tree passes cost more with more rows)
     monkeypatch.setattr(DepthPolicy, "best_depth", lambda self, tag, limit, sunk=False: limit)
     monkeypatch.setattr(TreeVerifier, "cost", lambda self, rows, batch=1: 0.02 + 0.002 * rows ** 2)
+    monkeypatch.setattr(pipe.drafter(name), "round_cost", lambda k, costs=None: 0.0)
     engine = pipe.drafter(name).tree_steps[1]
     calls = []
     monkeypatch.setattr(engine, "run", lambda *args, run=engine.run: calls.append(1) or run(*args))
@@ -190,7 +192,7 @@ def test_an_adaptive_tree_stops_growing_where_the_round_would_cut(case, monkeypa
         return [(g.token_ids, g.stats.rounds, g.stats.tree_nodes, g.stats.accepted) for g in outs], len(calls)
 
     hinted, hinted_calls = decode()
-    monkeypatch.setattr(loop, "_size_hint", lambda sizer, verifier: None)
+    monkeypatch.setattr(loop, "_size_hint", lambda sizer, verifier, drafter: None)
     grown, grown_calls = decode()
     assert hinted == grown
     assert sum(rounds for _, rounds, _, _ in hinted) > 3 * len(PROMPTS)

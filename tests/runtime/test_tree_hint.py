@@ -1,10 +1,9 @@
 """A drafter growing its tree alone stops at a level none of whose nodes the loop's adaptive tree
-size would verify (runtime/tree.py ``expansion_budget``): the verified tree stays the same and
-fewer steps run. Checked on the head's level-by-level expansion (runtime/chain_drafter.py
-``Expansion``) and on a draft model's spine (runtime/tree.py ``Spine``), over synthetic drafters
-whose logits hang on the path drafted, without engines."""
-
-from functools import partial
+size would verify (runtime/tree.py ``expansion_budget``): by the verify cost alone the verified
+tree stays the same and fewer steps run; counting the drafter's steps too, fewer still, for as
+many expected tokens per second. Checked on the head's level-by-level expansion
+(runtime/chain_drafter.py ``Expansion``) and on a draft model's spine (runtime/tree.py
+``Spine``), over synthetic drafters whose logits hang on the path drafted, without engines."""
 
 import numpy as np
 import pytest
@@ -54,6 +53,12 @@ def spine(seed: int, hint) -> tuple[DraftTree, int]:
     return tree, len(path)
 
 
+def hint_of(sizer: TreeSizer, cost, draft_cost=None):
+    """The loop's SizeHint for a sequence alone (runtime/loop.py ``_size_hint``): by the pass's
+    cost, and with ``draft_cost`` the drafter's steps too."""
+    return lambda weights, depths, drafted: sizer.size_ranked(weights, depths, cost, drafted, draft_cost)
+
+
 def sizer_and_cost(seed: int):
     """A tree sizer, fresh or calibrated by some rounds, and a pass cost per row count (convex,
     or CPU-like steps)."""
@@ -72,7 +77,7 @@ def test_a_tree_grown_with_the_loops_size_verifies_the_same_nodes_in_fewer_steps
     for seed in SEEDS:
         sizer, cost = sizer_and_cost(seed)
         full, full_steps = grow(seed, None)
-        hinted, hinted_steps = grow(seed, partial(sizer.size_ranked, verify_cost=cost))
+        hinted, hinted_steps = grow(seed, hint_of(sizer, cost))
         verified = full.best(shared_size([sizer], [full], cost))  # what the loop verifies of each
         verified_hinted = hinted.best(shared_size([sizer], [hinted], cost))
         assert verified_hinted.tokens.tolist() == verified.tokens.tolist(), seed
@@ -80,6 +85,59 @@ def test_a_tree_grown_with_the_loops_size_verifies_the_same_nodes_in_fewer_steps
         assert hinted_steps <= full_steps, seed
         saved += full_steps - hinted_steps
     assert saved >= len(SEEDS) // 4, f"the hint saved {saved} steps over {len(SEEDS)} trees"
+
+
+STEP = 0.08  # a drafter's step against a pass of 1.0 to 1.6: SmolLM2's EAGLE-3 head, 2.5-2.8 ms to 25-40 ms
+
+
+def drafting(depth: int) -> float:
+    """A drafter's round down to ``depth``: one call, then a step a level (Drafter.round_cost)."""
+    return 0.1 + STEP * max(depth - 1, 0)
+
+
+def rate(sizer: TreeSizer, cost, tree: DraftTree, steps: int) -> float:
+    """Expected tokens per second of the round the loop makes of a grown tree: its verified
+    nodes over the pass and the drafting that was run."""
+    verified = tree.best(shared_size([sizer], [tree], cost))
+    return (1.0 + sizer.expected(verified)[-1]) / (cost(1 + verified.size) + drafting(steps + 1))
+
+
+@pytest.mark.parametrize("grow", [expand, spine], ids=["head-expansion", "spine"])
+def test_counting_the_drafters_steps_stops_sooner_for_as_many_tokens_per_second(grow):
+    # and against the other extreme, a drafter priced so high that it stops at the first level
+    saved, with_steps, verify_only, first_level = 0, [], [], []
+    for seed in SEEDS:
+        sizer, cost = sizer_and_cost(seed)
+        hinted, hinted_steps = grow(seed, hint_of(sizer, cost))
+        costed, costed_steps = grow(seed, hint_of(sizer, cost, drafting))
+        shallow, shallow_steps = grow(seed, hint_of(sizer, cost, lambda depth: 10.0 * depth))
+        assert costed_steps <= hinted_steps, seed
+        saved += hinted_steps - costed_steps
+        with_steps.append(rate(sizer, cost, costed, costed_steps))
+        verify_only.append(rate(sizer, cost, hinted, hinted_steps))
+        first_level.append(rate(sizer, cost, shallow, shallow_steps))
+    assert saved >= len(SEEDS) // 4, f"counting the steps saved {saved} steps over {len(SEEDS)} trees"
+    # measured: 1.173 against 1.142 and 1.162 (head expansion), 1.166 against 1.136 and 1.162 (spine)
+    assert np.mean(with_steps) > max(np.mean(verify_only), np.mean(first_level)), \
+        (np.mean(with_steps), np.mean(verify_only), np.mean(first_level))
+
+
+def test_levels_already_drafted_are_paid_whatever_the_size():
+    # a node 3 deep and a heavier one at depth 1, with 2 levels drafted: the steps already run
+    # count against the small tree too, so the deep node pays for the one step it still needs
+    # (charged to the deep node alone, the small tree looked cheaper and won)
+    sizer, flat = TreeSizer(lambda rows: None), (lambda rows: 1.0)
+    weights, depths = np.array([0.6, 0.25]), np.array([1, 3])
+    assert sizer.size_ranked(weights, depths, flat, 2, lambda depth: 0.1 * depth) == 2
+    assert sizer.size_ranked(weights, depths, flat, 1, lambda depth: 0.1 * depth) == 1
+
+
+def test_a_free_drafter_grows_as_the_verify_cost_alone_says():
+    for seed in range(40):
+        sizer, cost = sizer_and_cost(seed)
+        alone = expand(seed, hint_of(sizer, cost))
+        free = expand(seed, hint_of(sizer, cost, lambda depth: 0.0))
+        assert free[1] == alone[1] and free[0].tokens.tolist() == alone[0].tokens.tolist(), seed
 
 
 def test_without_a_hint_the_tree_is_the_drafters_own():
