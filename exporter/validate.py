@@ -11,7 +11,6 @@ stale data, which the in-graph mask must hide.
 from __future__ import annotations
 
 import copy
-import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,12 +256,10 @@ def reference_continuations(hf_model, prefix: np.ndarray, continuations: list[np
     """transformers' last logits [n, V] on ``prefix`` [S] followed by each continuation: the
     prefix runs once, each continuation from a copy of transformers' own cache of it (a full
     pass per path cost the build 13 passes over a half-full cache at each length)."""
-    # transformers renamed past_key_values to cache (5.2x warns on the old name)
-    name = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
     with torch.no_grad():
-        past = hf_model(torch.from_numpy(prefix).unsqueeze(0), use_cache=True)[name]
-        rows = [hf_model(torch.from_numpy(ids).unsqueeze(0), **{name: copy.deepcopy(past)},
-                         use_cache=True).logits[0, -1] for ids in continuations]  # n of [V]
+        past = hf_model(torch.from_numpy(prefix).unsqueeze(0), use_cache=True).cache
+        rows = [hf_model(torch.from_numpy(ids).unsqueeze(0), cache=copy.deepcopy(past), use_cache=True).logits[0, -1]
+                for ids in continuations]  # n of [V]
     return torch.stack(rows).float().numpy()
 
 

@@ -72,8 +72,7 @@ class TreeSizer:
         if draft_cost is None:
             return _most_per_second(expected, verify_cost)
         reach = np.maximum(np.maximum.accumulate(depths), drafted)  # [N] levels drafted for the n best
-        drafting = {int(d): draft_cost(int(d)) for d in np.unique(reach)}
-        return _most_per_second(expected, lambda rows: _plus(verify_cost(rows), drafting[int(reach[rows - 2])]))
+        return _most_per_second(expected, verify_cost, [draft_cost(int(d)) for d in reach])
 
     def size(self, tree: DraftTree) -> int:
         """The node count with the most expected tokens per second (the whole tree without weights
@@ -108,14 +107,13 @@ def shared_size(sizers: Sequence[TreeSizer], trees: Sequence[DraftTree], verify_
     return _most_per_second(expected, verify_cost)
 
 
-def _plus(cost: float | None, extra: float) -> float | None:
-    return None if not cost else cost + extra
-
-
-def _most_per_second(expected: np.ndarray, verify_cost: Callable[[int], float | None]) -> int:
+def _most_per_second(expected: np.ndarray, verify_cost: Callable[[int], float | None],
+                     drafting: Sequence[float] | None = None) -> int:
     """The n with the most ``expected`` tokens ([N], n = 1..N nodes) per second of a pass of
-    1 + n rows; N where a cost is unknown."""
+    1 + n rows (plus ``drafting`` [N], the drafter's seconds for the n best); N where a cost is
+    unknown."""
     costs = [verify_cost(1 + n) for n in range(1, len(expected) + 1)]
     if any(not cost for cost in costs):
         return len(expected)
-    return int(np.argmax(expected / np.asarray(costs))) + 1
+    seconds = np.asarray(costs) + (0.0 if drafting is None else np.asarray(drafting))  # [N]
+    return int(np.argmax(expected / seconds)) + 1

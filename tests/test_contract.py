@@ -286,7 +286,6 @@ SCANNED = ("exporter", "specexport", "scripts", "runtime")
 # Strings spelled like a tensor name that are not one: (file, literal).
 NOT_TENSOR_NAMES = {
     ("exporter/validate.py", "input_ids"),  # transformers' tokenizer output key
-    ("exporter/validate.py", "past_key_values"),  # transformers' cache keyword before it became "cache"
     ("specexport/bench/harness.py", "logits"),  # the bench's costs flag: were logits copied out
     ("specexport/bench/summary.py", "logits"),  # the same key, copied into the summary
     ("specexport/bench/report.py", "logits"),  # the same key, read in an f-string (a STRING token from 3.12)
