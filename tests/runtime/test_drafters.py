@@ -25,6 +25,32 @@ def test_ngram_longest_match_first():
     assert proposed(NgramDrafter(max_ngram=1), context, 2) == [1, 2]  # latest "9" with 2 tokens after
 
 
+def ngram_tree(drafter, context, depth, nodes, top_k):
+    """The drafter's tree for one row: (tokens, parents, weights to 4 places)."""
+    tree = drafter.propose_tree(DraftRow(np.array(context, dtype=np.int64), GREEDY, RNG), depth, nodes, top_k)
+    return tree.tokens.tolist(), tree.parents.tolist(), np.round(tree.weights, 4).tolist()
+
+
+def test_ngram_tree_merges_what_followed_every_match_into_a_trie():
+    # "3 1" matched at 8, 4 and 0 (latest first: "4 2 2", "5 9 3", "4 9 3", each weighing 4),
+    # then "1" alone (the same three continuations, weighing 1 each): "4" carries 10 of 15, "5"
+    # 5; under "4", "4 2" and "4 9" tie at 5 and the earlier continuation's comes first
+    context = [3, 1, 4, 9, 3, 1, 5, 9, 3, 1, 4, 2, 2, 3, 1]
+    assert ngram_tree(NgramDrafter(max_ngram=3), context, 3, 5, 2) == (
+        [4, 2, 2, 5, 9], [-1, 0, 1, -1, 3], [0.6667, 0.3333, 0.3333, 0.3333, 0.3333])
+    # the chain follows the longest match's latest occurrence: the tree's heaviest path
+    assert proposed(NgramDrafter(max_ngram=3), context, 3) == [4, 2, 2]
+
+
+def test_a_longer_match_outranks_more_numerous_shorter_ones():
+    # "5 6 7" occurred once, then "1 8 7"; the last token "7" alone is followed by "2" four
+    # times. Counted once each, "2" would lead the tree; the long match is the better guess (the
+    # chain takes it): it weighs 16 + 4 + 1 of 25
+    context = [5, 6, 7, 1, 8, 7, 2, 8, 7, 2, 8, 7, 2, 8, 7, 2, 5, 6, 7]
+    assert ngram_tree(NgramDrafter(max_ngram=3), context, 3, 4, 2) == ([1, 8, 7, 2], [-1, 0, 1, -1], [0.84, 0.84, 0.84, 0.16])
+    assert proposed(NgramDrafter(max_ngram=3), context, 3) == [1, 8, 7]
+
+
 def test_ngram_prefers_the_latest_match_with_k_tokens_after():
     context = [4, 1, 2, 4, 3, 3, 4, 6, 4]
     assert proposed(NgramDrafter(max_ngram=1), context, 2) == [6, 4]
