@@ -205,7 +205,6 @@ class NgramDrafter(Stateless):
         return trie_tree(found, nodes, top_k, f"{self.name}/tree", weights)
 
 
-
 def trie_tree(continuations: Sequence[np.ndarray], nodes: int, top_k: int, tag: str,
               weights: Sequence[float] | None = None) -> DraftTree:
     """The trie of ``continuations`` (in priority order), cut to its ``nodes`` best prefixes:
@@ -236,7 +235,7 @@ def trie_tree(continuations: Sequence[np.ndarray], nodes: int, top_k: int, tag: 
         frontier += children.get(best, [])
     return DraftTree(np.array([p[-1] for p in kept], dtype=np.int64),
                      np.array([index[p[:-1]] for p in kept], dtype=np.int64), tag,
-                     np.array([trie[p][0] / sum(weights) for p in kept], dtype=np.float64))
+                     np.array([trie[p][0] for p in kept], dtype=np.float64) / sum(weights))
 
 
 class ModelDrafter:
