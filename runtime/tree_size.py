@@ -72,7 +72,8 @@ class TreeSizer:
         if draft_cost is None:
             return _most_per_second(expected, verify_cost)
         reach = np.maximum(np.maximum.accumulate(depths), drafted)  # [N] levels drafted for the n best
-        return _most_per_second(expected, verify_cost, [draft_cost(int(d)) for d in reach])
+        by_depth = np.array([draft_cost(d) for d in range(int(reach[-1]) + 1)])  # [deepest + 1] one call a depth
+        return _most_per_second(expected, verify_cost, by_depth[reach])
 
     def size(self, tree: DraftTree) -> int:
         """The node count with the most expected tokens per second (the whole tree without weights
