@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -116,6 +116,11 @@ class BatchLoop:
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def run(self) -> Iterator[list[tuple[Hashable, Finished]]]:
+        """Step until nothing is waiting or running: each step's ended requests (often none)."""
+        while self.busy:
+            yield self.step()
 
     def submit(self, key: Hashable, request: Request) -> None:
         self.waiting.append((key, request))
