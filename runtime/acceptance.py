@@ -21,12 +21,14 @@ of top_p counts as reaching it, so float rounding never decides a case like p = 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from specexport.errors import BadInput
+from specexport.runtime.tree import ROOT, DraftTree
 
 TOP_P_SLACK = 1e-6  # relative; far above float32 rounding of the mass, far below any real choice
 
@@ -199,12 +201,6 @@ def _scaled_exp(x: np.ndarray, top: float, temperature: float) -> np.ndarray:
     return np.exp(e, out=e)
 
 
-def warp(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
-    """Logits [n, V] -> dense probabilities [n, V] (warp_row for each row)."""
-    logits = np.atleast_2d(logits)
-    return np.stack([warp_row(row, sampling).dense(logits.shape[-1]) for row in logits])
-
-
 class Warped:
     """Rows of logits [n, V], each warped when it is read: rejection stops at the first
     rejected draft, so the rows after it are never paid for."""
@@ -226,11 +222,6 @@ def _inverse_cdf(weights: np.ndarray, rng: np.random.Generator) -> int:
     i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
     # u · total can round up to the total: then the last index that can be drawn
     return i if i < len(cdf) else int(np.flatnonzero(weights)[-1])
-
-
-def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """One draw from a distribution [V] (need not be normalised) by inverse CDF."""
-    return _inverse_cdf(probs, rng)
 
 
 def greedy(draft_tokens: np.ndarray, target_choice: np.ndarray) -> tuple[int, int]:
@@ -267,3 +258,83 @@ def rejection(draft: Draft, target: Sequence, rng: np.random.Generator) -> tuple
             residual = p.probs
         return i, p.token(_inverse_cdf(residual, rng))
     return draft.size, as_kept(target[draft.size]).draw(rng)
+
+
+def tree_greedy(tree: DraftTree, choice: Callable[[int], int]) -> tuple[list[int], int]:
+    """``choice(r)``: the target's argmax at row r (0: the root, 1+i: node i), read lazily.
+    Returns (the accepted nodes, root to leaf; the next token)."""
+    node, path = ROOT, []
+    while True:
+        chosen = choice(node + 1)
+        match = next((c for c in tree.children(node) if int(tree.tokens[c]) == chosen), None)
+        if match is None:
+            return path, chosen
+        node = match
+        path.append(node)
+
+
+def tree_rejection(tree: DraftTree, target: Callable[[int], Kept | np.ndarray],
+                   rng: np.random.Generator) -> tuple[list[int], int]:
+    """``target(r)``: the warped p at row r (a Kept or a dense [V] row), read lazily. The
+    module docstring states the rule. Returns (the accepted nodes, the next token)."""
+    node, path = ROOT, []
+    while True:
+        p = as_kept(target(node + 1))
+        probs = np.array(p.probs, dtype=np.float64)  # [m] what is left of p at this node
+        for child in tree.children(node):
+            at = p.index(int(tree.tokens[child]))
+            mass = probs.sum()
+            # one draw per child tried, even one p cannot draw (accepted with probability 0):
+            # so on a chain this is the chain rule, draw for draw (acceptance.rejection)
+            u = rng.random()
+            if at is not None and u * mass < probs[at]:
+                break  # accepted: descend
+            if at is not None:
+                probs[at] = 0.0  # rejected: the residual norm(max(0, p − δ_x)) is p without x
+        else:
+            return path, p.token(_inverse_cdf(probs, rng))
+        node = child
+        path.append(node)
+
+
+class ScoredRows(Protocol):
+    """A verify pass's rows for one proposal (row 0 the root, 1+i node i) after the logits stage
+    (runtime/target_rows.py): the target's choice and its warped distribution at each row."""
+
+    def argmax(self, r: int) -> int:
+        """The target's greedy choice at row r."""
+
+    def argmaxes(self, n: int) -> np.ndarray | None:
+        """[n] the choices at rows 0..n-1 at once where no rule changes them (None: read each)."""
+
+    def __getitem__(self, r: int) -> Kept:
+        """The target's warped p at row r."""
+
+
+def accept(proposal: DraftTree, rows: ScoredRows, sampling: Sampling, rng: np.random.Generator) -> tuple[list[int], int]:
+    """The one acceptance entry point: what the target keeps of a proposal, given its scored
+    rows. Greedy: the drafts the target's argmax follows. Sampled: rejection sampling against
+    the q a chain was drawn from (point masses where it was chosen, not drawn), or the tree
+    rule over siblings. Returns (the accepted nodes, root to leaf; the next token)."""
+    if sampling.greedy:
+        if proposal.is_chain:
+            n, token = chain_greedy(proposal.tokens, rows)
+            return list(range(n)), token
+        return tree_greedy(proposal, rows.argmax)
+    if proposal.is_chain:
+        n, token = rejection(Draft(proposal.tokens, proposal.probs), rows, rng)
+        return list(range(n)), token
+    return tree_rejection(proposal, rows.__getitem__, rng)
+
+
+def chain_greedy(tokens: np.ndarray, rows: ScoredRows) -> tuple[int, int]:
+    """Greedy over a chain: the graph's argmax rows at once where no rule changes them, else
+    row by row (a rule's rows after the first mismatch are never paid for)."""
+    choices = rows.argmaxes(len(tokens) + 1)  # [k+1]
+    if choices is not None:
+        return greedy(tokens, choices)
+    for i, token in enumerate(tokens.tolist()):
+        choice = rows.argmax(i)
+        if choice != token:
+            return i, choice
+    return len(tokens), rows.argmax(len(tokens))

@@ -21,9 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from specexport.runtime.acceptance import Draft
+from specexport.runtime.goodput import expected_lengths
 
 
 @dataclass
@@ -69,7 +67,7 @@ class DepthPolicy:
         if not base:
             return limit
         stats = self._stats(tag)
-        expected = 1.0 + np.cumsum(stats.alpha(self.prior) ** np.arange(1, limit + 1))  # E(k), k = 1..limit
+        expected = expected_lengths(stats.alpha(self.prior), limit)[1:]  # E(k), k = 1..limit
         best_k, best_rate = 0, 1.0 / (base + (0.0 if sunk else self.round_cost(0)))
         for k in range(1, limit + 1):
             cost = self.verify_cost(1 + k)
@@ -87,16 +85,6 @@ class DepthPolicy:
         else:
             stats.skipped = 0
         return best_k
-
-    def trim(self, draft: Draft, planned_tag: str) -> Draft:
-        """Keep the best prefix of a draft that already exists, when its tag says more than
-        the one its depth was planned with (prompt lookup: the match length it found)."""
-        if not draft.tag or draft.tag == planned_tag:
-            return draft
-        keep = self.best_depth(draft.tag, draft.size, sunk=True)
-        if keep >= draft.size:
-            return draft
-        return draft.trimmed(keep)
 
     def update(self, tag: str, proposed: int, accepted: int) -> None:
         if proposed == 0:

@@ -407,7 +407,7 @@ class Pipeline:
                          eos_ids=self.text.eos_ids, on_token=on_token,
                          schedule=self.manifest.draft_schedule if schedule else None,
                          per_sequence=per_sequence, on_round=on_round, adaptive=policy,
-                         tree=self.tree_verifier(target) if nodes else None, tree_nodes=nodes,
+                         tree_verifier=self.tree_verifier(target) if nodes else None, tree_nodes=nodes,
                          tree_top_k=int(self.manifest.plan.get("tree_top_k", 4)))
 
     def batch_request(self, ids: Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.0,

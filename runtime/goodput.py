@@ -5,28 +5,29 @@ its cost t(B, T) is paid once for the batch. So depth is chosen per round across
 each row's drafts in hand, take the T that maximises the expected committed tokens of all rows
 per second of verify, sum_r E_r(min(drafts_r, T-1)) / t(B, T), where a row's E(k) = 1 + a + a^2
 + ... + a^k from the acceptance of its draft's tag (the drafter, or the n-gram match length),
-pooled over all rows (runtime/adaptive.py's estimate), and t(B, T) measured once at start and then kept up to date from the calls the loop makes
-(a running average: real rounds have ragged rows, which the start-up timing with full rows does
-not). A row with a good record keeps its drafts when the batch can afford them; rows that keep
-missing stop pulling the width up, and the round drops to T = 1 when drafting does not pay at
-this batch size.
+pooled over all rows (runtime/adaptive.py's estimate), and t(B, T) measured once at start and
+fixed from then on (runtime/policy.py says why). A row with a good record keeps its drafts when
+the batch can afford them; rows that keep missing stop pulling the width up, and the round drops
+to T = 1 when drafting does not pay at this batch size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-COST_MEMORY = 0.2  # weight of each observed call in a width's running cost
+import numpy as np
 
 
-def observed(cost: float | None, seconds: float) -> float:
-    """A width's running cost after one more observed call (the first call sets it)."""
-    return seconds if cost is None else (1 - COST_MEMORY) * cost + COST_MEMORY * seconds
+def expected_lengths(rate: float, depth: int) -> np.ndarray:
+    """[depth + 1] tokens a round commits with k = 0..depth drafts at per-position acceptance
+    ``rate`` (a geometric model): E(k) = 1 + rate + rate² + ... + rate^k. The one expected-length
+    formula: adaptive depth and the shared width both read it."""
+    return np.concatenate(([1.0], 1.0 + np.cumsum(float(rate) ** np.arange(1, depth + 1))))
 
 
 def expected_tokens(rate: float, depth: int) -> float:
-    """Tokens a round commits with ``depth`` drafts at per-position acceptance ``rate``."""
-    return sum(rate**i for i in range(depth + 1))
+    """E(depth): tokens a round commits with ``depth`` drafts."""
+    return float(expected_lengths(rate, depth)[-1])
 
 
 def best_width(widths: Sequence[int], cost: Callable[[int], float], rates: Sequence[float],

@@ -3,35 +3,39 @@ running sequence at once. A lone request (``generate``) is a batch of one.
 
 Each running sequence owns a slot, a row of the target's cache, and its own state: committed
 tokens, position, sampling, stops, stats, adaptive depth. Cache invariant: a row's cache holds
-every committed token but the last one. A round feeds each row [last, d1..dk] (right-padded to
-the longest; one row runs alone), so the target's outputs at those 1+k positions give its choice
-after each prefix; the accepted drafts and the next token are committed, and the row's cache
-length moves back past the rejected drafts (a rewind is a length). Sequences join free slots
-between rounds (each prefilled alone, at batch 1, into its row) and leave when done; running
-rows stay at the front of the cache, so a round runs the smallest built batch that holds them.
+every committed token but the last one, the root of the row's proposal. A round plans how much
+each row drafts (runtime/policy.py), drafts a proposal per row (a token tree; a chain is a tree
+whose nodes each have one child), verifies every row's [root, nodes...] in one pass
+(runtime/verifier.py), scores each row's outputs through the logits stage
+(runtime/target_rows.py), accepts a path and the next token (acceptance.accept), and commits
+them: the verifier keeps the path's cache, the drafter and the policy hear what was kept.
+Sequences join free slots between rounds (each prefilled alone, at batch 1, into its row) and
+leave when done; running rows stay at the front of the cache, so a round runs the smallest
+built batch that holds them.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import cast
 
 import numpy as np
 
-from specexport.contract import LOGITS, NEXT_TOKENS, DraftSchedule
-from specexport.runtime.acceptance import Draft, Sampling, Warped, greedy, rejection, warp_row
+from specexport.contract import LOGITS, DraftSchedule
+from specexport.runtime.acceptance import Sampling, accept
 from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.drafters import Drafter, DraftRow, TreeDrafter
-from specexport.runtime.goodput import best_width, observed
 from specexport.runtime.logprobs import Logprobs
 from specexport.runtime.model import Model
-from specexport.runtime.rules import RuledRows, SequenceRules, greedy_walk
+from specexport.runtime.policy import RoundPlan, SpeculationPolicy
+from specexport.runtime.rules import SequenceRules
 from specexport.runtime.stats import DecodeStats
-from specexport.runtime.tree import DraftTree, SizeHint, tree_greedy, tree_rejection
-from specexport.runtime.tree_size import TreeSizer, shared_size
+from specexport.runtime.target_rows import TargetRows
+from specexport.runtime.tree import DraftTree, SizeHint
+from specexport.runtime.tree_size import TreeSizer
 from specexport.runtime.tree_verify import TreeVerifier
 
 
@@ -41,7 +45,9 @@ class Request:
     max_new_tokens: int
     sampling: Sampling = field(default_factory=Sampling)
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
-    stop: Callable[[int], bool] | None = None  # sees each token; True ends the sequence after it
+    # sees each emitted token (the request's text tracker: it detokenizes and finds stop
+    # strings); True ends the sequence after that token
+    watch: Callable[[int], bool] | None = None
     rules: SequenceRules | None = None  # penalties, biases, grammar: applied to every row the target scores
     logprobs: Logprobs | None = None  # filled with each emitted token's log probabilities
 
@@ -58,13 +64,13 @@ class Finished:
 
 
 @dataclass
-class _Running:
-    key: Hashable  # the request's key: its position in decode_batch's list, the server's request id
+class Running:
+    key: Hashable  # the request's key: its index in a batch, the server's request id
     request: Request
     context: np.ndarray  # [S_max + 1] committed tokens: prompt + output
     length: int  # committed tokens; the cache holds length - 1 of them
     stats: DecodeStats
-    policy: DepthPolicy | None = None  # this sequence's own adaptive depth
+    depth_policy: DepthPolicy | None = None  # this sequence's own adaptive depth
     tree_sizer: TreeSizer | None = None  # with it, its adaptive tree size
 
 
@@ -84,33 +90,26 @@ class RoundReport:
 class BatchLoop:
     """Continuous batching over the target's slots: requests are submitted under a key at any
     time, join free slots between rounds (prefilled alone, at batch 1, into their row), and
-    leave when done or cancelled. ``step()`` runs one round; the caller decides when (a batch
-    call loops until idle, the server's engine thread forever). Not thread-safe: one thread
-    owns it."""
+    leave when done or cancelled. ``step()`` runs one round; the caller decides when (``run``
+    steps until idle, the server's engine thread forever). Not thread-safe: one thread owns it.
+
+    How much each round drafts is the policy's (runtime/policy.py): ``schedule`` caps the depth
+    by the number of running rows; ``adaptive`` makes each sequence's own DepthPolicy under that
+    cap, or ``per_sequence`` picks one batch-wide width for all rows; ``tree_verifier`` with
+    ``tree_nodes`` > 0 verifies token trees where the drafter builds them."""
 
     def __init__(self, target: Model, drafter: Drafter, *, draft_len: int, eos_ids: frozenset[int],
                  on_token: Callable[[Hashable, int], None] | None = None, schedule: DraftSchedule | None = None,
                  per_sequence: bool = False, on_round: Callable[[RoundReport], None] | None = None,
-                 adaptive: Callable[[], DepthPolicy] | None = None, tree: TreeVerifier | None = None,
+                 adaptive: Callable[[], DepthPolicy] | None = None, tree_verifier: TreeVerifier | None = None,
                  tree_nodes: int = 0, tree_top_k: int = 4):
-        if per_sequence and not target.costs:
-            target.measure_costs()
-        self.target, self.draft_len, self.eos_ids = target, draft_len, eos_ids
-        self.drafter = drafter
+        self.target, self.drafter, self.eos_ids = target, drafter, eos_ids
         self.on_token, self.on_round = on_token, on_round
-        self.schedule = schedule  # caps the depth; per_sequence then picks the width under it
-        self.widths = _Widths(DepthPolicy(lambda tokens: None)) if per_sequence else None
-        # Each sequence's own adaptive depth under the cap: a request alone in the batch decodes
-        # as `generate` does (the same depths, so the same draws when sampled). per_sequence
-        # replaces it.
-        self.adaptive = None if per_sequence else adaptive
-        # token trees: each row verifies a tree of up to tree_nodes drafts (at B > 1 at most the
-        # schedule's depth) when the drafter builds them (a TreeDrafter) and the batch size has
-        # a tree graph; otherwise chains
-        self.tree = tree if tree_nodes > 0 and isinstance(drafter, TreeDrafter) else None
-        self.tree_nodes, self.tree_top_k = tree_nodes, tree_top_k
+        self.policy = SpeculationPolicy(target, drafter, draft_len=draft_len, schedule=schedule,
+                                        per_sequence=per_sequence, adaptive=adaptive, trees=tree_verifier,
+                                        tree_nodes=tree_nodes, tree_top_k=tree_top_k)
         self.waiting: deque[tuple[Hashable, Request]] = deque()
-        self.running: list[_Running] = []
+        self.running: list[Running] = []
         self._cancelled: set[Hashable] = set()
 
     @property
@@ -137,22 +136,96 @@ class BatchLoop:
         while self.waiting and len(self.running) < self.target.slots:  # join: prefill alone, into the next slot
             key, request = self.waiting.popleft()
             shared = last if last is not None and np.array_equal(last.prompt, request.prompt) else None
-            seq, last = _start(self.target, self.drafter, len(self.running), key, request, self.draft_len, shared)
+            seq, last = _start(self.target, self.drafter, len(self.running), key, request, self.policy.draft_len,
+                               shared)
+            self.policy.start(seq)
             self.running.append(seq)
-            if self.adaptive is not None:
-                self.running[-1].policy = self.adaptive()
         if self.running:
-            depth = self.draft_len if self.schedule is None else min(self.draft_len, self.schedule.depth(len(self.running)))
-            report = None
-            if self.tree is not None:
-                report = _tree_round(self.target, self.drafter, self.tree, self.running, depth,
-                                     self.tree_nodes, self.tree_top_k, self.eos_ids, self.on_token)
-            if report is None:
-                report = _round(self.target, self.drafter, self.running, depth, self.eos_ids, self.on_token,
-                                self.widths)
+            report = self._round()
             if self.on_round is not None:
                 self.on_round(report)
         return ended + self._leave()
+
+    def _round(self) -> RoundReport:
+        """One draft -> verify -> accept -> commit round over every running sequence."""
+        start = time.perf_counter()
+        running, drafter, policy = self.running, self.drafter, self.policy
+        plan = policy.plan(running)
+        proposals = self._propose(plan, start)
+        if plan.trees and not any(p.size for p in proposals):  # nothing drafted: the causal graph verifies the roots
+            plan = policy.chain_round(plan)
+        proposals = policy.fit(running, proposals, plan)
+        sampled = any(seq.request.needs_logits for seq in running)
+        roots = [(seq.length - 1, int(seq.context[seq.length - 1])) for seq in running]
+        verified = plan.verifier.verify(roots, proposals, sampled, drafter.needs)
+        report = RoundReport(len(running), verified.batch, verified.width, plan.cap, [], [], verified.seconds)
+        for r, (seq, proposal, out) in enumerate(zip(running, proposals, verified.rows)):
+            request = seq.request
+            scored = TargetRows(out, proposal, request.sampling, request.rules, _output(seq))
+            path, next_token = accept(proposal, scored, request.sampling, request.rng)
+            plan.verifier.commit(seq.length - 1, path, r)
+            kept = proposal.path_rows(path)  # the verify rows of the committed positions: root, accepted nodes
+            # the drafter sees the row's outputs of its committed positions only, never a rejected one
+            drafter.accept(r, len(path), next_token, {name: out[name][kept] for name in drafter.needs})
+            policy.observe(seq, proposal, len(path))
+            counted = (seq.stats.proposed, seq.stats.accepted)
+            self._commit(seq, proposal, path, next_token, out[LOGITS][kept] if request.logprobs is not None else None)
+            _settle_rules(seq)
+            seq.stats.verified_tokens += 1 + proposal.size
+            seq.stats.tree_nodes += proposal.size if plan.trees else 0
+            report.proposed.append(seq.stats.proposed - counted[0])
+            report.accepted.append(seq.stats.accepted - counted[1])
+            seq.stats.verify_s += verified.seconds
+            seq.stats.total_s += time.perf_counter() - start
+        return report
+
+    def _propose(self, plan: RoundPlan, start: float) -> list[DraftTree]:
+        """Every row's proposal: a tree in a tree round, else a chain cut to the prefix its
+        adaptive depth keeps; a node the grammar forbids would end the accepted run there, so
+        it is not verified at all."""
+        running, drafter = self.running, self.drafter
+        engine_before = drafter.engine_seconds
+        if plan.trees:
+            rows = [_draft_row(seq, hint) for seq, hint in zip(running, plan.hints or [None] * len(running))]
+            trees = cast(TreeDrafter, drafter).propose_trees(rows, plan.depths, plan.nodes, self.policy.tree_top_k)
+            proposals = [tree if tree is not None else _NOTHING for tree in trees]
+            proposals = [seq.request.rules.valid_tree(_output(seq), p) if seq.request.rules is not None and p.size
+                         else p for seq, p in zip(running, proposals)]
+        else:
+            drafts = drafter.propose([_draft_row(seq) for seq in running], plan.depths)
+            proposals = [self.policy.trim(seq, DraftTree.of_draft(d)) for seq, d in zip(running, drafts)]
+            proposals = [p.prefix(seq.request.rules.valid_drafts(_output(seq), p.tokens))
+                         if seq.request.rules is not None and p.size else p for seq, p in zip(running, proposals)]
+        draft_s, draft_engine_s = time.perf_counter() - start, drafter.engine_seconds - engine_before
+        for seq in running:  # every row waits for the whole draft, as for the verify pass
+            seq.stats.draft_s += draft_s
+            seq.stats.draft_engine_s += draft_engine_s
+        return proposals
+
+    def _commit(self, seq: Running, proposal: DraftTree, path: list[int], next_token: int,
+                logits: np.ndarray | None) -> None:
+        """The round's tokens, cut where the sequence stops: EOS, a stop string, the token budget, a
+        full cache. Decided before any is yielded, so the stats count exactly the tokens emitted.
+        ``logits`` [1+len(path), V]: the verify rows of the committed positions, for logprobs."""
+        stats, request = seq.stats, seq.request
+        emitted = 0
+        accepted = proposal.tokens[: len(path)] if proposal.is_chain else proposal.tokens[path]
+        for token in (*accepted.tolist(), next_token):
+            if logits is not None and request.logprobs is not None:
+                request.logprobs.add(logits[emitted], token)
+            seq.context[seq.length] = token
+            seq.length += 1
+            emitted += 1
+            stopped = request.watch is not None and request.watch(token)
+            stats.stop_reason = ("eos" if token in self.eos_ids else "stop_string" if stopped
+                                 else "max_new_tokens" if stats.tokens + emitted >= request.max_new_tokens
+                                 else "kv_full" if seq.length >= len(seq.context) else "")
+            if self.on_token is not None:
+                self.on_token(seq.key, token)
+            if stats.stop_reason:
+                break
+        # offered: the proposal's depth (a tree's deepest node), as a chain of that many drafts
+        stats.count_round(proposal.depth, len(path), emitted)
 
     def _drop_cancelled(self) -> list[tuple[Hashable, Finished]]:
         if not self._cancelled:
@@ -182,24 +255,7 @@ class BatchLoop:
         return ended
 
 
-def decode_batch(target: Model, drafter: Drafter, requests: Sequence[Request], *, draft_len: int,
-                 eos_ids: frozenset[int], on_token: Callable[[int, int], None] | None = None,
-                 schedule: DraftSchedule | None = None, per_sequence: bool = False,
-                 adaptive: Callable[[], DepthPolicy] | None = None) -> list[Finished]:
-    """Decode every request, up to ``target.slots`` at a time, each exactly as it would decode
-    alone (greedy: the same tokens; sampled: the same distribution). ``on_token(index, token)``
-    sees each emitted token. ``schedule``: each round drafts at most its depth for the number of
-    running sequences (and ``draft_len``). ``per_sequence``: each round's verify width, under
-    that cap, from the rows' own acceptance and the measured batch costs (runtime/goodput.py).
-    ``adaptive``: makes each sequence's own DepthPolicy (its depth under the cap, as alone)."""
-    loop = BatchLoop(target, drafter, draft_len=draft_len, eos_ids=eos_ids, on_token=on_token,  # type: ignore[arg-type]
-                     schedule=schedule, per_sequence=per_sequence, adaptive=adaptive)
-    for index, request in enumerate(requests):
-        loop.submit(index, request)
-    finished: dict[Hashable, Finished] = {}
-    while loop.busy:
-        finished.update(loop.step())
-    return [finished[i] for i in range(len(requests))]
+_NOTHING = DraftTree(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))  # a row verifying its root alone
 
 
 @dataclass
@@ -212,7 +268,7 @@ class _Prefill:
 
 
 def _start(target: Model, drafter: Drafter, slot: int, key: Hashable, request: Request, draft_len: int,
-           shared: _Prefill | None = None) -> tuple[_Running, _Prefill]:
+           shared: _Prefill | None = None) -> tuple[Running, _Prefill]:
     """Prefill the request into ``slot`` (all but the last prompt token). ``shared``: a prefill of
     the same prompt this step, whose cache row is copied instead (n completions of one prompt
     pay for one prefill; a batched target's slots are rows of one host cache)."""
@@ -231,239 +287,17 @@ def _start(target: Model, drafter: Drafter, slot: int, key: Hashable, request: R
         extras = runner.forward(prompt[:-1], want=drafter.needs).extras  # the last prompt token opens round one
     drafter.join(slot, prompt, extras)
     stats.prefill_s = time.perf_counter() - start
-    return _Running(key, request, context, len(prompt), stats), _Prefill(prompt, slot, extras)
+    return Running(key, request, context, len(prompt), stats), _Prefill(prompt, slot, extras)
 
 
-@dataclass
-class _Widths:
-    """Per-sequence depth's state over one batched decode: the acceptance of each draft tag
-    (the n-gram match length, say), pooled over all rows with DepthPolicy's prior and
-    forgetting, and the rounds since drafts were last verified (a probe every
-    ``policy.probe_every`` rounds that chose no drafts, so an estimate can recover)."""
-
-    policy: DepthPolicy
-    skipped: int = 0
-
-    def choose(self, target: Model, drafts: list[Draft], rows: int, width: int, default_tag: str) -> int:
-        batch = target.batch_for(rows)
-        built = target.widths(rows)
-        holding = [w for w in built if w >= width][:1] or built[-1:]  # the narrowest holding every draft
-        rates = [self.policy.alpha(d.tag or default_tag) for d in drafts]
-        chosen = best_width([w for w in built if w < width] + holding, lambda w: target.costs[(batch, w)],
-                            rates, [d.size for d in drafts])
-        self.skipped = self.skipped + 1 if chosen == 1 else 0
-        if self.skipped >= self.policy.probe_every:
-            self.skipped, chosen = 0, holding[0]
-        return chosen
-
-
-def _round(target: Model, drafter: Drafter, running: list[_Running], draft_len: int,
-           eos_ids: frozenset[int], on_token: Callable[[Hashable, int], None] | None,
-           widths: _Widths | None = None) -> RoundReport:
-    """One draft -> verify -> accept -> commit round over every running sequence."""
-    start = time.perf_counter()
-    ks = _depths(drafter, running, draft_len, target.max_seq_len)
-    drafts = _draft(drafter, running, ks, start)
-    drafts, out, report = _verify(target, drafter, running, drafts, draft_len, widths)
-    for r, (seq, draft) in enumerate(zip(running, drafts)):
-        request = seq.request
-        n_accepted, next_token = _accept(request, draft, out, r, _output(seq))
-        # the drafter sees the row's outputs of its committed positions only (first token, accepted drafts)
-        drafter.accept(r, n_accepted, next_token, {name: out[name][r, : 1 + n_accepted] for name in drafter.needs})
-        for policy in (widths.policy if widths else None, seq.policy):
-            if policy is not None:
-                policy.update(draft.tag or drafter.name, draft.size, n_accepted)
-        before = (seq.stats.proposed, seq.stats.accepted)
-        _commit(seq, draft, n_accepted, next_token, eos_ids, on_token,
-                out[LOGITS][r] if request.logprobs is not None else None)  # the rewind: the next run's length
-        _settle_rules(seq)
-        seq.stats.verified_tokens += 1 + draft.size
-        report.proposed.append(seq.stats.proposed - before[0])
-        report.accepted.append(seq.stats.accepted - before[1])
-        seq.stats.verify_s += report.verify_s
-        seq.stats.total_s += time.perf_counter() - start
-    return report
-
-
-def _tree_round(target: Model, drafter: Drafter, verifier: TreeVerifier, running: list[_Running], draft_len: int,
-                max_nodes: int, top_k: int, eos_ids: frozenset[int],
-                on_token: Callable[[Hashable, int], None] | None) -> RoundReport | None:
-    """One round over token trees (runtime/tree.py) for every running row: draft a tree per row,
-    verify them all in one pass of the batch's tree graph, walk each, keep each accepted path's
-    cache (the verifier compacts it). Rows share the pass's width; each row's tree has its own
-    shape (a confident drafter's is a chain). None, and nothing done, when the batch size has
-    no tree graph, a row's cache cannot take it, or no row has a tree this round (a chain
-    round runs)."""
-    start = time.perf_counter()
-    n = len(running)
-    batch = verifier.batch_for(n)
-    # one sequence: the tree's own budget; more: at most the schedule's width per row, as chains
-    nodes = min(max_nodes, verifier.nodes, draft_len if n > 1 else max_nodes)
-    if batch is None or nodes <= 0 or not all(verifier.fits(seq.length - 1, nodes, batch) for seq in running):
-        return None
-    depths = _depths(drafter, running, draft_len, target.max_seq_len)
-    for seq in running:  # each adaptive row calibrates its own weights; the others are taken as they are
-        if seq.policy is not None and seq.tree_sizer is None:
-            seq.tree_sizer = TreeSizer(verifier.cost)
-    engine_before = drafter.engine_seconds
-    # the loop keeps a tree verifier for tree drafters only (BatchLoop.__init__); an adaptive row
-    # alone has its drafter stop growing where the size below would cut
-    rows = [_draft_row(seq, _size_hint(seq.tree_sizer, verifier, drafter) if n == 1 else None) for seq in running]
-    trees = cast(TreeDrafter, drafter).propose_trees(rows, depths, nodes, top_k)
-    # nodes the grammar forbids are not verified
-    trees = [seq.request.rules.valid_tree(_output(seq), tree) if tree is not None and seq.request.rules is not None
-             else tree for seq, tree in zip(running, trees)]
-    draft_s, draft_engine_s = time.perf_counter() - start, drafter.engine_seconds - engine_before
-    for seq in running:  # every row waits for the whole draft, as for the verify pass
-        seq.stats.draft_s += draft_s
-        seq.stats.draft_engine_s += draft_engine_s
-    if all(tree is None or tree.size == 0 for tree in trees):
-        return None
-    drafted = [tree if tree is not None else _NO_TREE for tree in trees]
-    if any(seq.policy is not None for seq in running):  # adaptive: the trees' best shared size at this batch
-        sizers = [seq.tree_sizer or TreeSizer(verifier.cost) for seq in running]
-        keep = shared_size(sizers, drafted, lambda rows: verifier.cost(rows, batch))
-        drafted = [tree.best(keep) if tree.size > keep else tree for tree in drafted]
-    sampled = any(seq.request.needs_logits for seq in running)
-    before = verifier.seconds
-    outs = verifier.run_rows(batch, {r: (seq.length - 1, int(seq.context[seq.length - 1]), tree)
-                                     for r, (seq, tree) in enumerate(zip(running, drafted))}, sampled, drafter.needs)
-    verify_s = verifier.seconds - before
-    report = RoundReport(n, batch, 1 + max(tree.size for tree in drafted), draft_len, [], [], verify_s)
-    for r, (seq, tree) in enumerate(zip(running, drafted)):
-        _settle_tree(seq, r, tree, outs[r], drafter, verifier, eos_ids, on_token, report)
-        seq.stats.verify_s += verify_s
-        seq.stats.total_s += time.perf_counter() - start
-    return report
-
-
-_NO_TREE = DraftTree(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))  # a row verifying its root alone
-
-
-def _settle_tree(seq: _Running, r: int, tree: DraftTree, out: dict[str, np.ndarray], drafter: Drafter,
-                 verifier: TreeVerifier, eos_ids: frozenset[int], on_token: Callable[[Hashable, int], None] | None,
-                 report: RoundReport) -> None:
-    """Row r after the tree pass: walk its tree, compact its cache, tell the drafter, commit."""
-    request, length = seq.request, seq.length - 1  # the cache holds every committed token but the last
-    path, next_token = _accept_tree(request, tree, out, _output(seq))
-    verifier.commit(length, path, r)
-    rows = [0, *(1 + p for p in path)]  # the verify rows of the committed positions
-    drafter.accept(r, len(path), next_token, {name: out[name][rows] for name in drafter.needs})
-    deepest = int(tree.depths().max()) if tree.size else 0
-    if seq.policy is not None and tree.size:
-        seq.policy.update(tree.tag or drafter.name, deepest, len(path))
-    if seq.tree_sizer is not None:
-        seq.tree_sizer.update(tree, len(path))
-    # committed as a chain round whose drafts were the path, offered to the tree's depth
-    offered = Draft(np.concatenate((tree.tokens[path], np.zeros(deepest - len(path), dtype=np.int64))), tag=tree.tag)
-    counted = (seq.stats.proposed, seq.stats.accepted)
-    _commit(seq, offered, len(path), next_token, eos_ids, on_token,
-            out[LOGITS][rows] if request.logprobs is not None else None)
-    _settle_rules(seq)
-    seq.stats.tree_nodes += tree.size
-    seq.stats.verified_tokens += 1 + tree.size
-    report.proposed.append(seq.stats.proposed - counted[0])
-    report.accepted.append(seq.stats.accepted - counted[1])
-
-
-def _accept_tree(request: Request, tree: DraftTree, out: dict[str, np.ndarray],
-                 output: np.ndarray) -> tuple[list[int], int]:
-    """The tree's acceptance rule (runtime/tree.py): greedy on the graph's argmax, or on each
-    node's logits ruled with the output and its path; sampled, rejection over siblings."""
-    if request.rules is None and request.sampling.greedy:
-        return tree_greedy(tree, lambda r: int(out[NEXT_TOKENS][r]))
-
-    def row(r: int) -> np.ndarray:  # [V] row r's logits, ruled with the output and the path to it
-        if request.rules is None:
-            return out[LOGITS][r]
-        return request.rules.apply(out[LOGITS][r], np.concatenate((output, tree.tokens[tree.path(r - 1)])))
-
-    if request.sampling.greedy:
-        return tree_greedy(tree, lambda r: int(np.argmax(row(r))))
-    return tree_rejection(tree, lambda r: warp_row(row(r), request.sampling), request.rng)
-
-
-def _accept(request: Request, draft: Draft, out: dict[str, np.ndarray], r: int,
-            output: np.ndarray) -> tuple[int, int]:
-    """Row r's acceptance rule: (accepted drafts, next token). Greedy reads the graph's argmax
-    [1+k]; with rules, or sampling, the logits [1+k, V], row i ruled with the output before it
-    (the committed ``output``, then drafts[:i]) and, sampling, warped for rejection."""
-    if request.rules is None and request.sampling.greedy:
-        return greedy(draft.tokens, out[NEXT_TOKENS][r, : 1 + draft.size])
-    rows = out[LOGITS][r, : 1 + draft.size]  # [1+k, V]
-    if request.rules is not None:
-        rows = RuledRows(rows, request.rules, output, draft.tokens)
-    if request.sampling.greedy:
-        return greedy_walk(draft.tokens, rows)
-    return rejection(draft, Warped(rows, request.sampling), request.rng)
-
-
-def _depths(drafter: Drafter, running: list[_Running], draft_len: int, max_seq_len: int) -> list[int]:
-    """Each row's depth: the round's, within its cache and its token budget (0: it only
-    verifies), then as its own adaptive depth chooses."""
-    ks = [min(draft_len, max_seq_len - seq.length, seq.request.max_new_tokens - seq.stats.tokens - 1)
-          for seq in running]
-    return [seq.policy.best_depth(drafter.name, k) if seq.policy is not None else k for seq, k in zip(running, ks)]
-
-
-def _draft(drafter: Drafter, running: list[_Running], ks: list[int], start: float) -> list[Draft]:
-    """One proposal for every row (a prefix kept where adaptive depth trims one that exists)."""
-    engine_before = drafter.engine_seconds
-    drafts = drafter.propose([_draft_row(seq) for seq in running], ks)
-    drafts = [seq.policy.trim(d, drafter.name) if seq.policy is not None else d for seq, d in zip(running, drafts)]
-    # a draft the grammar forbids would end the accepted run there: it is not verified at all
-    drafts = [d.trimmed(seq.request.rules.valid_drafts(_output(seq), d.tokens)) if seq.request.rules is not None
-              and d.size else d for seq, d in zip(running, drafts)]
-    draft_s, draft_engine_s = time.perf_counter() - start, drafter.engine_seconds - engine_before
-    for seq in running:  # every row waits for the whole draft, as for the verify pass
-        seq.stats.draft_s += draft_s
-        seq.stats.draft_engine_s += draft_engine_s
-    return drafts
-
-
-def _draft_row(seq: _Running, tree_size: SizeHint | None = None) -> DraftRow:
+def _draft_row(seq: Running, tree_size: SizeHint | None = None) -> DraftRow:
     """What the drafter sees of a running sequence."""
     request = seq.request
     return DraftRow(seq.context[: seq.length], request.sampling, request.rng, request.rules, len(request.prompt),
                     tree_size)
 
 
-def _size_hint(sizer: TreeSizer | None, verifier: TreeVerifier, drafter: Drafter) -> SizeHint | None:
-    """The size an adaptive sequence verifying alone will cut its tree to, counting the
-    drafter's steps down to its deepest node (None: a fixed-size row). Not at B > 1: there the
-    rows share one size, which may give a row more nodes than its own tree would choose."""
-    if sizer is None:
-        return None
-    return lambda weights, depths, drafted: sizer.size_ranked(weights, depths, verifier.cost, drafted,
-                                                              drafter.round_cost)
-
-
-def _verify(target: Model, drafter: Drafter, running: list[_Running], drafts: list[Draft], draft_len: int,
-            widths: _Widths | None) -> tuple[list[Draft], dict[str, np.ndarray], RoundReport]:
-    """One target run over every row, [last, d1..dk] at the row's cache length, right-padded to
-    the longest: the drafts it verified (trimmed to what the graph holds), its outputs (next_tokens
-    [B, T], logits [B, T, V] when a row samples, the drafter's needs) and the round's report."""
-    n = len(running)
-    # an in-place graph checks the padded length against the cache: the width fits every row
-    room = min(target.max_seq_len - (seq.length - 1) for seq in running)
-    width = min(1 + max(d.size for d in drafts), room)
-    if widths is not None and width > 1:  # the width with the most expected tokens per second of verify
-        width = widths.choose(target, drafts, n, width, drafter.name)
-    holds = target.holds(n, width)
-    drafts = [d if 1 + d.size <= holds else d.trimmed(holds - 1) for d in drafts]
-    sampled = any(seq.request.needs_logits for seq in running)
-    rows = {r: (seq.length - 1, np.concatenate((seq.context[seq.length - 1 : seq.length], d.tokens)), {})
-            for r, (seq, d) in enumerate(zip(running, drafts))}
-    before = target.seconds
-    out = target.run(n, rows, sampled, drafter.needs)
-    verify_s = target.seconds - before
-    graph = target.graph(n, min(width, holds))  # (B, T) of the verify graph
-    if widths is not None:
-        target.costs[graph] = observed(target.costs.get(graph), verify_s)
-    return drafts, out, RoundReport(n, graph[0], graph[1], draft_len, [], [], verify_s)
-
-
-def _settle_rules(seq: _Running) -> None:
+def _settle_rules(seq: Running) -> None:
     """After a round's commit: the sequence's rules (its grammar) move past the new output, and
     their costs go to its stats."""
     rules = seq.request.rules
@@ -474,30 +308,6 @@ def _settle_rules(seq: _Running) -> None:
     seq.stats.rules_s, seq.stats.ruled_rows = rules.seconds, rules.rows
 
 
-def _output(seq: _Running) -> np.ndarray:
+def _output(seq: Running) -> np.ndarray:
     """The sequence's committed output tokens [m]."""
     return seq.context[len(seq.request.prompt) : seq.length]
-
-
-def _commit(seq: _Running, draft: Draft, n_accepted: int, next_token: int, eos_ids: frozenset[int],
-            on_token: Callable[[Hashable, int], None] | None, logits: np.ndarray | None = None) -> None:
-    """The round's tokens, cut where the sequence stops: EOS, a stop string, the token budget, a
-    full cache. Decided before any is yielded, so the stats count exactly the tokens emitted.
-    ``logits`` [T, V]: the row's verify logits, for the request's logprobs."""
-    stats, request = seq.stats, seq.request
-    emitted = 0
-    for token in (*draft.tokens[:n_accepted].tolist(), next_token):
-        if logits is not None and request.logprobs is not None:
-            request.logprobs.add(logits[emitted], token)
-        seq.context[seq.length] = token
-        seq.length += 1
-        emitted += 1
-        stopped = request.stop is not None and request.stop(token)
-        stats.stop_reason = ("eos" if token in eos_ids else "stop_string" if stopped
-                             else "max_new_tokens" if stats.tokens + emitted >= request.max_new_tokens
-                             else "kv_full" if seq.length >= len(seq.context) else "")
-        if on_token is not None:
-            on_token(seq.key, token)
-        if stats.stop_reason:
-            break
-    stats.count_round(draft.size, n_accepted, emitted)

@@ -22,7 +22,7 @@ Temperature, min_p, top-k and top-p then warp the ruled logits (acceptance.warp_
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -161,29 +161,3 @@ class SequenceRules:
                 self.grammar.commit(output[self.committed :])
                 self.seconds += time.perf_counter() - start
             self.committed = len(output)
-
-
-class RuledRows:
-    """A verify pass's logits rows [n, V] for one sequence, each ruled when it is read with the
-    output before it: the committed output, then drafts[:i]. Acceptance stops at the first
-    rejection, so the rows after it (and their grammar masks) are never paid for."""
-
-    def __init__(self, logits: np.ndarray, rules: SequenceRules, output: np.ndarray, drafts: np.ndarray):
-        self.logits, self.rules = logits, rules  # [n, V]
-        self.output, self.drafts = output, drafts  # [m], [k]
-
-    def __len__(self) -> int:
-        return len(self.logits)
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        return self.rules.apply(self.logits[i], np.concatenate((self.output, self.drafts[:i])))
-
-
-def greedy_walk(draft_tokens: np.ndarray, rows: Sequence[np.ndarray]) -> tuple[int, int]:
-    """Greedy acceptance over rows read one at a time: the drafts kept while each equals its
-    row's argmax, then the argmax after the last kept one. Returns (accepted drafts, next token)."""
-    for i, token in enumerate(draft_tokens.tolist()):
-        choice = int(np.argmax(rows[i]))
-        if choice != token:
-            return i, choice
-    return len(draft_tokens), int(np.argmax(rows[len(draft_tokens)]))

@@ -4,7 +4,7 @@ A ``DraftTree`` holds N draft nodes in topological order; node i follows ``paren
 root, the last committed token, which the verify pass also feeds). The verify pass runs 1+N
 rows: row 0 is the root, row 1+i node i, each at position cache_length + depth and attending
 to its ancestors only (``verify_inputs``). Its rows give the target's choice after every node,
-so acceptance walks down from the root:
+so acceptance (runtime/acceptance.py) walks down from the root:
 
 - ``tree_greedy``: follow the child whose token is the target's argmax; the argmax after the
   last node followed comes next. The output is exactly target-only greedy decoding, as for a
@@ -23,12 +23,15 @@ so acceptance walks down from the root:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specexport.runtime.acceptance import Kept, _inverse_cdf, as_kept
+if TYPE_CHECKING:
+    from specexport.runtime.acceptance import Draft, Kept
 
 ROOT = -1
 
@@ -41,12 +44,18 @@ SizeHint = Callable[[np.ndarray, np.ndarray, int], int]
 
 @dataclass(frozen=True)
 class DraftTree:
+    """A round's proposal for one sequence, where drafting meets verifying. A chain (each node
+    the only child of the one before) is a tree too: ``chain`` makes one from a ``Draft``."""
+
     tokens: np.ndarray  # [N] int64
     parents: np.ndarray  # [N] int64, parents[i] < i (−1: the root)
     tag: str = ""  # what kind of guess this is (as Draft.tag)
     # [N] the drafter's estimate that node i ends up on the accepted path (its joint draft
     # probability; n-gram: the share of matches through it); None: no estimate
     weights: np.ndarray | None = None
+    # a sampled chain: [N] the distribution q each token was drawn from (rejection sampling
+    # reads it); None: point masses (drafts chosen, not drawn)
+    probs: Sequence[Kept] | np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -62,9 +71,29 @@ class DraftTree:
         return len(self.tokens)
 
     @classmethod
-    def chain(cls, tokens, tag: str = "") -> DraftTree:
+    def chain(cls, tokens, tag: str = "", probs: Sequence[Kept] | np.ndarray | None = None) -> DraftTree:
         tokens = np.asarray(tokens, dtype=np.int64)
-        return cls(tokens, np.arange(-1, len(tokens) - 1, dtype=np.int64), tag)
+        return cls(tokens, np.arange(-1, len(tokens) - 1, dtype=np.int64), tag, probs=probs)
+
+    @classmethod
+    def of_draft(cls, draft: Draft) -> DraftTree:
+        """A chain drafter's proposal as a tree."""
+        return cls.chain(draft.tokens, draft.tag, draft.probs)
+
+    @cached_property
+    def is_chain(self) -> bool:
+        """Each node the only child of the one before: acceptance reads it left to right."""
+        return bool((self.parents == np.arange(-1, self.size - 1)).all())
+
+    def path_rows(self, path: list[int]) -> slice | list[int]:
+        """The verify rows of the root and the accepted ``path`` (row 0 the root, 1+i node i):
+        a slice for a chain, whose path is its first nodes."""
+        return slice(0, 1 + len(path)) if self.is_chain else [0, *(1 + p for p in path)]
+
+    @property
+    def depth(self) -> int:
+        """The deepest node's depth (0: no nodes)."""
+        return self.size if self.is_chain else int(self.depths().max()) if self.size else 0
 
     def depths(self) -> np.ndarray:
         """[N] each node's distance from the root (its children: 1)."""
@@ -89,7 +118,16 @@ class DraftTree:
         """The nodes ``keep`` (increasing; each one's parent kept or the root), renumbered."""
         index = {ROOT: ROOT, **{node: i for i, node in enumerate(keep)}}
         return DraftTree(self.tokens[keep], np.array([index[int(self.parents[n])] for n in keep], dtype=np.int64),
-                         self.tag, None if self.weights is None else self.weights[keep])
+                         self.tag, None if self.weights is None else self.weights[keep],
+                         None if self.probs is None else [self.probs[n] for n in keep])
+
+    def prefix(self, keep: int) -> DraftTree:
+        """A chain's first ``keep`` nodes (a prefix of a chain is a chain)."""
+        if keep >= self.size:
+            return self
+        return DraftTree(self.tokens[:keep], self.parents[:keep], self.tag,
+                         None if self.weights is None else self.weights[:keep],
+                         None if self.probs is None else self.probs[:keep])
 
     def capped_weights(self) -> np.ndarray:
         """[N] each node's weight, capped by its parent's (a node is on the accepted path only
@@ -241,37 +279,3 @@ def top_candidates(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     log_norm = peak + np.log(np.exp(rows - peak).sum(axis=1, keepdims=True))  # [n, 1]
     tokens, logp = top.astype(np.int64), (picked - log_norm).astype(np.float64)
     return (tokens, logp) if logits.ndim == 2 else (tokens[0], logp[0])
-
-
-def tree_greedy(tree: DraftTree, choice: Callable[[int], int]) -> tuple[list[int], int]:
-    """``choice(r)``: the target's argmax at row r (0: the root, 1+i: node i), read lazily.
-    Returns (the accepted nodes, root to leaf; the next token)."""
-    node, path = ROOT, []
-    while True:
-        chosen = choice(node + 1)
-        match = next((c for c in tree.children(node) if int(tree.tokens[c]) == chosen), None)
-        if match is None:
-            return path, chosen
-        node = match
-        path.append(node)
-
-
-def tree_rejection(tree: DraftTree, target: Callable[[int], Kept | np.ndarray],
-                   rng: np.random.Generator) -> tuple[list[int], int]:
-    """``target(r)``: the warped p at row r (a Kept or a dense [V] row), read lazily. The
-    module docstring states the rule. Returns (the accepted nodes, the next token)."""
-    node, path = ROOT, []
-    while True:
-        p = as_kept(target(node + 1))
-        probs = np.array(p.probs, dtype=np.float64)  # [m] what is left of p at this node
-        for child in tree.children(node):
-            at = p.index(int(tree.tokens[child]))
-            mass = probs.sum()
-            if at is not None and rng.random() * mass < probs[at]:
-                break  # accepted: descend
-            if at is not None:
-                probs[at] = 0.0  # rejected: the residual norm(max(0, p − δ_x)) is p without x
-        else:
-            return path, p.token(_inverse_cdf(probs, rng))
-        node = child
-        path.append(node)

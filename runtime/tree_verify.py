@@ -10,7 +10,7 @@ within the row's cache (row p to L+1+j; p >= 1+j, so in increasing order nothing
 overwritten before it is read); an appending graph returned the rows' K/V as presents, and the
 path's rows are written at L. Nothing else moves, and nothing cache-sized is allocated per round.
 
-Adaptive tree size (runtime/tree_size.py) and the batch's tree width (runtime/loop.py) read
+Adaptive tree size (runtime/tree_size.py) and the batch's tree width (runtime/policy.py) read
 ``cost``: the tuned costs (costs.json), else every tree size of a batch size timed once on first
 ask. Fixed from then on, like adaptive depth's: a running average of the passes run ratcheted
 trees down (a size timed slow on one noisy pass was no longer chosen, so never timed again), and
@@ -20,7 +20,7 @@ made a seeded run's trees depend on the clock.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from specexport.contract import (
 )
 from specexport.runtime.runner import PAD_ID, time_interleaved
 from specexport.runtime.tree import DraftTree
+from specexport.runtime.verifier import Verified, VerifyRow
 
 TreeRow = tuple[int, int, DraftTree]  # (cache length, root token, tree) of one running slot
 
@@ -151,11 +152,17 @@ class TreeVerifier:
     def end_timing(self, sizes) -> None:
         pass
 
-    def run(self, length: int, root: int, tree: DraftTree, want_logits: bool,
-            want: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
-        """Verify ``tree`` under ``root`` at cache length ``length`` in slot 0, alone: each
-        output's rows [1+n, ...] (row 0 the root, 1+i node i)."""
-        return self.run_rows(1, {0: (length, root, tree)}, want_logits, want)[0]
+    def verify(self, rows: Sequence[VerifyRow], proposals: Sequence[DraftTree], want_logits: bool,
+               want: tuple[str, ...] = ()) -> Verified:
+        """One pass over the first len(rows) slots (runtime/verifier.py's Verifier), at the
+        smallest batch size built that holds them."""
+        batch = self.batch_for(len(rows))
+        assert batch is not None, "the policy plans tree rounds at built batch sizes only"
+        before = self.seconds
+        outs = self.run_rows(batch, {r: (length, root, tree) for r, ((length, root), tree) in
+                                     enumerate(zip(rows, proposals))}, want_logits, want)
+        return Verified([outs[r] for r in range(len(rows))], batch, 1 + max(tree.size for tree in proposals),
+                        self.seconds - before)
 
     def run_rows(self, batch: int, rows: Mapping[int, TreeRow], want_logits: bool,
                  want: tuple[str, ...] = ()) -> dict[int, dict[str, np.ndarray]]:

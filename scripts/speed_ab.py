@@ -75,6 +75,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="passes over the prompts")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--new-first", action="store_true", help="load the new runtime first")
+    parser.add_argument("--tree-nodes", type=int, default=None,
+                        help="draft nodes per tree round (0: chains; default: the recipe's draft.tree)")
     args = parser.parse_args()
 
     import onnxruntime as ort
@@ -101,7 +103,7 @@ def main() -> int:
     for drafter in args.drafters.split(","):
         for pipe in pipes.values():  # warm: first calls open lazily made sessions
             pipe.generate(messages=records[0].get("messages"), prompt=records[0].get("prompt"), max_new_tokens=8,
-                          drafter=drafter)
+                          drafter=drafter, tree_nodes=args.tree_nodes)
         runs: dict[str, list[tuple[int, float, float, list[int], int]]] = {"old": [], "new": []}
         for r in range(args.rounds):
             for record in records:
@@ -109,7 +111,8 @@ def main() -> int:
                     clock.seconds = 0.0
                     start = time.perf_counter()
                     result = pipes[name].generate(prompt=record.get("prompt"), messages=record.get("messages"),
-                                                  max_new_tokens=args.max_new_tokens, drafter=drafter)
+                                                  max_new_tokens=args.max_new_tokens, drafter=drafter,
+                                                  tree_nodes=args.tree_nodes)
                     wall = time.perf_counter() - start
                     runs[name].append((len(result.token_ids), wall, wall - clock.seconds,
                                        list(result.token_ids), result.stats.rounds))

@@ -4,11 +4,22 @@ with the wrong acceptance rules a distribution test's failing control decodes un
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 from scipy.stats import chi2 as chi2_distribution
+
+from specexport.runtime.acceptance import Sampling, as_kept, warp_row
+
+
+def warp(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
+    """Logits [n, V] -> dense probabilities [n, V]: warp_row for each row."""
+    logits = np.atleast_2d(logits)
+    return np.stack([warp_row(row, sampling).dense(logits.shape[-1]) for row in logits])
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from a distribution [V] (need not be normalised)."""
+    return as_kept(probs).draw(rng)
 
 NEAR_TIE = 1e-3
 
@@ -52,7 +63,6 @@ def exact_sequence_probs(pipe, prompt_ids: list[int], sampling, length: int) -> 
     """The target's exact probability of every ``length``-token continuation under ``sampling``
     (warped: temperature, top-k, top-p), from target-alone logits: sequence -> probability. A
     continuation that draws an end-of-sequence token stops there (a shorter sequence)."""
-    from specexport.runtime.acceptance import warp
 
     eos = pipe.text.eos_ids
 
@@ -215,17 +225,11 @@ def each_with_one_control(subjects: list[str], wrong) -> list:
 
 
 def use_rule(monkeypatch, rule) -> None:
-    """Make the decode loop accept drafts by ``rule`` (a wrong one, for a failing control; None:
-    the right one, nothing patched): each loaded runtime module that imported ``rejection`` by
-    name gets ``rule`` in its place."""
+    """Make the decode loop accept chains by ``rule`` (a wrong one, for a failing control; None:
+    the right one, nothing patched): the one acceptance entry point (``acceptance.accept``)
+    reads ``rejection`` from its module, so that is where ``rule`` goes."""
     if rule is None:
         return
     import specexport.runtime.acceptance as acceptance
-    import specexport.runtime.loop  # noqa: F401  the loop, loaded so that it is found
 
-    loops = [module for name, module in list(sys.modules.items())
-             if name.startswith("specexport.") and module is not acceptance
-             and getattr(module, "rejection", None) is acceptance.rejection]
-    assert loops, "no loop module imports rejection by name: use_rule patches nothing"
-    for module in loops:
-        monkeypatch.setattr(module, "rejection", rule)
+    monkeypatch.setattr(acceptance, "rejection", rule)

@@ -171,8 +171,8 @@ def test_an_adaptive_tree_stops_growing_where_the_round_would_cut(case, monkeypa
     would verify (runtime/tree.py expansion_budget): the same trees are verified (the same
     tokens, rounds, nodes and acceptances) with fewer tree-step calls than without it. The
     head's steps are free here; what pricing them changes is tests/runtime/test_tree_hint.py's."""
-    from specexport.runtime import loop
     from specexport.runtime.adaptive import DepthPolicy
+    from specexport.runtime.policy import SpeculationPolicy
     from specexport.runtime.tree_verify import TreeVerifier
 
     name, _, _, pipe = case
@@ -192,7 +192,7 @@ def test_an_adaptive_tree_stops_growing_where_the_round_would_cut(case, monkeypa
         return [(g.token_ids, g.stats.rounds, g.stats.tree_nodes, g.stats.accepted) for g in outs], len(calls)
 
     hinted, hinted_calls = decode()
-    monkeypatch.setattr(loop, "_size_hint", lambda sizer, verifier, drafter: None)
+    monkeypatch.setattr(SpeculationPolicy, "_size_hint", lambda self, sizer: None)
     grown, grown_calls = decode()
     assert hinted == grown
     assert sum(rounds for _, rounds, _, _ in hinted) > 3 * len(PROMPTS)

@@ -125,3 +125,18 @@ def spy_proposals(drafter, seen: list) -> None:
         return drafts
 
     drafter.propose = recorded
+
+
+def decode_all(target, drafter, requests, **loop_options) -> list:
+    """Every request through one BatchLoop (runtime/loop.py), up to ``target.slots`` at a time:
+    their ``Finished`` results in order. ``loop_options``: BatchLoop's keywords (draft_len and
+    eos_ids at least)."""
+    from specexport.runtime.loop import BatchLoop
+
+    loop = BatchLoop(target, drafter, **loop_options)
+    for index, request in enumerate(requests):
+        loop.submit(index, request)
+    finished = {}
+    for ended in loop.run():
+        finished.update(ended)
+    return [finished[i] for i in range(len(requests))]

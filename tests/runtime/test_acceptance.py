@@ -11,12 +11,16 @@ from specexport.runtime.acceptance import (
     Warped,
     greedy,
     rejection,
-    sample,
-    warp,
     warp_reference,
     warp_row,
 )
-from tests.lossless import assert_sampled_as_target, residual_is_q, residual_keeps_the_rejected_token
+from tests.lossless import (
+    assert_sampled_as_target,
+    residual_is_q,
+    residual_keeps_the_rejected_token,
+    sample,
+    warp,
+)
 
 
 def test_greedy_stops_at_first_mismatch():

@@ -2,9 +2,10 @@
 
 import numpy as np
 
-from specexport.runtime.acceptance import Draft
 from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.drafters import NgramDrafter
+from specexport.runtime.policy import trim_chain
+from specexport.runtime.tree import DraftTree
 from tests.runtime.fakes import FixedDrafter, OracleDrafter, markov, random_table
 from tests.runtime.test_decode import greedy_reference, run
 
@@ -45,8 +46,8 @@ def test_trim_keeps_a_prefix_and_its_probabilities():
     policy = DepthPolicy(verify_cost)
     for _ in range(40):
         policy.update("t", proposed=4, accepted=1)
-    draft = Draft(np.array([1, 2, 3, 4]), np.full((4, 5), 0.2), "t")
-    trimmed = policy.trim(draft, "fallback")
+    draft = DraftTree.chain(np.array([1, 2, 3, 4]), "t", np.full((4, 5), 0.2))
+    trimmed = trim_chain(policy, draft, "fallback")
     assert trimmed.size < 4 and trimmed.tokens.tolist() == [1, 2, 3, 4][: trimmed.size]
     assert trimmed.probs.shape == (trimmed.size, 5) and trimmed.tag == "t"
 

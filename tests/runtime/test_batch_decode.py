@@ -51,14 +51,15 @@ def test_every_request_decodes_as_it_would_alone(batched_engines, drafter):
 
 
 def _batched_run(pipe, prompts, budgets, drafter):
-    """Like generate_batch, with one budget per request (decode_batch takes each request's own)."""
+    """Like generate_batch, with one budget per request (decode_all takes each request's own)."""
     from specexport.runtime.acceptance import Sampling
-    from specexport.runtime.loop import Request, decode_batch
+    from specexport.runtime.loop import Request
+    from tests.runtime.fakes import decode_all
 
     target = pipe.batched_target()
     assert target.slots == 4
     requests = [Request(np.asarray(p, dtype=np.int64), n, Sampling()) for p, n in zip(prompts, budgets)]
-    return decode_batch(target, pipe.drafter(drafter, target.slots), requests, draft_len=pipe.manifest.draft_len,
+    return decode_all(target, pipe.drafter(drafter, target.slots), requests, draft_len=pipe.manifest.draft_len,
                         eos_ids=pipe.text.eos_ids)
 
 

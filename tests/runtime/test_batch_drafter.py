@@ -17,8 +17,9 @@ from specexport.runtime import load
 from specexport.runtime.acceptance import Sampling
 from specexport.runtime.api import HEAD_KINDS, batched_refusal
 from specexport.runtime.drafters import ModelDrafter
-from specexport.runtime.loop import Request, decode_batch
+from specexport.runtime.loop import Request
 from tests.conftest import run_cli
+from tests.runtime.fakes import decode_all
 from tests.runtime.test_batch_decode import _prompts
 
 MODEL_DRAFTERS = ("quantized-self", "draft-model")
@@ -30,10 +31,10 @@ def _alone(pipe, drafter: str, prompts, budgets, **kwargs):
 
 
 def _together(pipe, drafter: str, prompts, budgets, schedule: DraftSchedule | None = None):
-    """decode_batch with each request's own budget, through the pipeline's batched drafter."""
+    """decode_all with each request's own budget, through the pipeline's batched drafter."""
     target = pipe.batched_target()
     requests = [Request(np.asarray(p, dtype=np.int64), n, Sampling()) for p, n in zip(prompts, budgets)]
-    return decode_batch(target, pipe.drafter(drafter, target.slots), requests, draft_len=pipe.manifest.draft_len,
+    return decode_all(target, pipe.drafter(drafter, target.slots), requests, draft_len=pipe.manifest.draft_len,
                         eos_ids=pipe.text.eos_ids, schedule=schedule)
 
 

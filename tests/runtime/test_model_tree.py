@@ -131,7 +131,7 @@ def test_sampled_model_trees_follow_the_target(pipe, rule, monkeypatch):
     # comes out: two sampled tokens (T = 1, top-k 3) through its trees are distributed as the
     # target's under tree_rejection; the same draws under a wrong sibling rule (the failing
     # controls of tests/runtime/test_tree.py, run through the loop here) fail
-    import specexport.runtime.loop as loop
+    import specexport.runtime.acceptance as acceptance
     from specexport.runtime.acceptance import Sampling
     from tests.lossless import assert_sampled_as_target, exact_sequence_probs, sample_counts
     from tests.runtime.test_tree import _no_renormalisation, _residual_keeps_rejected
@@ -139,7 +139,7 @@ def test_sampled_model_trees_follow_the_target(pipe, rule, monkeypatch):
     wrong = {"control-residual-keeps-rejected": _residual_keeps_rejected,
              "control-no-renormalisation": _no_renormalisation}
     if rule in wrong:
-        monkeypatch.setattr(loop, "tree_rejection", wrong[rule])
+        monkeypatch.setattr(acceptance, "tree_rejection", wrong[rule])
     ids = pipe.prompt_ids(PROMPTS[0])
     exact = exact_sequence_probs(pipe, ids, Sampling(1.0, top_k=3), 2)
     draws = 1500

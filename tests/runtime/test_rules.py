@@ -14,7 +14,7 @@ from specexport.runtime.acceptance import Sampling, warp_reference, warp_row
 from specexport.runtime.drafters import DraftRow, ModelDrafter
 from specexport.runtime.logprobs import Logprobs
 from specexport.runtime.loop import BatchLoop, Request
-from specexport.runtime.rules import Controls, Penalties, SequenceRules, greedy_walk
+from specexport.runtime.rules import Controls, Penalties, SequenceRules
 from tests.lossless import assert_sampled_as_target
 from tests.runtime.fakes import markov, random_table
 from tests.runtime.test_decode import drafters_for
@@ -97,11 +97,25 @@ def test_min_p_keeps_tokens_within_its_fraction_of_the_best(min_p, top_k):
         assert want[plain.argmax()] > 0
 
 
-def test_greedy_walk_is_greedy_over_rows():
-    rows = np.array([[0, 3, 1], [2, 0, 1], [0, 0, 5]], dtype=np.float32)
-    assert greedy_walk(np.array([1, 0]), rows) == (2, 2)
-    assert greedy_walk(np.array([1, 2]), rows) == (1, 0)
-    assert greedy_walk(np.array([0]), rows) == (0, 1)
+def test_chain_greedy_reads_the_graphs_argmax_or_the_ruled_rows():
+    # without rules, the verify graph's own argmax; with them, each row ruled with the output and
+    # the drafts before it (a bias toward token 2 makes it every row's choice)
+    from specexport.contract import LOGITS, NEXT_TOKENS
+    from specexport.runtime.acceptance import chain_greedy
+    from specexport.runtime.target_rows import TargetRows
+    from specexport.runtime.tree import DraftTree
+
+    logits = np.array([[0, 3, 1], [2, 0, 1], [0, 0, 5]], dtype=np.float32)  # [1+k, V]
+    out = {NEXT_TOKENS: logits.argmax(axis=1), LOGITS: logits}
+    biased = SequenceRules(Penalties(logit_bias={2: 10.0}), np.array([0]), frozenset())
+
+    def walk(drafts, rules=None):
+        chain = DraftTree.chain(np.array(drafts))
+        return chain_greedy(chain.tokens, TargetRows(out, chain, Sampling(), rules, np.zeros(0, dtype=np.int64)))
+
+    assert walk([1, 0]) == (2, 2) and walk([1, 2]) == (1, 0) and walk([0]) == (0, 1)
+    assert walk([2, 2], biased) == (2, 2) and walk([1, 2], biased) == (0, 2)
+    assert biased.rows == 3 + 1  # ruled one row at a time: all three, then up to the first mismatch
 
 
 class StaleRules(SequenceRules):

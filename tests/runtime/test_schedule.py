@@ -14,8 +14,9 @@ from specexport.contract import DraftSchedule
 from specexport.errors import BadInput
 from specexport.runtime import load
 from specexport.runtime.acceptance import Sampling
-from specexport.runtime.loop import Request, decode_batch
+from specexport.runtime.loop import Request
 from tests.conftest import run_cli, tiny_recipe
+from tests.runtime.fakes import decode_all
 
 
 def test_upper_bound_semantics_and_the_disable_shorthand():
@@ -71,7 +72,7 @@ def test_the_loop_drafts_only_where_the_schedule_allows(batched_engines):
         # each run starts from that surface (a run updates it from the calls it makes)
         target.costs = {(batch, tokens): timed[(batch, 1)] * (1 + 0.01 * tokens) for batch, tokens in timed}
         requests = [Request(np.asarray(p), 12, Sampling()) for p in prompts]
-        return decode_batch(target, pipe.drafter("ngram", target.slots), requests, draft_len=d, eos_ids=pipe.text.eos_ids,
+        return decode_all(target, pipe.drafter("ngram", target.slots), requests, draft_len=d, eos_ids=pipe.text.eos_ids,
                             schedule=schedule, per_sequence=per_sequence)
 
     for per_sequence in (False, True):  # per-sequence depth chooses widths under the schedule's cap
@@ -100,10 +101,10 @@ def test_a_measured_schedule_keeps_the_fastest_depth_per_batch_size():
 
 
 def test_per_sequence_width_follows_acceptance_and_cost():
-    from specexport.runtime.goodput import best_width, expected_tokens, observed
+    from specexport.runtime.goodput import best_width, expected_lengths, expected_tokens
 
     assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 2) == 1.75
-    assert observed(None, 2.0) == 2.0 and observed(1.0, 2.0) == pytest.approx(1.2)
+    assert expected_lengths(0.5, 2) == pytest.approx([1, 1.5, 1.75])
     cost = {1: 1.0, 2: 1.1, 6: 1.4}.__getitem__
     assert best_width([1, 2, 6], cost, [0.9, 0.9], [5, 5]) == 6  # rows that keep hitting: wide
     assert best_width([1, 2, 6], cost, [0.05, 0.05], [5, 5]) == 1  # rows that keep missing: no drafts
@@ -120,7 +121,7 @@ def test_per_sequence_depth_is_lossless(batched_engines):
              for p in prompts]
     target = pipe.batched_target()
     requests = [Request(np.asarray(p), 16, Sampling()) for p in prompts]
-    done = decode_batch(target, pipe.drafter("ngram", target.slots), requests, draft_len=pipe.manifest.draft_len,
+    done = decode_all(target, pipe.drafter("ngram", target.slots), requests, draft_len=pipe.manifest.draft_len,
                         eos_ids=pipe.text.eos_ids, per_sequence=True)
     assert [r.tokens for r in done] == alone
     assert set(target.costs) >= set(target.calls) and all(t > 0 for t in target.costs.values())

@@ -5,8 +5,15 @@ distribution (chi-square), with two wrong rules as failing controls."""
 import numpy as np
 import pytest
 
-from specexport.runtime.acceptance import Sampling, _inverse_cdf, as_kept, warp_reference
-from specexport.runtime.tree import ROOT, DraftTree, tree_greedy, tree_rejection
+from specexport.runtime.acceptance import (
+    Sampling,
+    _inverse_cdf,
+    as_kept,
+    tree_greedy,
+    tree_rejection,
+    warp_reference,
+)
+from specexport.runtime.tree import ROOT, DraftTree
 from tests.lossless import assert_sampled_as_target
 from tests.runtime.fakes import random_table
 

@@ -76,7 +76,7 @@ def decode_with(pipe, drafter, prompts, max_new, verifier_class=TreeVerifier, on
                               base.caches, base.tensors)
     out: dict[int, list[int]] = {key: [] for key in range(len(prompts))}
     loop = BatchLoop(target, drafter, draft_len=pipe.manifest.draft_len, eos_ids=frozenset(),
-                     on_token=lambda key, token: out[key].append(token), tree=verifier, tree_nodes=NODES,
+                     on_token=lambda key, token: out[key].append(token), tree_verifier=verifier, tree_nodes=NODES,
                      on_round=on_round)
     for key, ids in enumerate(prompts):
         loop.submit(key, pipe.batch_request(ids, max_new_tokens=max_new)[0])

@@ -1,0 +1,189 @@
+"""The speculation policy: how much every round drafts, and which graph verifies it.
+
+One interface over what decides the amount of speculation, asked at three points of a round:
+
+- ``plan``, before drafting: the round's depth cap (the draft length, under the batch-size
+  schedule), each row's depth within its cache and token budget, as its own adaptive depth
+  chooses (runtime/adaptive.py), and whether the round drafts token trees (the loop has a tree
+  verifier, the batch size has a tree graph and every row's cache holds it) with their node
+  budget and, for a sequence alone, the size its tree will be cut to;
+- ``fit``, after drafting: the proposals cut to what one pass should hold: a chain at the
+  widest verify graph, or at the batch-wide width with the most expected tokens per second of
+  verify (``SharedWidth``, runtime/goodput.py); trees at their best shared size
+  (runtime/tree_size.py);
+- ``observe``, after acceptance: what each row kept, for its adaptive depth, the shared width's
+  estimate and its tree sizer.
+
+Measured costs are fixed once known (tuned, built, or timed on first ask), for chains as for
+trees: a running average of the passes the loop ran ratcheted choices down (a width timed slow
+on one noisy pass was no longer chosen, so never timed again) and tied seeded runs to the clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from specexport.contract import DraftSchedule
+from specexport.runtime.adaptive import DepthPolicy
+from specexport.runtime.drafters import Drafter, TreeDrafter
+from specexport.runtime.goodput import best_width
+from specexport.runtime.model import Model
+from specexport.runtime.tree import DraftTree, SizeHint
+from specexport.runtime.tree_size import TreeSizer, shared_size
+from specexport.runtime.tree_verify import TreeVerifier
+from specexport.runtime.verifier import ChainVerifier, Verifier
+
+if TYPE_CHECKING:
+    from specexport.runtime.loop import Running
+
+
+@dataclass
+class RoundPlan:
+    """What a round drafts, decided before drafting."""
+
+    cap: int  # the round's depth (the draft length under the schedule)
+    depths: list[int]  # [rows] each row's depth (0: it only verifies)
+    verifier: Verifier  # the graph that verifies the round
+    nodes: int = 0  # > 0: a tree round, at most this many nodes a row
+    hints: list[SizeHint | None] | None = None  # a tree round: each row's size hint for its drafter
+
+    @property
+    def trees(self) -> bool:
+        return self.nodes > 0
+
+
+@dataclass
+class SharedWidth:
+    """The batch-wide verify width (``per_sequence``): rows share one verify call whose width
+    follows the longest row, so the width is chosen once across all rows from their drafts'
+    tags, pooled with DepthPolicy's prior and forgetting; every ``probe_every`` rounds that
+    chose no drafts, the narrowest width holding every draft is verified anyway so the estimate
+    can recover."""
+
+    estimate: DepthPolicy
+    skipped: int = 0
+
+    def choose(self, target: Model, proposals: Sequence[DraftTree], width: int, default_tag: str) -> int:
+        rows = len(proposals)
+        batch = target.batch_for(rows)
+        built = target.widths(rows)
+        holding = [w for w in built if w >= width][:1] or built[-1:]  # the narrowest holding every draft
+        rates = [self.estimate.alpha(p.tag or default_tag) for p in proposals]
+        chosen = best_width([w for w in built if w < width] + holding, lambda w: target.costs[(batch, w)],
+                            rates, [p.size for p in proposals])
+        self.skipped = self.skipped + 1 if chosen == 1 else 0
+        if self.skipped >= self.estimate.probe_every:
+            self.skipped, chosen = 0, holding[0]
+        return chosen
+
+
+class SpeculationPolicy:
+    """The schedule, adaptive depth, the shared width and the tree size behind one interface
+    (the module docstring says when each is asked)."""
+
+    def __init__(self, target: Model, drafter: Drafter, *, draft_len: int, schedule: DraftSchedule | None = None,
+                 per_sequence: bool = False, adaptive: Callable[[], DepthPolicy] | None = None,
+                 trees: TreeVerifier | None = None, tree_nodes: int = 0, tree_top_k: int = 4):
+        if per_sequence and not target.costs:
+            target.measure_costs()
+        self.target, self.drafter, self.draft_len, self.schedule = target, drafter, draft_len, schedule
+        self.chains = ChainVerifier(target)
+        self.shared = SharedWidth(DepthPolicy(lambda tokens: None)) if per_sequence else None
+        # each sequence's own adaptive depth under the cap: a request alone in the batch decodes
+        # as `generate` does (the same depths, so the same draws when sampled). The shared
+        # width replaces it.
+        self.adaptive = None if per_sequence else adaptive
+        # token trees where the drafter builds them: each row verifies a tree of up to
+        # tree_nodes drafts (at B > 1 at most the round's depth) when its batch size has a tree graph
+        self.trees = trees if tree_nodes > 0 and isinstance(drafter, TreeDrafter) else None
+        self.tree_nodes, self.tree_top_k = tree_nodes, tree_top_k
+
+    def start(self, seq: Running) -> None:
+        """A sequence joined: its own adaptive depth."""
+        if self.adaptive is not None:
+            seq.depth_policy = self.adaptive()
+
+    def plan(self, running: Sequence[Running]) -> RoundPlan:
+        n = len(running)
+        cap = self.draft_len if self.schedule is None else min(self.draft_len, self.schedule.depth(n))
+        trees = self.trees
+        if trees is not None:
+            batch = trees.batch_for(n)
+            # one sequence: the tree's own budget; more: at most the round's depth per row, as chains
+            nodes = min(self.tree_nodes, trees.nodes, cap if n > 1 else self.tree_nodes)
+            if batch is not None and nodes > 0 and all(trees.fits(seq.length - 1, nodes, batch) for seq in running):
+                depths = self._depths(running, cap)
+                for seq in running:  # each adaptive row calibrates its own weights; the others are taken as they are
+                    if seq.depth_policy is not None and seq.tree_sizer is None:
+                        seq.tree_sizer = TreeSizer(trees.cost)
+                # an adaptive row alone has its drafter stop growing where the size below would cut
+                hints = [self._size_hint(seq.tree_sizer) if n == 1 else None for seq in running]
+                return RoundPlan(cap, depths, trees, nodes, hints)
+        return RoundPlan(cap, self._depths(running, cap), self.chains)
+
+    def chain_round(self, plan: RoundPlan) -> RoundPlan:
+        """A tree round in which no row drafted a node, as a chain round: the roots alone are
+        verified by the target's own graphs, not the tree graph."""
+        return RoundPlan(plan.cap, plan.depths, self.chains)
+
+    def _depths(self, running: Sequence[Running], cap: int) -> list[int]:
+        """Each row's depth: the round's, within its cache and its token budget, then as its own
+        adaptive depth chooses."""
+        max_seq_len = self.target.max_seq_len
+        ks = [min(cap, max_seq_len - seq.length, seq.request.max_new_tokens - seq.stats.tokens - 1)
+              for seq in running]
+        return [seq.depth_policy.best_depth(self.drafter.name, k) if seq.depth_policy is not None else k
+                for seq, k in zip(running, ks)]
+
+    def _size_hint(self, sizer: TreeSizer | None) -> SizeHint | None:
+        """The size an adaptive sequence verifying alone will cut its tree to, counting the
+        drafter's steps down to its deepest node (None: a fixed-size row). Not at B > 1: there the
+        rows share one size, which may give a row more nodes than its own tree would choose."""
+        if sizer is None or self.trees is None:
+            return None
+        cost, round_cost = self.trees.cost, self.drafter.round_cost
+        return lambda weights, depths, drafted: sizer.size_ranked(weights, depths, cost, drafted, round_cost)
+
+    def trim(self, seq: Running, chain: DraftTree) -> DraftTree:
+        """A chain that exists, cut to the prefix the row's adaptive depth keeps."""
+        return chain if seq.depth_policy is None else trim_chain(seq.depth_policy, chain, self.drafter.name)
+
+    def fit(self, running: Sequence[Running], proposals: list[DraftTree], plan: RoundPlan) -> list[DraftTree]:
+        """The proposals cut to what the round's pass should hold."""
+        if plan.trees:
+            if any(seq.depth_policy is not None for seq in running):  # adaptive: the trees' best shared size at this batch
+                trees = plan.verifier
+                assert isinstance(trees, TreeVerifier)
+                batch = trees.batch_for(len(running))
+                sizers = [seq.tree_sizer or TreeSizer(trees.cost) for seq in running]
+                keep = shared_size(sizers, proposals, lambda rows: trees.cost(rows, batch))
+                proposals = [tree.best(keep) if tree.size > keep else tree for tree in proposals]
+            return proposals
+        n = len(running)
+        # an in-place graph checks the padded length against the cache: the width fits every row
+        room = min(self.target.max_seq_len - (seq.length - 1) for seq in running)
+        width = min(1 + max(p.size for p in proposals), room)
+        if self.shared is not None and width > 1:  # the width with the most expected tokens per second of verify
+            width = self.shared.choose(self.target, proposals, width, self.drafter.name)
+        holds = self.chains.holds(n, width)
+        return [p if 1 + p.size <= holds else p.prefix(holds - 1) for p in proposals]
+
+    def observe(self, seq: Running, proposal: DraftTree, accepted: int) -> None:
+        """Row ``seq`` kept ``accepted`` nodes of ``proposal`` (a path down to that depth)."""
+        tag = proposal.tag or self.drafter.name
+        for estimate in (self.shared.estimate if self.shared else None, seq.depth_policy):
+            if estimate is not None:
+                estimate.update(tag, proposal.depth, accepted)
+        if seq.tree_sizer is not None:
+            seq.tree_sizer.update(proposal, accepted)
+
+
+def trim_chain(depth: DepthPolicy, chain: DraftTree, planned_tag: str) -> DraftTree:
+    """A chain that exists, cut to the best prefix worth verifying when its tag says more than
+    the one its depth was planned with (prompt lookup: the match length it found). The drafts
+    are sunk, so only the verify cost counts."""
+    if not chain.tag or chain.tag == planned_tag:
+        return chain
+    return chain.prefix(depth.best_depth(chain.tag, chain.size, sunk=True))
