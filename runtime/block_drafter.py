@@ -27,7 +27,7 @@ numpy heads). One running row proposes through its slot alone, at batch 1. With 
 drafting row whose pending context fits a round's graph (C = 1+D) joins one call of the
 batched block graph, each at its own ``cache_length`` with its own ``context_valid`` and
 anchor; the runtime writes each row's real context rows into its cache row, and each row drafts
-from its own slice of the outputs (a chain, or with ``propose_trees`` its tree). A row with more
+from its own slice of the outputs (a chain, or for a tree budget its tree). A row with more
 pending context (the prompt after a join, a row back from rounds at depth 0) proposes alone
 through its slot.
 """
@@ -55,7 +55,7 @@ from specexport.contract import (
     present_names,
 )
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
-from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut
+from specexport.runtime.drafters import ChainsAndTrees, DraftBudget, DraftRow, PartCosts, TargetOut
 from specexport.runtime.engine import Engine
 from specexport.runtime.kv_cache import CacheLength
 from specexport.runtime.model import BatchedCall
@@ -263,7 +263,7 @@ class BlockSlot:
         size = self.round_rows if len(rows) <= self.round_rows else self.runner.fitting(len(rows))
         return self.runner.run(size, anchor, rows, want_logits)
 
-    def propose(self, context: np.ndarray, k: int, sampling: Sampling, rng: np.random.Generator) -> Draft:
+    def chain(self, context: np.ndarray, k: int, sampling: Sampling, rng: np.random.Generator) -> Draft:
         serial = self.heads.serial
         out = self._flush(int(context[-1]), serial or not sampling.greedy)
         return self.draft_from(out, int(context[-1]), k, sampling, rng)
@@ -347,7 +347,7 @@ def load_heads(entry, root) -> BlockHeads:
     return BlockHeads(arrays, params.markov, params.confidence_with_markov)
 
 
-class BlockDrafter:
+class BlockDrafter(ChainsAndTrees):
     """A block head drafting for every running row (the module docstring says how)."""
 
     needs = (AUX_HIDDEN_STATES,)
@@ -384,10 +384,10 @@ class BlockDrafter:
             array[dst, :, :length] = array[src, :, :length]
         self.slots[dst].adopt(self.slots[src])
 
-    def propose_trees(self, rows: Sequence[DraftRow], depths: Sequence[int], nodes: int,
-                      top_k: int) -> list[DraftTree | None]:
+    def trees(self, rows: Sequence[DraftRow], budget: DraftBudget) -> list[DraftTree | None]:
         """Each drafting row's tree (BlockSlot.tree): rows whose pending context fits a round's
-        graph from one call of the batched block graph, as ``propose``; the others alone."""
+        graph from one call of the batched block graph, as ``chains``; the others alone."""
+        depths, nodes, top_k = budget.depths, budget.nodes, budget.top_k
         trees: list[DraftTree | None] = [None] * len(rows)
         drafting = [r for r, slot in enumerate(self.slots[: len(rows)])
                     if slot.pending_rows and min(depths[r], slot.drafts) > 0]
@@ -399,19 +399,12 @@ class BlockDrafter:
                 trees[r] = self.slots[r].tree_from(out, anchor, depths[r], nodes, top_k, rows[r].tree_size)
         return trees
 
-    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
-        """A tree for the sequence in ``slot``: BlockSlot.tree."""
-        state = self.slots[slot]
-        if state.pending_rows == 0 or min(depth, state.drafts) <= 0:
-            return None
-        return state.tree(row.context, depth, nodes, top_k, row.tree_size)
-
-    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
+    def chains(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
         drafts = [EMPTY_DRAFT] * len(rows)
         drafting = [r for r in range(len(rows)) if ks[r] > 0]
         call, together = self._together(rows, drafting)
         for r in (r for r in drafting if r not in together):  # alone, at batch 1
-            drafts[r] = self.slots[r].propose(rows[r].context, ks[r], rows[r].sampling, rows[r].rng)
+            drafts[r] = self.slots[r].chain(rows[r].context, ks[r], rows[r].sampling, rows[r].rng)
         if call is not None and together:
             want_logits = any(self.slots[r].heads.serial or not rows[r].sampling.greedy for r in together)
             for r, (out, anchor) in self._run_together(call, together, want_logits).items():

@@ -21,7 +21,7 @@ verified. With the head's tree step (Role.TREE, exporter/heads/chain_tree.py) th
 by level (``Expansion``): the best ``top_k`` nodes of a level go in one call, each its node's
 token and its parent's hidden, written into the head's cache after the committed rows in
 expansion order and seeing only the committed rows and its ancestors'; each node's top-k become
-the next level's candidates. A batch (``propose_trees``) grows every row's tree together: one
+the next level's candidates. A batch (``trees``) grows every row's tree together: one
 catch-up call, then one tree-step call per level, batch row r holding slot r's level (rows whose
 tree is grown idle). Without that graph only the greedy chain is stepped, slot by slot
 (runtime/tree.py ``spine_tree``: siblings are leaves). Either way the rows past the committed ones
@@ -54,7 +54,7 @@ from specexport.contract import (
     present_names,
 )
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept
-from specexport.runtime.drafters import DraftRow, PartCosts, TargetOut, trees_slot_by_slot
+from specexport.runtime.drafters import ChainsAndTrees, DraftBudget, DraftRow, PartCosts, TargetOut
 from specexport.runtime.engine import LazyEngine
 from specexport.runtime.model import Model
 from specexport.runtime.runner import PAD_ID
@@ -67,7 +67,7 @@ CATCHUP_ROLES = frozenset({Role.CATCHUP, Role.PREFILL})
 STEP_ROLES = frozenset({Role.STEP})
 
 
-class ChainDrafter:
+class ChainDrafter(ChainsAndTrees):
     needs = (AUX_HIDDEN_STATES,)
 
     def __init__(self, name: str, catchup: Model, step: Model, cost_ms: PartCosts,
@@ -118,7 +118,7 @@ class ChainDrafter:
         self._committed[dst], self._pending[dst] = self._committed[src], self._pending[src]
         self._pending[src] = []
 
-    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
+    def chains(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
         n = len(rows)
         active = [r for r in range(n) if ks[r] > 0 and self._pending[r]]  # asked to, with rows to feed
         drafts = [EMPTY_DRAFT] * n
@@ -145,15 +145,15 @@ class ChainDrafter:
             drafts[r] = Draft(tokens[r, : depth[r]].copy(), None if rows[r].sampling.greedy else probs[r], self.name)
         return drafts
 
-    def propose_trees(self, rows: Sequence[DraftRow], depths: Sequence[int], nodes: int,
-                      top_k: int) -> list[DraftTree | None]:
+    def trees(self, rows: Sequence[DraftRow], budget: DraftBudget) -> list[DraftTree | None]:
         """A tree for every running row (row r in slot r; None at depth 0 or with nothing to
         feed). With the tree step at the batch's size: one catch-up call for all rows, then one
         tree-step call per level over every row still expanding; else slot by slot."""
-        n = len(rows)
+        n, depths, nodes, top_k = len(rows), budget.depths, budget.nodes, budget.top_k
         batch = self._tree_batch(n)
         if n == 1 or batch is None:
-            return trees_slot_by_slot(self, rows, depths, nodes, top_k)
+            return [self.tree_alone(row, depth, nodes, top_k, slot) if depth > 0 else None
+                    for slot, (row, depth) in enumerate(zip(rows, depths))]
         active = [r for r in range(n) if depths[r] > 0 and self._pending[r]]
         trees: list[DraftTree | None] = [None] * n
         if not active:
@@ -172,7 +172,7 @@ class ChainDrafter:
             trees[r] = expansion.tree(f"{self.name}/tree")
         return trees
 
-    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
+    def tree_alone(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
         """A tree of up to ``nodes`` nodes and ``depth`` levels for the sequence in ``slot`` (its
         runners alone): expanded level by level with the tree step, else over the greedy chain."""
         if not self._pending[slot]:

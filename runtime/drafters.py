@@ -14,9 +14,9 @@ live in runtime/chain_drafter.py (EAGLE-3, MTP) and runtime/block_drafter.py (DF
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -25,7 +25,7 @@ from specexport.contract import LOGITS, NEXT_TOKENS
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
 from specexport.runtime.model import Model
 from specexport.runtime.rules import SequenceRules
-from specexport.runtime.tree import DraftTree, SizeHint, Spine, grow_spine
+from specexport.runtime.tree import DraftTree, SizeHint, Spine
 
 TargetOut = Mapping[str, np.ndarray]  # target output name -> [n, ...] rows of committed positions
 PartCosts = Mapping[str, Mapping[int, float]]  # a drafter's graph part ("step", "catchup", "block") -> tokens -> ms
@@ -56,9 +56,25 @@ class DraftRow:
         return warp_row(logits, self.sampling)
 
 
+@dataclass(frozen=True)
+class DraftBudget:
+    """How much a round asks of the drafter: ``depths[r]`` levels for row r (0: nothing, the row
+    only verifies); ``nodes`` > 0: token trees of at most that many nodes with at most ``top_k``
+    children a node (for a drafter that ``builds_trees``), else chains of ``depths[r]`` tokens."""
+
+    depths: Sequence[int]
+    nodes: int = 0
+    top_k: int = 0
+
+    @property
+    def trees(self) -> bool:
+        return self.nodes > 0
+
+
 class Drafter(Protocol):
     name: str
     needs: tuple[str, ...]  # target outputs it reads (a head's aux_hidden_states); empty for most
+    builds_trees: bool  # whether ``propose`` gives trees for a tree budget (else chains)
 
     @property
     def engine_seconds(self) -> float:
@@ -79,10 +95,11 @@ class Drafter(Protocol):
         (``target_out``: the outputs named by ``needs``, a row per prefilled position; arrays
         are valid during the call only: copy what you keep)."""
 
-    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
-        """A draft for every running row (row r in slot r) of at most ``ks[r]`` tokens; ks[r] = 0:
-        EMPTY_DRAFT, and the row's state stays a valid prefix of its context. Sampled rows give
-        the distributions their tokens were drawn from, drawn with the row's own rng."""
+    def propose(self, rows: Sequence[DraftRow], budget: DraftBudget) -> list[DraftTree]:
+        """A proposal for every running row (row r in slot r) within ``budget``: a chain, or a
+        tree where the budget asks for trees; depth 0 (or nothing to offer): no nodes, and the
+        row's state stays a valid prefix of its context. A sampled chain carries the
+        distributions its tokens were drawn from, drawn with the row's own rng."""
 
     def accept(self, slot: int, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
         """The target kept ``n_accepted`` of the slot's drafts and chose ``next_token`` after them;
@@ -93,32 +110,35 @@ class Drafter(Protocol):
         """Slot ``dst`` takes over slot ``src``'s sequence."""
 
 
-@runtime_checkable
-class TreeDrafter(Protocol):
-    """A drafter that also drafts token trees (runtime/tree.py)."""
-
-    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
-        """A tree of at most ``nodes`` nodes and ``depth`` levels for the sequence in ``slot``
-        alone (None: nothing to offer)."""
-
-    def propose_trees(self, rows: Sequence[DraftRow], depths: Sequence[int], nodes: int,
-                      top_k: int) -> list[DraftTree | None]:
-        """A tree for every running row (row r in slot r; depth 0: None)."""
+NO_NODES = DraftTree(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))  # a row verifying its root alone
 
 
-def trees_slot_by_slot(drafter: TreeDrafter, rows: Sequence[DraftRow], depths: Sequence[int], nodes: int,
-                       top_k: int) -> list[DraftTree | None]:
-    """``propose_trees`` of a drafter without a batched tree step: each slot's tree alone."""
-    return [drafter.propose_tree(row, depth, nodes, top_k, slot=r) if depth > 0 else None
-            for r, (row, depth) in enumerate(zip(rows, depths))]
+class ChainsAndTrees:
+    """``propose`` over a drafter's two ways of drafting: ``chains(rows, depths)`` (a Draft per
+    row) and, where it ``builds_trees``, ``trees(rows, budget)`` (a DraftTree or None per row)."""
+
+    builds_trees = True
+
+    def propose(self, rows: Sequence[DraftRow], budget: DraftBudget) -> list[DraftTree]:
+        if budget.trees and self.builds_trees:
+            return [tree if tree is not None else NO_NODES for tree in self.trees(rows, budget)]
+        return [DraftTree.of_draft(draft) for draft in self.chains(rows, budget.depths)]
+
+    def chains(self, rows: Sequence[DraftRow], depths: Sequence[int]) -> list[Draft]:
+        raise NotImplementedError
+
+    def trees(self, rows: Sequence[DraftRow], budget: DraftBudget) -> list[DraftTree | None]:
+        raise NotImplementedError
 
 
-class Stateless:
-    """A drafter without engines or per-sequence state: each row drafts from its context alone."""
+class Stateless(ChainsAndTrees):
+    """A drafter without engines or per-sequence state: each row drafts from its context alone
+    (``chain``, and ``tree`` where it builds trees)."""
 
     name = "none"
     needs: tuple[str, ...] = ()
     engine_seconds = 0.0
+    builds_trees = False
 
     def round_cost(self, k: int, costs: PartCosts | None = None) -> float:
         return 0.0
@@ -129,11 +149,20 @@ class Stateless:
     def join(self, slot: int, prompt: np.ndarray, target_out: TargetOut) -> None:
         pass
 
-    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
-        return [self.propose_one(row.context, k) if k > 0 else EMPTY_DRAFT for row, k in zip(rows, ks)]
+    def chains(self, rows: Sequence[DraftRow], depths: Sequence[int]) -> list[Draft]:
+        return [self.chain(row.context, k) if k > 0 else EMPTY_DRAFT for row, k in zip(rows, depths)]
 
-    def propose_one(self, context: np.ndarray, k: int) -> Draft:
+    def trees(self, rows: Sequence[DraftRow], budget: DraftBudget) -> list[DraftTree | None]:
+        return [self.tree(row, depth, budget.nodes, budget.top_k) if depth > 0 else None
+                for row, depth in zip(rows, budget.depths)]
+
+    def chain(self, context: np.ndarray, k: int) -> Draft:
+        """Up to ``k`` tokens after ``context`` [n]."""
         return EMPTY_DRAFT
+
+    def tree(self, row: DraftRow, depth: int, nodes: int, top_k: int) -> DraftTree | None:
+        """A tree of at most ``nodes`` nodes and ``depth`` levels after the row's context."""
+        return None
 
     def accept(self, slot: int, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
         pass
@@ -154,48 +183,45 @@ LONGER_MATCH_WEIGHT = 4
 
 class NgramDrafter(Stateless):
     """Prompt lookup: find the context's last n tokens earlier in the context (longest n
-    first, latest occurrence that still has k tokens after it) and propose what followed."""
+    first) and propose what followed: as a chain, the latest occurrence that still has k tokens
+    after it; as a tree, every occurrence's continuation merged into a trie."""
+
+    builds_trees = True
 
     def __init__(self, name: str = "ngram", max_ngram: int = 3, min_ngram: int = 1):
         self.name = name
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def propose_one(self, context: np.ndarray, k: int) -> Draft:
+    def matches(self, context: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+        """(n, the starts of every earlier occurrence of the context's last n tokens), longest n
+        first, for each n that has one. Windows end before the last token, so each occurrence
+        has a continuation."""
         size = len(context)
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if size <= n:
-                continue
-            suffix = context[size - n :]  # [n]
-            # window i is context[i:i+n]; windows end before the last token, so each has a continuation
-            windows = sliding_window_view(context[: size - 1], n)  # [size-n, n]
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size == 0:
-                continue
-            full = hits[hits + n + k <= size]
+        for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
+            windows = sliding_window_view(context[: size - 1], n)  # [size-n, n] window i: context[i:i+n]
+            hits = np.flatnonzero((windows == context[size - n :]).all(axis=1))  # [h] ascending
+            if hits.size:
+                yield n, hits
+
+    def chain(self, context: np.ndarray, k: int) -> Draft:
+        for n, hits in self.matches(context):
+            full = hits[hits + n + k <= len(context)]
             start = int(full[-1] if full.size else hits[0]) + n
             return Draft(np.array(context[start : start + k], dtype=np.int64), tag=f"{self.name}/n{n}")
         return EMPTY_DRAFT
 
-    def propose_trees(self, rows: Sequence[DraftRow], depths: Sequence[int], nodes: int,
-                      top_k: int) -> list[DraftTree | None]:
-        return trees_slot_by_slot(self, rows, depths, nodes, top_k)
-
-    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
+    def tree(self, row: DraftRow, depth: int, nodes: int, top_k: int) -> DraftTree | None:
         """Several continuations at once: what followed every earlier occurrence of the
         context's last n tokens (longest n first, latest first, up to ``depth`` tokens each),
         merged into a trie; the ``nodes`` prefixes with the most matches behind them are kept,
         at most ``top_k`` children under a node (None: no match). A match of n tokens counts
         ``LONGER_MATCH_WEIGHT`` times one of n − 1, so the few long matches a chain would follow
         outrank the many short ones that merely share the last token."""
-        context, size = row.context, len(row.context)
+        context = row.context
         found: list[np.ndarray] = []
         weights: list[float] = []
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if size <= n:
-                continue
-            windows = sliding_window_view(context[: size - 1], n)  # [size-n, n]
-            hits = np.flatnonzero((windows == context[size - n :]).all(axis=1))
+        for n, hits in self.matches(context):
             found += [context[h + n : h + n + depth] for h in hits[::-1]]
             weights += [float(LONGER_MATCH_WEIGHT ** (n - 1))] * len(hits)
             if len(found) >= 2 * top_k:
@@ -238,7 +264,7 @@ def trie_tree(continuations: Sequence[np.ndarray], nodes: int, top_k: int, tag: 
                      np.array([trie[p][0] for p in kept], dtype=np.float64) / sum(weights))
 
 
-class ModelDrafter:
+class ModelDrafter(ChainsAndTrees):
     """A draft model (or the int4 copy of the target) with its own cache, whose row r follows
     the target's slot r. A round: one step feeds every drafting row what its row lacks (the
     last committed token, plus the last draft after a fully accepted round, or more after
@@ -279,7 +305,7 @@ class ModelDrafter:
             runner.forward(prompt[:-1])  # as the target: all but the last token
         self._length[slot], self._k[slot] = runner.length, 0
 
-    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
+    def chains(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
         n = len(rows)
         # within the draft cache too: the context, then k-1 drafts
         ks = [max(0, min(k, self.model.max_seq_len - len(row.context))) for row, k in zip(rows, ks)]
@@ -312,15 +338,16 @@ class ModelDrafter:
             drafts[r] = Draft(tokens[r, : ks[r]].copy(), None if rows[r].sampling.greedy else probs[r], self.name)
         return drafts
 
-    def propose_trees(self, rows: Sequence[DraftRow], depths: Sequence[int], nodes: int,
-                      top_k: int) -> list[DraftTree | None]:
-        """``propose_tree`` for every running row at once: one call feeds every drafting row
-        what its cache row lacks, then each spine step is one call over the rows whose spine
-        goes on (the others sit out), as ``propose`` steps chains."""
+    def trees(self, rows: Sequence[DraftRow], budget: DraftBudget) -> list[DraftTree | None]:
+        """The model's greedy chain of up to the row's depth as the spine, each step's top-k
+        hanging under it as leaves (runtime/tree.py ``Spine``): the tree branches where the model
+        is unsure, and the chain stops once no deeper node can make the cut. Every row at once:
+        one call feeds every drafting row what its cache row lacks, then each spine step is one
+        call over the rows whose spine goes on (the others sit out), as ``chains`` steps. A path
+        may end on a leaf the cache never held, so the round keeps only the context in the
+        cache: the next round feeds what was accepted."""
         n = len(rows)
-        if n == 1:
-            return trees_slot_by_slot(self, rows, depths, nodes, top_k)
-        depths = [max(0, min(d, self.model.max_seq_len - len(row.context))) for row, d in zip(rows, depths)]
+        depths = [max(0, min(d, self.model.max_seq_len - len(row.context))) for row, d in zip(rows, budget.depths)]
         active = [r for r in range(n) if depths[r] > 0]
         trees: list[DraftTree | None] = [None] * n
         if not active:
@@ -328,7 +355,7 @@ class ModelDrafter:
         feed = self._gaps(rows, active)
         out = self._run(n, feed, True)
         at = {r: len(tokens) - 1 for r, tokens in feed.items()}  # each row's last fed token: level 1
-        spines = {r: Spine(depths[r], nodes, top_k, hint=rows[r].tree_size) for r in active}
+        spines = {r: Spine(depths[r], budget.nodes, budget.top_k, hint=rows[r].tree_size) for r in active}
         while at:
             stepping = {r: token for r in at if (token := spines[r].add(out[LOGITS][r, at[r]])) is not None}
             if not stepping:
@@ -339,28 +366,6 @@ class ModelDrafter:
             trees[r] = spines[r].tree(f"{self.name}/tree")
             self._base[r], self._k[r] = len(rows[r].context), 1  # accept keeps base + min(n, 0): the context
         return trees
-
-    def propose_tree(self, row: DraftRow, depth: int, nodes: int, top_k: int, slot: int = 0) -> DraftTree | None:
-        """The model's greedy chain of up to ``depth`` as the spine, each step's top-k hanging
-        under it as leaves (runtime/tree.py spine_tree): the tree branches where the model is
-        unsure, and the chain stops once no deeper node can make the cut. A path may end on a
-        leaf the cache never held, so the round keeps only the context in the cache: the next
-        round feeds what was accepted."""
-        context = row.context
-        depth = min(depth, self.model.max_seq_len - len(context))
-        if depth <= 0:
-            return None
-        widest = self.model.widths(1)[-1]
-
-        def next_logits(token: int | None) -> np.ndarray:  # [V]: the context's last row, then each step's
-            fed = self._gap(slot, context, widest) if token is None else np.array([token])
-            out = self.model.run_slot(slot, (self._length[slot], fed, {}), True)
-            self._length[slot] += len(fed)
-            return out[LOGITS][0, len(fed) - 1]
-
-        tree = grow_spine(next_logits, depth, nodes, top_k, f"{self.name}/tree", hint=row.tree_size)
-        self._base[slot], self._k[slot] = len(context), 1  # accept keeps base + min(n, 0): the context
-        return tree
 
     def accept(self, slot: int, n_accepted: int, next_token: int, target_out: TargetOut) -> None:
         # The row holds the context and drafts 1..k-1; keep those the target accepted.

@@ -20,14 +20,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import cast
 
 import numpy as np
 
 from specexport.contract import LOGITS, DraftSchedule
 from specexport.runtime.acceptance import Sampling, accept
 from specexport.runtime.adaptive import DepthPolicy
-from specexport.runtime.drafters import Drafter, DraftRow, TreeDrafter
+from specexport.runtime.drafters import Drafter, DraftRow
 from specexport.runtime.logprobs import Logprobs
 from specexport.runtime.model import Model
 from specexport.runtime.policy import RoundPlan, SpeculationPolicy
@@ -185,17 +184,12 @@ class BatchLoop:
         it is not verified at all."""
         running, drafter = self.running, self.drafter
         engine_before = drafter.engine_seconds
-        if plan.trees:
-            rows = [_draft_row(seq, hint) for seq, hint in zip(running, plan.hints or [None] * len(running))]
-            trees = cast(TreeDrafter, drafter).propose_trees(rows, plan.depths, plan.nodes, self.policy.tree_top_k)
-            proposals = [tree if tree is not None else _NOTHING for tree in trees]
-            proposals = [seq.request.rules.valid_tree(_output(seq), p) if seq.request.rules is not None and p.size
-                         else p for seq, p in zip(running, proposals)]
-        else:
-            drafts = drafter.propose([_draft_row(seq) for seq in running], plan.depths)
-            proposals = [self.policy.trim(seq, DraftTree.of_draft(d)) for seq, d in zip(running, drafts)]
-            proposals = [p.prefix(seq.request.rules.valid_drafts(_output(seq), p.tokens))
-                         if seq.request.rules is not None and p.size else p for seq, p in zip(running, proposals)]
+        rows = [_draft_row(seq, hint) for seq, hint in zip(running, plan.hints or [None] * len(running))]
+        proposals = drafter.propose(rows, plan.budget)
+        if not plan.trees:  # a chain that exists is cut where its own tag says to
+            proposals = [self.policy.trim(seq, p) for seq, p in zip(running, proposals)]
+        proposals = [seq.request.rules.allowed(_output(seq), p) if seq.request.rules is not None and p.size else p
+                     for seq, p in zip(running, proposals)]
         draft_s, draft_engine_s = time.perf_counter() - start, drafter.engine_seconds - engine_before
         for seq in running:  # every row waits for the whole draft, as for the verify pass
             seq.stats.draft_s += draft_s
@@ -253,9 +247,6 @@ class BatchLoop:
                 self.drafter.move(len(self.running), slot)
                 self.running[slot] = last
         return ended
-
-
-_NOTHING = DraftTree(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))  # a row verifying its root alone
 
 
 @dataclass

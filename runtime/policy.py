@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from specexport.contract import DraftSchedule
 from specexport.runtime.adaptive import DepthPolicy
-from specexport.runtime.drafters import Drafter, TreeDrafter
+from specexport.runtime.drafters import DraftBudget, Drafter
 from specexport.runtime.goodput import best_width
 from specexport.runtime.model import Model
 from specexport.runtime.tree import DraftTree, SizeHint
@@ -47,11 +47,17 @@ class RoundPlan:
     depths: list[int]  # [rows] each row's depth (0: it only verifies)
     verifier: Verifier  # the graph that verifies the round
     nodes: int = 0  # > 0: a tree round, at most this many nodes a row
+    top_k: int = 0  # a tree round: at most this many children a node
     hints: list[SizeHint | None] | None = None  # a tree round: each row's size hint for its drafter
 
     @property
     def trees(self) -> bool:
         return self.nodes > 0
+
+    @property
+    def budget(self) -> DraftBudget:
+        """What the drafter is asked for."""
+        return DraftBudget(self.depths, self.nodes, self.top_k)
 
 
 @dataclass
@@ -97,7 +103,7 @@ class SpeculationPolicy:
         self.adaptive = None if per_sequence else adaptive
         # token trees where the drafter builds them: each row verifies a tree of up to
         # tree_nodes drafts (at B > 1 at most the round's depth) when its batch size has a tree graph
-        self.trees = trees if tree_nodes > 0 and isinstance(drafter, TreeDrafter) else None
+        self.trees = trees if tree_nodes > 0 and drafter.builds_trees else None
         self.tree_nodes, self.tree_top_k = tree_nodes, tree_top_k
 
     def start(self, seq: Running) -> None:
@@ -120,7 +126,7 @@ class SpeculationPolicy:
                         seq.tree_sizer = TreeSizer(trees.cost)
                 # an adaptive row alone has its drafter stop growing where the size below would cut
                 hints = [self._size_hint(seq.tree_sizer) if n == 1 else None for seq in running]
-                return RoundPlan(cap, depths, trees, nodes, hints)
+                return RoundPlan(cap, depths, trees, nodes, self.tree_top_k, hints)
         return RoundPlan(cap, self._depths(running, cap), self.chains)
 
     def chain_round(self, plan: RoundPlan) -> RoundPlan:

@@ -125,6 +125,13 @@ class SequenceRules:
         self.seconds += time.perf_counter() - start
         return x
 
+    def allowed(self, output: np.ndarray, proposal: DraftTree) -> DraftTree:
+        """``proposal`` without the nodes the grammar forbids after ``output`` (and below them):
+        a chain cut at its first forbidden draft; the proposal itself without a grammar."""
+        if proposal.is_chain:
+            return proposal.prefix(self.valid_drafts(output, proposal.tokens))
+        return self.valid_tree(output, proposal)
+
     def valid_drafts(self, output: np.ndarray, drafts: np.ndarray) -> int:
         """How many of ``drafts`` [k] the grammar lets follow ``output`` (all, without one)."""
         if self.grammar is None:

@@ -20,15 +20,16 @@ def trees_drafted(pipe, drafter: str, prompt: str | list[str], nodes: int,
     slots = 1 if isinstance(prompt, str) else pipe.batched_target(len(prompt)).slots
     chosen = pipe.drafter(drafter, slots)  # the instance the loop over those slots drafts with
     seen = []
-    propose_trees = chosen.propose_trees
+    grow = chosen.trees
 
-    def spy(rows, depths, count, top_k):
-        trees = propose_trees(rows, depths, count, top_k)
+    def spy(rows, budget):
+        trees = grow(rows, budget)
+        depths, count = budget.depths, budget.nodes
         seen.extend((np.array(row.context), tree, depth, count)
                     for row, depth, tree in zip(rows, depths, trees) if tree is not None)
         return trees
 
-    chosen.propose_trees = spy
+    chosen.trees = spy
     try:
         if isinstance(prompt, str):
             pipe.generate(prompt, drafter=drafter, max_new_tokens=new_tokens, adaptive=False, tree_nodes=nodes)
@@ -36,7 +37,7 @@ def trees_drafted(pipe, drafter: str, prompt: str | list[str], nodes: int,
             pipe.generate_batch(prompt, drafter=drafter, max_new_tokens=new_tokens, adaptive=False, schedule=False,
                                 tree_nodes=nodes, max_batch=len(prompt))
     finally:
-        del chosen.propose_trees
+        del chosen.trees
     return seen
 
 

@@ -31,7 +31,6 @@ from specexport.atomic import atomic_path, write_text
 from specexport.bench.harness import load_prompts
 from specexport.errors import BadInput
 from specexport.runtime.api import check_drafter
-from specexport.runtime.drafters import TreeDrafter
 
 
 def parse_batches(text: str) -> list[int]:
@@ -54,7 +53,7 @@ def run_batched(pipe, prompts_path: Path, batches: list[int], drafters: list[str
         check_drafter(pipe.manifest, name, max(batches), "--drafters")
     records = load_prompts(prompts_path)
     tree_drafters = frozenset(name for name in drafters if pipe.built_tree_nodes and
-                              isinstance(pipe.drafter(name), TreeDrafter))
+                              pipe.drafter(name).builds_trees)
     modes = _modes(pipe.manifest, drafters, tree_drafters)
     batch_peers, peers_skipped = _split_peers(peers, peers_skipped)
     prompt_ids = [pipe.prompt_ids(r.get("prompt"), messages=r.get("messages")) for r in records]

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specexport.errors import BadInput
-from specexport.runtime.drafters import TreeDrafter
 from specexport.runtime.runner import time_interleaved
 
 
@@ -140,7 +139,7 @@ def run_labels(pipe, drafters: list[str], tree_nodes: list[int] | None) -> list[
         return drafters
     labels = []
     for name in drafters:
-        trees = isinstance(pipe.drafter(name), TreeDrafter)
+        trees = pipe.drafter(name).builds_trees
         for nodes in tree_nodes if trees else [0]:
             pipe.tree_nodes(nodes)  # a size the directory has no tree graph for fails here
             labels.append(run_label(name, nodes) if nodes else name)
@@ -214,7 +213,7 @@ def tree_setting(pipe, name: str, nodes: int | None, options: BenchOptions) -> i
     recipe's default for the drafter (draft.tree.drafters)."""
     if nodes is not None:
         return nodes
-    if options.tree_nodes is not None or not isinstance(pipe.drafter(name), TreeDrafter):
+    if options.tree_nodes is not None or not pipe.drafter(name).builds_trees:
         return 0
     return pipe.tree_nodes(None, name)
 

@@ -268,17 +268,18 @@ def test_a_batch_grows_each_rows_tree_as_its_slot_alone(batched_eagle3):
     drafter = pipe.drafter("e-safe", 2)
     tensors = drafter.catchup.caches.tensors
     compared = []
-    batched_trees = drafter.propose_trees
+    batched_trees = drafter.trees
 
-    def both(rows, depths, nodes, top_k):
+    def both(rows, budget):
+        depths, nodes, top_k = budget.depths, budget.nodes, budget.top_k
         state = ([list(p) for p in drafter._pending], list(drafter._committed),
                  {k: v.copy() for k, v in tensors.items()})
-        got = batched_trees(rows, depths, nodes, top_k)
+        got = batched_trees(rows, budget)
         after = {k: v.copy() for k, v in tensors.items()}
         drafter._pending, drafter._committed = [list(p) for p in state[0]], list(state[1])
         for name, array in tensors.items():
             array[...] = state[2][name]
-        want = [drafter.propose_tree(row, depth, nodes, top_k, slot=r) if depth > 0 else None
+        want = [drafter.tree_alone(row, depth, nodes, top_k, slot=r) if depth > 0 else None
                 for r, (row, depth) in enumerate(zip(rows, depths))]
         for g, w in zip(got, want):
             assert (g is None) == (w is None)
@@ -290,11 +291,11 @@ def test_a_batch_grows_each_rows_tree_as_its_slot_alone(batched_eagle3):
         compared.append(sum(t is not None for t in got))
         return want
 
-    drafter.propose_trees = both
+    drafter.trees = both
     try:
         ids = [pipe.prompt_ids(p) for p in PROMPTS[:2]]
         pipe.generate_batch(ids, drafter="e-safe", max_new_tokens=16, tree_nodes=NODES, max_batch=2, schedule=False,
                             adaptive=False)
     finally:
-        del drafter.propose_trees
+        del drafter.trees
     assert sum(n == 2 for n in compared) >= 3, compared

@@ -93,7 +93,7 @@ class OracleDrafter(Stateless):
     def __init__(self, table: np.ndarray):
         self.table = table
 
-    def propose_one(self, context, k):
+    def chain(self, context, k):
         tokens, last = [], int(context[-1])
         for _ in range(k):
             last = int(self.table[last].argmax())
@@ -109,7 +109,7 @@ class FixedDrafter(Stateless):
     def __init__(self, tokens):
         self.tokens = np.array(tokens, dtype=np.int64)
 
-    def propose_one(self, context, k):
+    def chain(self, context, k):
         return Draft(self.tokens[:k])
 
 

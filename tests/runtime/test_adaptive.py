@@ -75,5 +75,5 @@ def test_adaptive_loop_keeps_drafting_when_it_pays():
 
 def test_ngram_drafts_are_tagged_by_match_length():
     drafter = NgramDrafter(max_ngram=3)
-    draft = drafter.propose_one(np.array([1, 2, 3, 9, 1, 2, 3]), 2)
+    draft = drafter.chain(np.array([1, 2, 3, 9, 1, 2, 3]), 2)
     assert draft.tag == "ngram/n3" and draft.tokens.tolist() == [9, 1]

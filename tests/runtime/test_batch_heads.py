@@ -96,7 +96,7 @@ class RecordingRows:
     [(committed length, depth, drafts)], depth 0 included."""
 
     def __init__(self, inner):
-        self.inner, self.name, self.needs = inner, inner.name, inner.needs
+        self.inner, self.name, self.needs, self.builds_trees = inner, inner.name, inner.needs, inner.builds_trees
         self.seen: dict[int, list[tuple]] = {}
         self._key: dict[int, int] = {}  # slot -> the sequence in it
 
@@ -109,9 +109,9 @@ class RecordingRows:
         self.seen[len(self.seen)] = []
         self.inner.join(slot, prompt, target_out)
 
-    def propose(self, rows, ks):
-        drafts = self.inner.propose(rows, ks)
-        for slot, (row, k, draft) in enumerate(zip(rows, ks, drafts)):
+    def propose(self, rows, budget):
+        drafts = self.inner.propose(rows, budget)
+        for slot, (row, k, draft) in enumerate(zip(rows, budget.depths, drafts)):
             self.seen[self._key[slot]].append((len(row.context), k, draft.tokens.tolist()))
         return drafts
 
@@ -131,9 +131,6 @@ class Replay:
 
     def best_depth(self, name: str, k: int) -> int:
         return next(self._depths)
-
-    def trim(self, draft, name: str):
-        return draft
 
     def update(self, tag: str, size: int, accepted: int) -> None:
         pass

@@ -1,7 +1,7 @@
 import numpy as np
 
 from specexport.runtime.acceptance import Sampling
-from specexport.runtime.drafters import DraftRow, ModelDrafter, NgramDrafter
+from specexport.runtime.drafters import DraftBudget, DraftRow, ModelDrafter, NgramDrafter
 from specexport.runtime.kv_cache import KVCache
 from tests.runtime.fakes import markov, random_table
 
@@ -11,7 +11,7 @@ GREEDY = Sampling()
 
 def propose(drafter, context, k, sampling=GREEDY, rng=RNG):
     """The drafter's proposal for one row (slot 0)."""
-    return drafter.propose([DraftRow(np.array(context, dtype=np.int64), sampling, rng)], [k])[0]
+    return drafter.propose([DraftRow(np.array(context, dtype=np.int64), sampling, rng)], DraftBudget([k]))[0]
 
 
 def proposed(drafter, context, k):
@@ -27,7 +27,7 @@ def test_ngram_longest_match_first():
 
 def ngram_tree(drafter, context, depth, nodes, top_k):
     """The drafter's tree for one row: (tokens, parents, weights to 4 places)."""
-    tree = drafter.propose_tree(DraftRow(np.array(context, dtype=np.int64), GREEDY, RNG), depth, nodes, top_k)
+    tree = drafter.propose([DraftRow(np.array(context, dtype=np.int64), GREEDY, RNG)], DraftBudget([depth], nodes, top_k))[0]
     return tree.tokens.tolist(), tree.parents.tolist(), np.round(tree.weights, 4).tolist()
 
 
@@ -83,7 +83,7 @@ def test_model_drafter_resyncs_after_partial_acceptance():
     assert runner.fed == [1, 2, 3, *draft[:3]]
     drafter.accept(0, 1, 4, {})  # target kept draft 1, then chose token 4
     context = np.array([1, 2, 3, draft[0], 4])
-    drafter.propose([DraftRow(context, Sampling(), RNG)], [2])
+    drafter.propose([DraftRow(context, Sampling(), RNG)], DraftBudget([2]))
     # the rejected drafts were dropped: the row resumed after draft 1
     assert runner.fed[:5] == context.tolist()
 

@@ -80,7 +80,7 @@ def test_a_wide_gap_goes_in_without_logits_but_its_last_graph(pipe, name, monkey
     last row's logits are read, so the gap goes in without them but for the last graph-full
     (a long gap's logits over the vocabulary would be MBs), and the tree is the same."""
     from specexport.runtime.acceptance import Sampling
-    from specexport.runtime.drafters import DraftRow
+    from specexport.runtime.drafters import DraftBudget, DraftRow
 
     drafter = pipe.drafter(name)
     runner = drafter.model.runners[0]
@@ -91,12 +91,12 @@ def test_a_wide_gap_goes_in_without_logits_but_its_last_graph(pipe, name, monkey
     asked = []
     monkeypatch.setattr(runner, "_run", lambda size, want_logits, want=(), run=runner._run:
                         asked.append((size, want_logits)) or run(size, want_logits, want))
-    tree = drafter.propose_tree(row, 3, NODES, TOP_K)
+    tree = drafter.propose([row], DraftBudget([3], NODES, TOP_K))[0]
     first = next(i for i, (_, want_logits) in enumerate(asked) if want_logits)
     assert sum(size for size, _ in asked[:first]) >= len(context) - 6 - max(runner.decoding_sizes), asked
     assert asked[first][0] <= max(runner.decoding_sizes), asked
     drafter.join(0, context, {})  # the same context fed whole at join: the same tree
-    again = drafter.propose_tree(row, 3, NODES, TOP_K)
+    again = drafter.propose([row], DraftBudget([3], NODES, TOP_K))[0]
     assert again.tokens.tolist() == tree.tokens.tolist() and again.parents.tolist() == tree.parents.tolist()
 
 

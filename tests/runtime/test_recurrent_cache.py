@@ -139,7 +139,7 @@ class CorruptOracle(Stateless):
     def __init__(self, seed: int):
         self.rng = np.random.default_rng(seed)
 
-    def propose_one(self, context, k):
+    def chain(self, context, k):
         tokens = np.array(reference_greedy(context.tolist(), k), dtype=np.int64)
         cut = int(self.rng.integers(0, k + 1))
         tokens[cut:] = (tokens[cut:] + 1) % VOCAB

@@ -11,7 +11,7 @@ import pytest
 
 from specexport.errors import BadInput
 from specexport.runtime.acceptance import Sampling, warp_reference, warp_row
-from specexport.runtime.drafters import DraftRow, ModelDrafter
+from specexport.runtime.drafters import DraftBudget, DraftRow, ModelDrafter
 from specexport.runtime.logprobs import Logprobs
 from specexport.runtime.loop import BatchLoop, Request
 from specexport.runtime.rules import Controls, Penalties, SequenceRules
@@ -225,7 +225,7 @@ def test_a_sampling_drafter_draws_from_the_ruled_distribution(table):
     drafter = ModelDrafter("model", markov(draft_table), {})
     drafter.join(0, prompt, {})
     sampling = Sampling(1.0)
-    draft = drafter.propose([DraftRow(prompt, sampling, np.random.default_rng(0), rules, len(prompt))], [1])[0]
+    draft = drafter.propose([DraftRow(prompt, sampling, np.random.default_rng(0), rules, len(prompt))], DraftBudget([1]))[0]
     want = warp_reference(ruled_reference(draft_table[3], prompt, [], penalties)[None], sampling)[0]
     assert np.allclose(draft.probs[0].dense(V), want, atol=1e-6)
     assert want[int(draft_table[3].argmax())] == 0 and want[EOS] == 0

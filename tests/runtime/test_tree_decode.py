@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specexport.runtime.drafters import Stateless, trees_slot_by_slot
+from specexport.runtime.drafters import Stateless
 from specexport.runtime.loop import BatchLoop
 from specexport.runtime.tree import DraftTree
 from specexport.runtime.tree_verify import TreeVerifier
@@ -34,14 +34,12 @@ class DecoyTreeDrafter(Stateless):
     2, 4, 6."""
 
     name = "decoy-tree"
+    builds_trees = True
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], vocab: int):
         self.continuations, self.vocab = continuations, vocab
 
-    def propose_trees(self, rows, depths, nodes, top_k):
-        return trees_slot_by_slot(self, rows, depths, nodes, top_k)
-
-    def propose_tree(self, row, depth, nodes, top_k, slot=0):
+    def tree(self, row, depth, nodes, top_k):
         prompt = next(p for p in self.continuations if tuple(row.context[: len(p)].tolist()) == p)
         done = len(row.context) - len(prompt)
         truth = self.continuations[prompt][done : done + depth]

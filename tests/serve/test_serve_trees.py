@@ -43,14 +43,14 @@ def serve_all(engines, rows_per_call: list[int], **config) -> tuple[list[list[in
     def loader(cfg: ServeConfig):
         pipe = load(cfg.engine_dir, threads=2)
         drafter = pipe.drafter("ngram", pipe.batched_target(cfg.max_batch).slots)  # the instance the loop drafts with
-        propose_trees = drafter.propose_trees
+        grow = drafter.trees
 
-        def counted(rows, depths, nodes, top_k):
-            trees = propose_trees(rows, depths, nodes, top_k)
+        def counted(rows, budget):
+            trees = grow(rows, budget)
             rows_per_call.append(len(rows))  # running rows in the round (prompt lookup may find no match for some)
             return trees
 
-        drafter.propose_trees = counted
+        drafter.trees = counted
         return pipe
 
     cfg = ServeConfig(str(engines), MODEL, drafter="ngram", threads=2, **config)
