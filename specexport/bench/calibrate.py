@@ -225,7 +225,7 @@ def measure_draft_rounds(pipe, drafters: list[str], batches: list[int], depth: i
     """Seconds of each drafter's round of k = 0..``depth`` drafts at every batch size, from its
     own cost model (Drafter.round_cost) over its batched step measured at B, for the drafters
     with a model that run batched; drafters without engines cost nothing."""
-    from specexport.runtime.api import HEAD_KINDS, batched_refusal
+    from specexport.runtime.input_checks import HEAD_KINDS, batched_refusal
 
     costs: dict[str, dict[int, list[float]]] = {}
     timed: dict[str, dict[tuple[int, int], float]] = {}
@@ -296,7 +296,7 @@ def schedule_steps(table: list[dict]) -> list[list[int]]:
 def calibrate_schedule(pipe, profiles: dict, depth: int, reporter, rounds: int = 5) -> dict:
     """Measure t(B, T) (and the draft models' batched steps) over the batch sizes built, and
     choose K(B) up to ``depth``; {} with a ``schedule_skipped`` reason when nothing is batched."""
-    from specexport.runtime.api import HEAD_KINDS, batched_refusal
+    from specexport.runtime.input_checks import HEAD_KINDS, batched_refusal
 
     manifest = pipe.manifest
     batches = manifest.batch_sizes("target")

@@ -33,7 +33,7 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None, tree_n
     that cannot batch, the drafter, batched engines, a tree size without its graph. Returns
     the drafter to run."""
     from specexport.contract import Manifest
-    from specexport.runtime.api import batched_refusal, check_drafter, check_tree_nodes
+    from specexport.runtime.input_checks import batched_refusal, check_drafter, check_tree_nodes
     from specexport.serve.config import refuse_recurrent_target
 
     manifest = Manifest.load(engine_dir)
