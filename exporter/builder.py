@@ -17,6 +17,7 @@ from pathlib import Path
 import onnx
 
 from specexport import __version__
+from specexport.backends import BACKENDS, ONNXRUNTIME, TENSORRT
 from specexport.contract import (
     AUX_HIDDEN_STATES,
     BATCHED_ROLES,
@@ -141,8 +142,7 @@ def toolchain() -> dict:
         "transformers": version("transformers"),
         "onnx": version("onnx"),
         "onnxscript": version("onnxscript"),
-        "onnxruntime": version("onnxruntime") or version("onnxruntime-gpu"),
-        "tensorrt": version("tensorrt"),
+        **{b.name: next(filter(None, map(version, b.dists)), None) for b in BACKENDS.values()},
         "device": f"cpu ({platform.machine()})",
         "compute_capability": None,
     }
@@ -360,7 +360,7 @@ class Builder:
                     inputs, outputs = tensor_specs(proto, "inputs", tokens, batch), tensor_specs(proto, "outputs", tokens, batch)
                     self.specs[graph_name] = (inputs, outputs)
                     self.engines.append(EngineEntry(
-                        name=graph_name, model=name, role=Role.TREE, backend="onnxruntime", path=path.name, batch=batch,
+                        name=graph_name, model=name, role=Role.TREE, backend=ONNXRUNTIME, path=path.name, batch=batch,
                         tokens=tokens, inputs=inputs, outputs=outputs,
                         kv_update=KV_UPDATE_OF_ATTENTION[self.recipe.attention], weights=store.location,
                     ))
@@ -402,7 +402,7 @@ class Builder:
         if self.recipe.shapes.batches != [1]:
             return (f"its {len(parts.linear_layers)} linear-attention layers keep a recurrent state, which the "
                     "batched graphs do not carry yet: use shapes.batch: [1]")
-        if "tensorrt" in self.recipe.backends:
+        if TENSORRT in self.recipe.backends:
             return ("its linear-attention layers keep a recurrent state, which the TensorRT path (device-resident "
                     "caches) does not carry yet: use backends: [onnxruntime]")
         return None
@@ -435,7 +435,7 @@ class Builder:
                 else:
                     self.batched_files.setdefault(model, []).append(BatchedGraph(graph_name, path, size, rows))
                 self.engines.append(EngineEntry(
-                    name=graph_name, model=model, role=role, backend="onnxruntime", path=path.name,
+                    name=graph_name, model=model, role=role, backend=ONNXRUNTIME, path=path.name,
                     batch=rows, tokens=size, inputs=inputs, outputs=outputs,
                     kv_update=KV_UPDATE_OF_ATTENTION[self.recipe.attention], weights=store.location,
                 ))
@@ -539,7 +539,7 @@ class Builder:
             by_engine = {self.timing[key].engine_at(size): seconds
                          for key, by_size in times.items() for size, seconds in by_size.items()}
             for i, entry in enumerate(self.engines):
-                if entry.name in by_engine and entry.backend == "onnxruntime":
+                if entry.name in by_engine and entry.backend == ONNXRUNTIME:
                     self.engines[i] = replace(entry, cost_ms=round(by_engine[entry.name] * 1e3, 3))
             s.detail = f"{sum(len(sizes) for _, sizes in runners.values())} graphs × {rounds} rounds"
         self.timing.clear()  # close the sessions
@@ -592,7 +592,7 @@ class Builder:
                                    precision=getattr(spec, "precision", None) or "fp32"))
         self.measure_costs()
 
-        if "tensorrt" in recipe.backends:
+        if TENSORRT in recipe.backends:
             from specexport.exporter.trt_build import compile_engines
 
             # one serialized engine per ONNX graph, appended as backend "tensorrt" entries
@@ -652,7 +652,7 @@ def build_recipe(recipe: Recipe, base: Path, out: str | Path | None, force: bool
     import time
 
     start = time.perf_counter()
-    if "tensorrt" in recipe.backends:
+    if TENSORRT in recipe.backends:
         from specexport.exporter.trt_build import require_tensorrt
 
         require_tensorrt()

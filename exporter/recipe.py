@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from specexport.backends import BACKENDS, ONNXRUNTIME, TENSORRT
 from specexport.contract import DrafterKind, drafter_kinds
 from specexport.errors import BadInput
 
@@ -322,8 +323,8 @@ class Recipe(_Strict):
     shapes: Shapes = Shapes()  # the static sizes every graph is built for
     draft: DraftPlan = DraftPlan()  # how D, the draft length, is planned
     # the engines to write: onnxruntime graphs always, TensorRT engines too (docs/tensorrt.md)
-    backends: list[Literal["onnxruntime", "tensorrt"]] = Field(
-        default_factory=lambda: ["onnxruntime"], min_length=1
+    backends: list[Literal[tuple(BACKENDS)]] = Field(
+        default_factory=lambda: [ONNXRUNTIME], min_length=1
     )
     # fp32; int4 or int8: onnxruntime graphs whose MatMuls read quantized weights (MatMulNBits,
     # `quantization:`), for the target and any draft model; fp16 or bf16: of TensorRT engines
@@ -356,7 +357,7 @@ class Recipe(_Strict):
     def _quantized_fits(self) -> Recipe:
         quantized = self.precision in WEIGHT_PRECISIONS or any(
             getattr(d, "precision", None) in WEIGHT_PRECISIONS for d in self.drafters)
-        if quantized and "tensorrt" in self.backends:
+        if quantized and TENSORRT in self.backends:
             raise ValueError("precision int4/int8 builds onnxruntime's MatMulNBits graphs; TensorRT engines of "
                              "quantized weights need a Q/DQ export, not built yet: use backends: [onnxruntime]")
         if self.precision in WEIGHT_PRECISIONS and any(d.kind == "quantized-self" for d in self.drafters):

@@ -41,11 +41,3 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
 )}
 DEFAULT_BACKEND = ONNXRUNTIME  # what a directory runs on when no backend is asked for and it has its engines
 
-
-def backend(name: str) -> Backend:
-    """The registry's entry for ``name``; an unknown one is a one-line error naming the known."""
-    if name not in BACKENDS:
-        from specexport.errors import BadInput
-
-        raise BadInput(f"unknown backend '{name}' (known: {', '.join(BACKENDS)})")
-    return BACKENDS[name]
