@@ -33,7 +33,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from specexport import atomic
-from specexport.backends import ONNXRUNTIME, TENSORRT
+from specexport.backends import BACKENDS, ONNXRUNTIME, TENSORRT
 from specexport.contract import EngineEntry
 from specexport.errors import BadInput, SpecexportError
 from specexport.exporter.lint import has_symbolic_io, lint_model, static_graph, tensor_types
@@ -316,7 +316,7 @@ def compile_engines(tmp: Path, engines: list[EngineEntry], recipe: Recipe, repor
             if not _compilable(onnx_entry, source, reporter):
                 continue
             with reporter.step("tensorrt", onnx_entry.name) as s:
-                plan = tmp / f"{onnx_entry.name}.plan"
+                plan = tmp / f"{onnx_entry.name}{BACKENDS[TENSORRT].suffix}"
                 graph = tensorrt_graph(onnx_entry, source, scratch, opts.precision)
                 del messages[:]
                 network, parser = _parse(builder, logger, graph, onnx_entry.name)
