@@ -52,8 +52,8 @@ from specexport.exporter.quantized_model import Quantizer, dequantized_reference
 from specexport.exporter.recipe import (
     HIDDEN_STATE_KINDS,
     WEIGHT_PRECISIONS,
-    ModelDrafter,
-    QuantizedSelfDrafter,
+    ModelDrafterSpec,
+    QuantizedSelfDrafterSpec,
     Recipe,
     load_recipe,
 )
@@ -115,7 +115,7 @@ def target_graphs(recipe: Recipe, plan: DraftPlanResult) -> GraphSet:
     graphs.add(recipe.shapes.prefill_chunk, Role.PREFILL)
     for tokens in recipe.draft.probe_tokens:
         graphs.add(tokens, Role.PROBE)
-    if any(isinstance(d, QuantizedSelfDrafter) for d in recipe.drafters):
+    if any(isinstance(d, QuantizedSelfDrafterSpec) for d in recipe.drafters):
         graphs.add(2, Role.CATCHUP)  # the int4 copy is made from these fp32 graphs
     return graphs
 
@@ -208,7 +208,7 @@ class Builder:
             s.detail = f"{target.config.model_type}, {target.model.num_parameters() / 1e6:.1f}M params"
         drafter_models: dict[str, LoadedModel] = {}
         for i, spec in enumerate(self.recipe.drafters):
-            if isinstance(spec, ModelDrafter):
+            if isinstance(spec, ModelDrafterSpec):
                 with self.rep.step("load", f"drafter {spec.name}") as s:
                     loaded = load_source(spec.model, self.base, f"drafters.{i}.model")
                     check_tokenizers(target, loaded)
@@ -231,7 +231,7 @@ class Builder:
         return plan
 
     def export_model(self, tmp: Path, name: str, kind: str, loaded: LoadedModel, graphs: GraphSet,
-                     int4: tuple[str, QuantizedSelfDrafter, GraphSet] | None = None,
+                     int4: tuple[str, QuantizedSelfDrafterSpec, GraphSet] | None = None,
                      taps: tuple[int, ...] = (), precision: str = "fp32", source=None) -> None:
         """``taps``: hidden states every graph also outputs (aux_hidden_states) for the heads.
         ``precision`` int4 / int8: the model's own graphs read quantized weights (``source``: its
@@ -567,13 +567,13 @@ class Builder:
         recipe = self.recipe
         target, drafter_models = self.load()
         plan = self.plan(target)
-        int4 = next((d for d in recipe.drafters if isinstance(d, QuantizedSelfDrafter)), None)
+        int4 = next((d for d in recipe.drafters if isinstance(d, QuantizedSelfDrafterSpec)), None)
         t_graphs = target_graphs(recipe, plan)
         quant = (int4.name, int4, drafter_graphs(int4.name, recipe)) if int4 else None
         taps = merged_taps(list(self.heads.values()))
         self.export_model(tmp, "target", "target", target, t_graphs, quant, taps=taps,
                           precision=recipe.onnx_precision, source=recipe.target)
-        model_specs = {d.name: d for d in recipe.drafters if isinstance(d, ModelDrafter)}
+        model_specs = {d.name: d for d in recipe.drafters if isinstance(d, ModelDrafterSpec)}
         for name, loaded in drafter_models.items():
             self.export_model(tmp, name, "model", loaded, drafter_graphs(name, recipe),
                               precision=recipe.precision_of(model_specs[name]), source=model_specs[name].model)
@@ -584,7 +584,7 @@ class Builder:
         if int4:
             self.validate(int4.name, target, "int4")
         for spec in recipe.drafters:
-            if isinstance(spec, ModelDrafter):
+            if isinstance(spec, ModelDrafterSpec):
                 self.validate(spec.name, drafter_models[spec.name], "fp32")
         for name, head in self.heads.items():  # after the target: heads read its validated taps
             spec = next(d for d in recipe.drafters if d.name == name)
@@ -662,7 +662,7 @@ def build_recipe(recipe: Recipe, base: Path, out: str | Path | None, force: bool
     with reporter.step("inputs", "fingerprint") as s:
         prints = {"target": fingerprint(recipe.target, base, "target")}
         for i, spec in enumerate(recipe.drafters):
-            if isinstance(spec, ModelDrafter):
+            if isinstance(spec, ModelDrafterSpec):
                 prints[spec.name] = fingerprint(spec.model, base, f"drafters.{i}.model")
             elif spec.kind in HIDDEN_STATE_KINDS and spec.path is not None:
                 prints[spec.name] = folder_fingerprint(base / spec.path, f"drafters.{i}.path")
