@@ -141,7 +141,8 @@ class Pipeline:
         return self.model(model, roles).runners[0]
 
     def costs_by_role(self, model: str) -> dict[Role, dict[int, float]]:
-        """role -> tokens -> ms of one batch-1 run of the model's graphs (0 where unmeasured)."""
+        """role -> tokens -> ms of one batch-1 run of the model's graphs (0 where unmeasured); the
+        head drafters' factories (chain_drafter.make, block_drafter.make) read it."""
         return self.costs.by_role(model)
 
     @property
