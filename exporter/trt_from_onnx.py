@@ -52,7 +52,7 @@ def with_tensorrt_engines(manifest: Manifest, compiled: list[EngineEntry], direc
         manifest,
         engines=[e for e in manifest.engines if e.backend == ONNXRUNTIME] + new,
         files=dict(sorted(files.items())),
-        toolchain={**manifest.toolchain, "tensorrt": first.get("tensorrt_version"), "device": first.get("device_name"),
+        toolchain={**manifest.toolchain, TENSORRT: first.get("tensorrt_version"), "device": first.get("device_name"),
                    "compute_capability": first.get("compute_capability")},
         extra={**manifest.extra, "tensorrt_build": {"from_onnx": True, "created": created,
                                                     "precision": options.precision,
