@@ -17,6 +17,7 @@ from pathlib import Path
 import onnx
 
 from specexport import __version__
+from specexport.backends import BACKENDS, ONNXRUNTIME, TENSORRT
 from specexport.contract import (
     AUX_HIDDEN_STATES,
     BATCHED_ROLES,
@@ -51,8 +52,8 @@ from specexport.exporter.quantized_model import Quantizer, dequantized_reference
 from specexport.exporter.recipe import (
     HIDDEN_STATE_KINDS,
     WEIGHT_PRECISIONS,
-    ModelDrafter,
-    QuantizedSelfDrafter,
+    ModelDrafterSpec,
+    QuantizedSelfDrafterSpec,
     Recipe,
     load_recipe,
 )
@@ -114,7 +115,7 @@ def target_graphs(recipe: Recipe, plan: DraftPlanResult) -> GraphSet:
     graphs.add(recipe.shapes.prefill_chunk, Role.PREFILL)
     for tokens in recipe.draft.probe_tokens:
         graphs.add(tokens, Role.PROBE)
-    if any(isinstance(d, QuantizedSelfDrafter) for d in recipe.drafters):
+    if any(isinstance(d, QuantizedSelfDrafterSpec) for d in recipe.drafters):
         graphs.add(2, Role.CATCHUP)  # the int4 copy is made from these fp32 graphs
     return graphs
 
@@ -141,8 +142,7 @@ def toolchain() -> dict:
         "transformers": version("transformers"),
         "onnx": version("onnx"),
         "onnxscript": version("onnxscript"),
-        "onnxruntime": version("onnxruntime") or version("onnxruntime-gpu"),
-        "tensorrt": version("tensorrt"),
+        **{b.name: next(filter(None, map(version, b.dists)), None) for b in BACKENDS.values()},
         "device": f"cpu ({platform.machine()})",
         "compute_capability": None,
     }
@@ -208,7 +208,7 @@ class Builder:
             s.detail = f"{target.config.model_type}, {target.model.num_parameters() / 1e6:.1f}M params"
         drafter_models: dict[str, LoadedModel] = {}
         for i, spec in enumerate(self.recipe.drafters):
-            if isinstance(spec, ModelDrafter):
+            if isinstance(spec, ModelDrafterSpec):
                 with self.rep.step("load", f"drafter {spec.name}") as s:
                     loaded = load_source(spec.model, self.base, f"drafters.{i}.model")
                     check_tokenizers(target, loaded)
@@ -231,7 +231,7 @@ class Builder:
         return plan
 
     def export_model(self, tmp: Path, name: str, kind: str, loaded: LoadedModel, graphs: GraphSet,
-                     int4: tuple[str, QuantizedSelfDrafter, GraphSet] | None = None,
+                     int4: tuple[str, QuantizedSelfDrafterSpec, GraphSet] | None = None,
                      taps: tuple[int, ...] = (), precision: str = "fp32", source=None) -> None:
         """``taps``: hidden states every graph also outputs (aux_hidden_states) for the heads.
         ``precision`` int4 / int8: the model's own graphs read quantized weights (``source``: its
@@ -360,7 +360,7 @@ class Builder:
                     inputs, outputs = tensor_specs(proto, "inputs", tokens, batch), tensor_specs(proto, "outputs", tokens, batch)
                     self.specs[graph_name] = (inputs, outputs)
                     self.engines.append(EngineEntry(
-                        name=graph_name, model=name, role=Role.TREE, backend="onnxruntime", path=path.name, batch=batch,
+                        name=graph_name, model=name, role=Role.TREE, backend=ONNXRUNTIME, path=path.name, batch=batch,
                         tokens=tokens, inputs=inputs, outputs=outputs,
                         kv_update=KV_UPDATE_OF_ATTENTION[self.recipe.attention], weights=store.location,
                     ))
@@ -402,7 +402,7 @@ class Builder:
         if self.recipe.shapes.batches != [1]:
             return (f"its {len(parts.linear_layers)} linear-attention layers keep a recurrent state, which the "
                     "batched graphs do not carry yet: use shapes.batch: [1]")
-        if "tensorrt" in self.recipe.backends:
+        if TENSORRT in self.recipe.backends:
             return ("its linear-attention layers keep a recurrent state, which the TensorRT path (device-resident "
                     "caches) does not carry yet: use backends: [onnxruntime]")
         return None
@@ -435,7 +435,7 @@ class Builder:
                 else:
                     self.batched_files.setdefault(model, []).append(BatchedGraph(graph_name, path, size, rows))
                 self.engines.append(EngineEntry(
-                    name=graph_name, model=model, role=role, backend="onnxruntime", path=path.name,
+                    name=graph_name, model=model, role=role, backend=ONNXRUNTIME, path=path.name,
                     batch=rows, tokens=size, inputs=inputs, outputs=outputs,
                     kv_update=KV_UPDATE_OF_ATTENTION[self.recipe.attention], weights=store.location,
                 ))
@@ -539,7 +539,7 @@ class Builder:
             by_engine = {self.timing[key].engine_at(size): seconds
                          for key, by_size in times.items() for size, seconds in by_size.items()}
             for i, entry in enumerate(self.engines):
-                if entry.name in by_engine and entry.backend == "onnxruntime":
+                if entry.name in by_engine and entry.backend == ONNXRUNTIME:
                     self.engines[i] = replace(entry, cost_ms=round(by_engine[entry.name] * 1e3, 3))
             s.detail = f"{sum(len(sizes) for _, sizes in runners.values())} graphs × {rounds} rounds"
         self.timing.clear()  # close the sessions
@@ -567,13 +567,13 @@ class Builder:
         recipe = self.recipe
         target, drafter_models = self.load()
         plan = self.plan(target)
-        int4 = next((d for d in recipe.drafters if isinstance(d, QuantizedSelfDrafter)), None)
+        int4 = next((d for d in recipe.drafters if isinstance(d, QuantizedSelfDrafterSpec)), None)
         t_graphs = target_graphs(recipe, plan)
         quant = (int4.name, int4, drafter_graphs(int4.name, recipe)) if int4 else None
         taps = merged_taps(list(self.heads.values()))
         self.export_model(tmp, "target", "target", target, t_graphs, quant, taps=taps,
                           precision=recipe.onnx_precision, source=recipe.target)
-        model_specs = {d.name: d for d in recipe.drafters if isinstance(d, ModelDrafter)}
+        model_specs = {d.name: d for d in recipe.drafters if isinstance(d, ModelDrafterSpec)}
         for name, loaded in drafter_models.items():
             self.export_model(tmp, name, "model", loaded, drafter_graphs(name, recipe),
                               precision=recipe.precision_of(model_specs[name]), source=model_specs[name].model)
@@ -584,7 +584,7 @@ class Builder:
         if int4:
             self.validate(int4.name, target, "int4")
         for spec in recipe.drafters:
-            if isinstance(spec, ModelDrafter):
+            if isinstance(spec, ModelDrafterSpec):
                 self.validate(spec.name, drafter_models[spec.name], "fp32")
         for name, head in self.heads.items():  # after the target: heads read its validated taps
             spec = next(d for d in recipe.drafters if d.name == name)
@@ -592,7 +592,7 @@ class Builder:
                                    precision=getattr(spec, "precision", None) or "fp32"))
         self.measure_costs()
 
-        if "tensorrt" in recipe.backends:
+        if TENSORRT in recipe.backends:
             from specexport.exporter.trt_build import compile_engines
 
             # one serialized engine per ONNX graph, appended as backend "tensorrt" entries
@@ -652,7 +652,7 @@ def build_recipe(recipe: Recipe, base: Path, out: str | Path | None, force: bool
     import time
 
     start = time.perf_counter()
-    if "tensorrt" in recipe.backends:
+    if TENSORRT in recipe.backends:
         from specexport.exporter.trt_build import require_tensorrt
 
         require_tensorrt()
@@ -662,7 +662,7 @@ def build_recipe(recipe: Recipe, base: Path, out: str | Path | None, force: bool
     with reporter.step("inputs", "fingerprint") as s:
         prints = {"target": fingerprint(recipe.target, base, "target")}
         for i, spec in enumerate(recipe.drafters):
-            if isinstance(spec, ModelDrafter):
+            if isinstance(spec, ModelDrafterSpec):
                 prints[spec.name] = fingerprint(spec.model, base, f"drafters.{i}.model")
             elif spec.kind in HIDDEN_STATE_KINDS and spec.path is not None:
                 prints[spec.name] = folder_fingerprint(base / spec.path, f"drafters.{i}.path")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import onnx
 
+from specexport.backends import ONNXRUNTIME
 from specexport.contract import MANIFEST, EngineEntry, read_manifest
 from specexport.errors import BadInput
 
@@ -300,7 +301,7 @@ def graph_files(target: Path) -> list[Path]:
     if (target / MANIFEST).is_file():  # an engine directory: read through the one manifest reader
         # each file once: the entries of an ort-gqa model are sizes of one graph
         paths = list(dict.fromkeys(target / e.path for e in read_manifest(target).engines
-                                   if e.backend == "onnxruntime"))
+                                   if e.backend == ONNXRUNTIME))
     else:
         paths = sorted(target.glob("*.onnx"))
     if not paths:
@@ -317,6 +318,6 @@ def lint_tensorrt(target: str | Path, strict: bool = False) -> LintReport:
     by_file: dict[Path, list[EngineEntry]] = {}
     if target.is_dir() and (target / MANIFEST).is_file():
         for e in read_manifest(target).engines:
-            if e.backend == "onnxruntime":
+            if e.backend == ONNXRUNTIME:
                 by_file.setdefault(target / e.path, []).append(e)
     return LintReport(str(target), [r for p in paths for r in lint_entries(p, by_file.get(p, []))], strict)

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from specexport.backends import BACKENDS, ONNXRUNTIME, TENSORRT
 from specexport.contract import DrafterKind, drafter_kinds
 from specexport.errors import BadInput
 
@@ -85,7 +86,7 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError("block_size must be a power of two (16, 32, 64, 128)")
 
 
-class NgramDrafter(_Strict):
+class NgramDrafterSpec(_Strict):
     """Prompt lookup: propose the tokens that followed the longest earlier match."""
 
     kind: Literal["ngram"]
@@ -94,13 +95,13 @@ class NgramDrafter(_Strict):
     min_ngram: int = Field(1, ge=1)  # the shortest match that still proposes
 
     @model_validator(mode="after")
-    def _ordered(self) -> NgramDrafter:
+    def _ordered(self) -> NgramDrafterSpec:
         if self.min_ngram > self.max_ngram:
             raise ValueError("min_ngram must not exceed max_ngram")
         return self
 
 
-class QuantizedSelfDrafter(_Strict):
+class QuantizedSelfDrafterSpec(_Strict):
     """An int4 weight-only copy of the target (onnxruntime MatMulNBits)."""
 
     kind: Literal["quantized-self"]
@@ -115,12 +116,12 @@ class QuantizedSelfDrafter(_Strict):
     quantize_head: bool = True
 
     @model_validator(mode="after")
-    def _power_of_two(self) -> QuantizedSelfDrafter:
+    def _power_of_two(self) -> QuantizedSelfDrafterSpec:
         _check_block_size(self.block_size)
         return self
 
 
-class ModelDrafter(_Strict):
+class ModelDrafterSpec(_Strict):
     """An external, smaller draft model sharing the target's tokenizer."""
 
     kind: Literal["model"]
@@ -130,7 +131,7 @@ class ModelDrafter(_Strict):
     precision: Literal["fp32", "int4", "int8"] | None = None
 
 
-class _HiddenStateDrafter(_Strict):
+class _HiddenStateDrafterSpec(_Strict):
     """A trained head that reads the target's hidden states, from a published checkpoint
     (exporter/heads/: one loader per kind, the layout detected from the files)."""
 
@@ -149,7 +150,7 @@ class _HiddenStateDrafter(_Strict):
     precision: Literal["fp32", "int8"] = "fp32"
 
 
-class Eagle3Drafter(_HiddenStateDrafter):
+class Eagle3DrafterSpec(_HiddenStateDrafterSpec):
     """EAGLE-3: one decoder layer over three tapped target layers (SafeAILab or speculators layout)."""
 
     kind: Literal["eagle3"]
@@ -157,7 +158,7 @@ class Eagle3Drafter(_HiddenStateDrafter):
     layout: Literal["auto", "safeailab", "speculators"] = "auto"
 
 
-class MtpDrafter(_HiddenStateDrafter):
+class MtpDrafterSpec(_HiddenStateDrafterSpec):
     """Multi-token-prediction heads, inside the target's own checkpoint (path: None) or a folder."""
 
     kind: Literal["mtp"]
@@ -166,7 +167,7 @@ class MtpDrafter(_HiddenStateDrafter):
     layout: Literal["auto", "deepseek", "qwen3-next", "mimo", "speculators"] = "auto"
 
 
-class DFlashDrafter(_HiddenStateDrafter):
+class DFlashDrafterSpec(_HiddenStateDrafterSpec):
     """DFlash: a block drafter; one forward drafts a whole block from the target's features."""
 
     kind: Literal["dflash"]
@@ -174,7 +175,7 @@ class DFlashDrafter(_HiddenStateDrafter):
     layout: Literal["auto", "z-lab", "speculators"] = "auto"
 
 
-class DSparkDrafter(_HiddenStateDrafter):
+class DSparkDrafterSpec(_HiddenStateDrafterSpec):
     """DSpark: DFlash's block plus a light serial Markov head and a confidence head."""
 
     kind: Literal["dspark"]
@@ -189,7 +190,8 @@ class DSparkDrafter(_HiddenStateDrafter):
 HIDDEN_STATE_KINDS = tuple(k.value for k in drafter_kinds(reads_taps=True))
 
 DrafterSpec = Annotated[
-    NgramDrafter | QuantizedSelfDrafter | ModelDrafter | Eagle3Drafter | MtpDrafter | DFlashDrafter | DSparkDrafter,
+    NgramDrafterSpec | QuantizedSelfDrafterSpec | ModelDrafterSpec | Eagle3DrafterSpec | MtpDrafterSpec
+    | DFlashDrafterSpec | DSparkDrafterSpec,
     Field(discriminator="kind"),
 ]
 
@@ -322,8 +324,8 @@ class Recipe(_Strict):
     shapes: Shapes = Shapes()  # the static sizes every graph is built for
     draft: DraftPlan = DraftPlan()  # how D, the draft length, is planned
     # the engines to write: onnxruntime graphs always, TensorRT engines too (docs/tensorrt.md)
-    backends: list[Literal["onnxruntime", "tensorrt"]] = Field(
-        default_factory=lambda: ["onnxruntime"], min_length=1
+    backends: list[Literal[tuple(BACKENDS)]] = Field(
+        default_factory=lambda: [ONNXRUNTIME], min_length=1
     )
     # fp32; int4 or int8: onnxruntime graphs whose MatMuls read quantized weights (MatMulNBits,
     # `quantization:`), for the target and any draft model; fp16 or bf16: of TensorRT engines
@@ -356,7 +358,7 @@ class Recipe(_Strict):
     def _quantized_fits(self) -> Recipe:
         quantized = self.precision in WEIGHT_PRECISIONS or any(
             getattr(d, "precision", None) in WEIGHT_PRECISIONS for d in self.drafters)
-        if quantized and "tensorrt" in self.backends:
+        if quantized and TENSORRT in self.backends:
             raise ValueError("precision int4/int8 builds onnxruntime's MatMulNBits graphs; TensorRT engines of "
                              "quantized weights need a Q/DQ export, not built yet: use backends: [onnxruntime]")
         if self.precision in WEIGHT_PRECISIONS and any(d.kind == "quantized-self" for d in self.drafters):
@@ -369,7 +371,7 @@ class Recipe(_Strict):
         """The target's onnxruntime graphs: int4, int8 or fp32 (fp16/bf16 are TensorRT's)."""
         return self.precision if self.precision in WEIGHT_PRECISIONS else "fp32"
 
-    def precision_of(self, drafter: ModelDrafter) -> str:
+    def precision_of(self, drafter: ModelDrafterSpec) -> str:
         """A draft model's onnxruntime precision: its own, else the recipe's."""
         return drafter.precision or self.onnx_precision
 

@@ -33,6 +33,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from specexport import atomic
+from specexport.backends import BACKENDS, ONNXRUNTIME, TENSORRT
 from specexport.contract import EngineEntry
 from specexport.errors import BadInput, SpecexportError
 from specexport.exporter.lint import has_symbolic_io, lint_model, static_graph, tensor_types
@@ -310,12 +311,12 @@ def compile_engines(tmp: Path, engines: list[EngineEntry], recipe: Recipe, repor
     scratch = tmp / ".tensorrt-scratch"
     entries: list[EngineEntry] = []
     try:
-        for onnx_entry in [e for e in engines if e.backend == "onnxruntime"]:
+        for onnx_entry in [e for e in engines if e.backend == ONNXRUNTIME]:
             source = tmp / onnx_entry.path
             if not _compilable(onnx_entry, source, reporter):
                 continue
             with reporter.step("tensorrt", onnx_entry.name) as s:
-                plan = tmp / f"{onnx_entry.name}.plan"
+                plan = tmp / f"{onnx_entry.name}{BACKENDS[TENSORRT].suffix}"
                 graph = tensorrt_graph(onnx_entry, source, scratch, opts.precision)
                 del messages[:]
                 network, parser = _parse(builder, logger, graph, onnx_entry.name)
@@ -410,4 +411,4 @@ def _entry(onnx_entry: EngineEntry, plan: Path, trt_version: str, device: trt_en
         "optimization_level": opts.optimization_level,
         "onnx": onnx_entry.path,
     }
-    return onnx_entry.compiled("tensorrt", plan.name, extra)
+    return onnx_entry.compiled(TENSORRT, plan.name, extra)

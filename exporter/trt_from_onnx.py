@@ -15,6 +15,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+from specexport.backends import ONNXRUNTIME, TENSORRT
 from specexport.contract import (
     MANIFEST,
     EngineEntry,
@@ -41,7 +42,7 @@ def with_tensorrt_engines(manifest: Manifest, compiled: list[EngineEntry], direc
                           options: TrtBuildOptions, created: str) -> Manifest:
     """``manifest`` with its TensorRT engines replaced by ``compiled`` (whose files, hashed,
     lie in ``directory``), and the toolchain and build facts that go with them."""
-    old_plans = {e.path for e in manifest.engines if e.backend == "tensorrt"}
+    old_plans = {e.path for e in manifest.engines if e.backend == TENSORRT}
     files = {rel: sha for rel, sha in manifest.files.items() if rel not in old_plans}
     hashes = {e.path: sha256_of(directory / e.path) for e in compiled}
     new = [replace(e, sha256=hashes[e.path]) for e in compiled]
@@ -49,9 +50,9 @@ def with_tensorrt_engines(manifest: Manifest, compiled: list[EngineEntry], direc
     first = new[0].extra if new else {}
     return replace(
         manifest,
-        engines=[e for e in manifest.engines if e.backend == "onnxruntime"] + new,
+        engines=[e for e in manifest.engines if e.backend == ONNXRUNTIME] + new,
         files=dict(sorted(files.items())),
-        toolchain={**manifest.toolchain, "tensorrt": first.get("tensorrt_version"), "device": first.get("device_name"),
+        toolchain={**manifest.toolchain, TENSORRT: first.get("tensorrt_version"), "device": first.get("device_name"),
                    "compute_capability": first.get("compute_capability")},
         extra={**manifest.extra, "tensorrt_build": {"from_onnx": True, "created": created,
                                                     "precision": options.precision,
@@ -70,10 +71,10 @@ def rebuild_from_onnx(directory: str | Path, reporter: Reporter, precision: str 
     recipe = parse_recipe(manifest.recipe, f"{directory / MANIFEST} (its recipe)")
     options = TrtBuildOptions.from_recipe(recipe, precision, workspace_mb)
     require_tensorrt()
-    onnx_entries = [e for e in manifest.engines if e.backend == "onnxruntime"]
+    onnx_entries = [e for e in manifest.engines if e.backend == ONNXRUNTIME]
     if not onnx_entries:
         raise BadInput(f"{directory}: no ONNX graphs to compile (the manifest lists none)")
-    old_plans = {e.path for e in manifest.engines if e.backend == "tensorrt"}
+    old_plans = {e.path for e in manifest.engines if e.backend == TENSORRT}
 
     with AtomicDir(directory) as tmp:
         for rel in manifest.files:

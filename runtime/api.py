@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -16,31 +15,35 @@ from pathlib import Path
 
 import numpy as np
 
-from specexport.contract import (
-    DRAFTER_KINDS,
-    DrafterEntry,
-    DrafterFamily,
-    EngineEntry,
-    Manifest,
-    Role,
-    drafter_kinds,
-)
+from specexport.backends import BACKENDS, DEFAULT_BACKEND, TENSORRT
+from specexport.contract import Manifest, Role
 from specexport.errors import BadInput
 from specexport.runtime.acceptance import Sampling
-from specexport.runtime.adaptive import DepthPolicy
+from specexport.runtime.cost_policy import EngineCosts
 from specexport.runtime.costs import TunedCosts, load_tuned
-from specexport.runtime.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
-from specexport.runtime.engine import EngineOptions, LazyEngine, SharedGraphs
+from specexport.runtime.drafter_factories import make_drafter
+from specexport.runtime.drafters import Drafter, NoDrafter
+from specexport.runtime.engine import EngineOptions, SharedGraphs
 from specexport.runtime.grammar import Grammars
+from specexport.runtime.input_checks import (
+    HEAD_KINDS,
+    batched_refusal,
+    built_tree_nodes,
+    check_draft_len,
+    check_drafter,
+    check_tree_nodes,
+    target_batches,
+)
 from specexport.runtime.integrity import ensure_verified
 from specexport.runtime.logprobs import Logprobs, TokenLogprob
 from specexport.runtime.loop import BatchLoop, Request
 from specexport.runtime.memory import memory
 from specexport.runtime.model import Model, SlotCaches, open_caches, open_model, slots_refusal
 from specexport.runtime.rules import Controls, SequenceRules
-from specexport.runtime.runner import ModelRunner, monotone_costs
+from specexport.runtime.runner import ModelRunner
 from specexport.runtime.stats import DecodeStats
 from specexport.runtime.text import TextCodec
+from specexport.runtime.tree_verifier_factory import open_tree_verifier
 from specexport.runtime.tree_verify import TreeVerifier
 
 
@@ -83,100 +86,9 @@ def _rounded(seconds: float | None) -> float | None:
 
 
 _log = logging.getLogger(__name__)
-# a drafter model without engines for the pipeline's backend runs on this one (Pipeline.backend_of)
-FALLBACK_BACKEND = "onnxruntime"
-
-
-def _ngram(pipe: Pipeline, entry: DrafterEntry, slots: int) -> Drafter:
-    return NgramDrafter(entry.name, entry.settings.max_ngram, entry.settings.min_ngram)
-
-
-def _model(pipe: Pipeline, entry: DrafterEntry, slots: int) -> Drafter:
-    model = entry.model or entry.name
-    costs = {t: ms for by_tokens in pipe.costs_by_role(model).values() for t, ms in by_tokens.items()}
-    return ModelDrafter(entry.name, pipe.model(model, slots=slots), costs)
-
-
-def _from_module(module: str) -> Callable[[Pipeline, DrafterEntry, int], Drafter]:
-    """A factory in a runtime module (``make(pipe, entry, slots)``), imported on first use."""
-
-    def factory(pipe: Pipeline, entry: DrafterEntry, slots: int) -> Drafter:
-        return importlib.import_module(module).make(pipe, entry, slots)
-
-    return factory
-
-
-# drafter family (contract.DRAFTER_KINDS: each kind's family) -> the factory of its drafter over
-# a loop's slots: EAGLE-3 and MTP draft a chain from the target's hidden states, DFlash and
-# DSpark a block per call
-DRAFTERS: dict[DrafterFamily, Callable[[Pipeline, DrafterEntry, int], Drafter]] = {
-    DrafterFamily.LOOKUP: _ngram,
-    DrafterFamily.MODEL: _model,
-    DrafterFamily.CHAIN: _from_module("specexport.runtime.chain_drafter"),
-    DrafterFamily.BLOCK: _from_module("specexport.runtime.block_drafter"),
-}
-HEAD_KINDS = drafter_kinds(reads_taps=True)  # read the target's hidden states
-
-
-def target_batches(manifest: Manifest, max_batch: int | None = None) -> list[int]:
-    """The batch sizes the loop runs: those built for the target, up to ``max_batch``."""
-    built = manifest.batch_sizes("target")
-    return [b for b in built if max_batch is None or b <= max_batch] or [1]
-
-
-def batched_refusal(manifest: Manifest, drafter: str, max_batch: int | None = None,
-                    backend: str = FALLBACK_BACKEND) -> str | None:
-    """Why ``drafter`` cannot run with up to ``max_batch`` sequences at once in this directory
-    (None when it can; "none" and an unknown name are the caller's to report)."""
-    batches = target_batches(manifest, max_batch)
-    refusal = slots_refusal(manifest, "target", backend, batches, need_graphs=True)
-    entry = manifest.drafters.get(drafter)
-    if refusal is not None or entry is None or DRAFTER_KINDS[entry.kind].family == DrafterFamily.LOOKUP:
-        return refusal
-    model = entry.model or entry.name
-    if model not in manifest.models or not manifest.engines_of(model, FALLBACK_BACKEND):
-        return f"its model '{model}' has no onnxruntime graphs in this directory; rebuild it"
-    if entry.kind in HEAD_KINDS and not manifest.models["target"].taps:
-        return "the target's graphs output no aux_hidden_states for it; rebuild with the head in the recipe"
-    backend = backend if manifest.engines_of(model, backend) else FALLBACK_BACKEND
-    # a head without batched graphs runs its rows one after another; a draft model needs them
-    return slots_refusal(manifest, model, backend, batches, need_graphs=entry.kind not in HEAD_KINDS)
-
-
-def built_tree_nodes(manifest: Manifest) -> int:
-    """The tree graph's draft nodes (recipe draft.tree.max_nodes; 0: no tree graph built)."""
-    return int(manifest.plan.get("tree_nodes", 0))
-
-
-def check_tree_nodes(manifest: Manifest, asked: int | None, drafter: str | None = None) -> int:
-    """Draft nodes per tree round: ``asked`` (0: chains), default the recipe's (draft.tree) for a
-    drafter among draft.tree.drafters (all of them where the recipe names none), else 0; a size
-    the directory has no tree graph for is a one-line error naming --tree-nodes."""
-    built = built_tree_nodes(manifest)
-    if asked is None:
-        chosen = manifest.plan.get("tree_drafters")
-        return built if chosen is None or drafter is None or drafter in chosen else 0
-    if asked and not built:
-        raise BadInput("--tree-nodes: this engine directory has no tree graph; rebuild with draft.tree.max_nodes "
-                       "in the recipe")
-    if not 0 <= asked <= built:
-        raise BadInput(f"--tree-nodes must be between 0 and {built}, the tree graph's nodes (got {asked})")
-    return asked
-
-
-def check_drafter(manifest: Manifest, drafter: str, max_batch: int | None, option: str = "",
-                  backend: str = FALLBACK_BACKEND) -> None:
-    """Raise BadInput (led by ``option``, the CLI flag that chose it) when ``drafter`` is unknown
-    to this directory or, for ``max_batch`` above 1 (None: the largest built), cannot run batched."""
-    entry, lead = manifest.drafters.get(drafter), f"{option}: " if option else ""
-    if entry is None and drafter != "none":
-        raise BadInput(f"{lead}unknown drafter '{drafter}'; this engine directory has: "
-                       f"{', '.join(['none', *manifest.drafters])}")
-    if entry is None or max_batch == 1:
-        return
-    reason = batched_refusal(manifest, drafter, max_batch, backend)
-    if reason is not None:
-        raise BadInput(f"{lead}'{drafter}' ({entry.kind}) cannot run batched: {reason}")
+__all__ = ["Generation", "Pipeline", "TextTracker", "load",
+           # input checks (input_checks.py) that tests/runtime/test_tree.py and test_batch_drafter.py import from here
+           "HEAD_KINDS", "batched_refusal", "check_tree_nodes"]
 
 
 class Pipeline:
@@ -187,7 +99,7 @@ class Pipeline:
         self.manifest = manifest
         self.options = options
         self.backend = backend
-        self.tuned = tuned
+        self.costs = EngineCosts(manifest, tuned, self.backend_of)
         self._started = started
         self.text = TextCodec(manifest.root, manifest.tokenizer)
         self._grammars: Grammars | None = None
@@ -221,40 +133,33 @@ class Pipeline:
                 self._caches[(name, slots)] = open_caches(self.manifest.models[name], backend, self.options, slots,
                                                           largest)
             self._models[key] = open_model(self.manifest, name, backend, self.options, self.sessions,
-                                           self._caches[(name, slots)], roles, self.cost_ms, make_runner)
+                                           self._caches[(name, slots)], roles, self.costs.ms, make_runner)
         return self._models[key]
 
     def runner(self, model: str, roles: frozenset[Role] | None = None) -> ModelRunner:
         """The model's batch-1 runner (the bench's cost curve, tune, build's timing)."""
         return self.model(model, roles).runners[0]
 
-    def cost_ms(self, entry: EngineEntry) -> float | None:
-        """One run of the engine: measured on this machine by specexport tune, else at build."""
-        tuned = self.tuned.ms(entry) if self.tuned is not None else None
-        return tuned if tuned is not None else entry.cost_ms
-
     def costs_by_role(self, model: str) -> dict[Role, dict[int, float]]:
-        """role -> tokens -> ms of one batch-1 run of the model's graphs (0 where unmeasured)."""
-        costs: dict[Role, dict[int, float]] = {}
-        for entry in self.manifest.engines_of(model, self.backend_of(model)):
-            costs.setdefault(entry.role, {})[entry.tokens] = self.cost_ms(entry) or 0.0
-        return costs
+        """role -> tokens -> ms of one batch-1 run of the model's graphs (0 where unmeasured); the
+        head drafters' factories (chain_drafter.make, block_drafter.make) read it."""
+        return self.costs.by_role(model)
 
     @property
     def costs_source(self) -> str:
         """Which costs the runners and the adaptive depth use: "tuned (host, date)" or "build"."""
-        return self.tuned.label if self.tuned is not None else "build"
+        return self.costs.source
 
     def backend_of(self, model: str) -> str:
         """The pipeline's backend when the model has engines for it. A drafter model without
-        them runs on onnxruntime beside the target (the int4 drafter's MatMulNBits graphs have
-        no TensorRT importer); the target never falls back."""
+        them runs on the backend's fallback beside the target (specexport/backends.py); the
+        target never falls back."""
         if model not in self.backends:
             if self.manifest.engines_of(model, self.backend):
                 self.backends[model] = self.backend
-            elif model != "target" and self.manifest.engines_of(model, FALLBACK_BACKEND):
-                _log.info("model '%s' has no %s engines; it runs on %s", model, self.backend, FALLBACK_BACKEND)
-                self.backends[model] = FALLBACK_BACKEND
+            elif model != "target" and self.manifest.engines_of(model, fallback := BACKENDS[self.backend].fallback):
+                _log.info("model '%s' has no %s engines; it runs on %s", model, self.backend, fallback)
+                self.backends[model] = fallback
             else:
                 raise BadInput(f"{self.manifest.root}: no {self.backend} engines for model '{model}'")
         return self.backends[model]
@@ -263,16 +168,8 @@ class Pipeline:
         """The target's tree verify graphs over its slots, at every batch size built up to them
         (None: the directory has none)."""
         if target.slots not in self._trees:
-            entries = [e for e in self.manifest.engines_of("target", self.backend_of("target"), batch=None, tree=True)
-                       if e.batch <= target.slots]
-            self._trees[target.slots] = None
-            if entries:
-                cache = target.runners[0].cache
-                engines = {(e.batch, e.tokens): LazyEngine(e, self.manifest.root, self.options, cache, self.sessions)
-                           for e in entries}
-                tensors = target.caches.tensors if target.caches.tensors is not None else cache.view()
-                tuned = {(e.batch, e.tokens): ms / 1e3 for e in entries if (ms := self.cost_ms(e))}
-                self._trees[target.slots] = TreeVerifier(engines, entries[-1], target.caches.slots, tensors, tuned)
+            self._trees[target.slots] = open_tree_verifier(self.manifest, self.backend_of("target"), target,
+                                                           self.options, self.sessions, self.costs.ms)
         return self._trees[target.slots]
 
     def tree_nodes(self, asked: int | None, drafter: str | None = None) -> int:
@@ -300,27 +197,8 @@ class Pipeline:
                 self._drafters[(name, slots)] = NoDrafter()
                 return self._drafters[(name, slots)]
             check_drafter(self.manifest, name, slots, backend=self.backend)
-            entry = self.manifest.drafters[name]
-            self._drafters[(name, slots)] = DRAFTERS[DRAFTER_KINDS[entry.kind].family](self, entry, slots)
+            self._drafters[(name, slots)] = make_drafter(self, self.manifest.drafters[name], slots)
         return self._drafters[(name, slots)]
-
-    def _policy(self, drafter: Drafter) -> DepthPolicy:
-        """A fresh adaptive-depth policy: the target's verify costs (tuned here, else the build's)
-        and the drafter's own round cost."""
-        target = monotone_costs({e.tokens: self.cost_ms(e) for e in self.manifest.engines_of("target", self.backend)})
-
-        def verify_cost(tokens: int) -> float | None:
-            ms = target.get(self.target.engine_size(tokens))
-            return ms / 1e3 if ms else None
-
-        return DepthPolicy(verify_cost, drafter.round_cost)
-
-    def _depth(self, draft_len: int | None) -> int:
-        """The draft length asked for (default: the plan's D), checked against the engines'."""
-        depth = self.manifest.draft_len if draft_len is None else draft_len
-        if not 0 <= depth <= self.manifest.draft_len:
-            raise BadInput(f"draft length must be between 0 and {self.manifest.draft_len} (got {depth})")
-        return depth
 
     def prompt_ids(self, prompt: str | None = None, *, chat: bool = False, messages: list[dict] | None = None,
                    ids: Sequence[int] | None = None) -> list[int]:
@@ -362,8 +240,8 @@ class Pipeline:
                                on_token=lambda key, token: out.append(token), tree_nodes=tree_nodes)
         loop.submit(0, request)
         called, first_at, done = time.perf_counter(), None, []
-        while loop.busy:
-            done += loop.step()
+        for ended in loop.run():
+            done += ended
             if first_at is None and out:
                 first_at = time.perf_counter()
             if piece := text.ready():
@@ -401,9 +279,9 @@ class Pipeline:
         each batch size (``batched_refusal`` says why not)."""
         target = self.batched_target(max_batch)
         chosen = self.drafter(drafter, target.slots)
-        policy = (lambda: self._policy(chosen)) if adaptive and chosen.name != "none" else None
+        policy = (lambda: self.costs.depth_policy(chosen, self.target)) if adaptive and chosen.name != "none" else None
         nodes = self.tree_nodes(tree_nodes, chosen.name)
-        return BatchLoop(target, chosen, draft_len=self._depth(draft_len),
+        return BatchLoop(target, chosen, draft_len=check_draft_len(self.manifest, draft_len),
                          eos_ids=self.text.eos_ids, on_token=on_token,
                          schedule=self.manifest.draft_schedule if schedule else None,
                          per_sequence=per_sequence, on_round=on_round, adaptive=policy,
@@ -458,9 +336,7 @@ class Pipeline:
             trackers.append(tracker)
             ids_of.append(ids)
             requests.append(request)
-        done = {}
-        while loop.busy:
-            done.update(loop.step())
+        done = {key: finished for ended in loop.run() for key, finished in ended}
         backends = self._backends_of(loop.drafter.name)
         return [Generation(tracker.text, done[i].tokens, ids, done[i].stats.stop_reason, loop.drafter.name,
                            done[i].stats, backends, self.costs_source,
@@ -517,17 +393,23 @@ def load(engine_dir: str | Path, *, threads: int | None = None, device: str = "c
     """Open an engine directory: check its manifest and file hashes, create the sessions.
     Hashes are checked in full on first use and then only for files whose size, times or inode
     changed (runtime/integrity.py; ``specexport verify`` checks everything).
-    ``device_kv``: with the tensorrt backend, keep the KV caches on the GPU (False: in host
-    memory, copied to the GPU on every run). ``tuned_costs``: prefer the costs measured by
-    ``specexport tune`` on this machine over the build's."""
+    ``device``: onnxruntime's execution provider, cpu or cuda ("tensorrt" is the old spelling of
+    ``backend="tensorrt"``, the one TensorRT path). ``device_kv``: with the tensorrt backend,
+    keep the KV caches on the GPU (False: in host memory, copied to the GPU on every run).
+    ``tuned_costs``: prefer the costs measured by ``specexport tune`` on this machine over the
+    build's."""
     started = time.perf_counter()
+    if device == TENSORRT:
+        if backend not in (None, TENSORRT):
+            raise BadInput(f"--device tensorrt is --backend tensorrt, not --backend {backend}; give one of them")
+        backend, device = TENSORRT, "cpu"
     manifest = Manifest.load(engine_dir)
     if verify:
         ensure_verified(manifest)
     available = manifest.backends()
-    chosen = backend or ("onnxruntime" if "onnxruntime" in available else available[0])
+    chosen = backend or (DEFAULT_BACKEND if DEFAULT_BACKEND in available else available[0])
     if chosen not in available:
-        hint = f"; build them on this machine with: specexport build --from-onnx {engine_dir}" if chosen == "tensorrt" else ""
+        hint = BACKENDS[chosen].missing_hint.format(dir=engine_dir) if chosen in BACKENDS else ""
         raise BadInput(f"{engine_dir}: no engines for backend '{chosen}' (it has: {', '.join(available)}){hint}")
     return Pipeline(manifest, EngineOptions(threads=threads, device=device, device_kv=device_kv), chosen,
                     tuned=load_tuned(manifest) if tuned_costs else None, started=started)

@@ -19,6 +19,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from specexport.backends import BACKENDS
 from specexport.contract import MANIFEST, EngineEntry, Manifest, sha256_of
 from specexport.errors import BadInput
 from specexport.runtime import sidecar
@@ -73,8 +74,7 @@ def machine(threads: int | None) -> dict:
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "threads": threads,  # the intra-op threads asked for (None: onnxruntime's default)
-        "onnxruntime": _version("onnxruntime", "onnxruntime-gpu"),
-        "tensorrt": _version("tensorrt"),
+        **{b.name: _version(*b.dists) for b in BACKENDS.values()},
         "python": platform.python_version(),
         "platform": platform.platform(),
     }

@@ -1,4 +1,4 @@
-"""The Engine interface and the registry of backends that implement it.
+"""The Engine interface, and opening one engine or cache of a backend (specexport/backends.py).
 
 An engine is one compiled graph with fixed shapes. Backends are imported lazily: asking for
 one whose package is missing raises an error naming the extra to install.
@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from specexport.backends import BACKENDS
 from specexport.contract import EngineEntry, ModelEntry, TensorSpec
 from specexport.errors import BadInput
 from specexport.runtime.kv_cache import KVCache, open_host_cache
@@ -22,7 +23,7 @@ from specexport.runtime.kv_cache import KVCache, open_host_cache
 @dataclass(frozen=True)
 class EngineOptions:
     threads: int | None = None  # intra-op threads; None lets the backend choose
-    device: str = "cpu"  # cpu | cuda | tensorrt (execution provider for ONNX graphs)
+    device: str = "cpu"  # cpu | cuda: onnxruntime's execution provider
     # tensorrt: the KV cache lives on the GPU (trt_engine.DeviceKVCache), read in place and
     # appended by the engines. False keeps it in host memory, copied whole to the GPU on every
     # run (load(..., device_kv=False), --host-kv). Backends without a device cache ignore it.
@@ -60,22 +61,6 @@ class SharedGraphs:
         return len(self._sessions)
 
 
-# backend name -> "module:factory"; a factory takes (EngineEntry, engine dir, EngineOptions,
-# SharedGraphs | None).
-BACKENDS: dict[str, str] = {
-    "onnxruntime": "specexport.runtime.ort_engine:open_ort_engine",
-    "tensorrt": "specexport.runtime.trt_engine:open_trt_engine",
-}
-
-
-# backend -> "module:factory" of a KV cache kept beside the backend's engines (GPU memory), for
-# EngineOptions.device_kv; a factory takes (ModelEntry, EngineOptions). Other backends, and
-# device_kv=False, use the host KVCache.
-DEVICE_KV_CACHES: dict[str, str] = {
-    "tensorrt": "specexport.runtime.trt_engine:open_device_kv_cache",
-}
-
-
 def _factory(target: str) -> Any:
     module_name, factory = target.split(":")
     return getattr(importlib.import_module(module_name), factory)
@@ -83,10 +68,9 @@ def _factory(target: str) -> Any:
 
 def open_engine(entry: EngineEntry, root: Path, options: EngineOptions, shared: SharedGraphs | None = None) -> Engine:
     """``shared``: the load's sessions by file; engines of one file share a session (None: its own)."""
-    target = BACKENDS.get(entry.backend)
-    if target is None:
+    if entry.backend not in BACKENDS:
         raise BadInput(f"engine {entry.name}: unknown backend '{entry.backend}' (known: {', '.join(BACKENDS)})")
-    return _factory(target)(entry, root, options, shared)
+    return _factory(BACKENDS[entry.backend].engine)(entry, root, options, shared)
 
 
 def open_kv_cache(backend: str, model: ModelEntry, options: EngineOptions, largest_graph: int = 64) -> KVCache:
@@ -94,7 +78,7 @@ def open_kv_cache(backend: str, model: ModelEntry, options: EngineOptions, large
     (and device_kv is on), else the host KVCache. Both have the KVCache interface.
     ``largest_graph``: the most tokens one of the model's graphs takes (a recurrent state keeps
     that many positions, so any one run can be rewound)."""
-    target = DEVICE_KV_CACHES.get(backend)
+    target = BACKENDS[backend].device_cache if backend in BACKENDS else None
     if target is not None and options.device_kv and model.state is not None:
         raise BadInput(f"model {model.name}: a device-resident cache has no recurrent state (linear-attention "
                        "layers) yet; load with device_kv=False (--host-kv)")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specexport.backends import BACKENDS
 from specexport.contract import (
     CACHE_LENGTH,
     CONTEXT_FEATURES,
@@ -48,7 +49,6 @@ from specexport.runtime.kv_cache import CacheLength, KVCache, append_rows
 from specexport.runtime.runner import PAD_ID, ModelRunner, StepOutput, time_interleaved
 
 Row = tuple[int, np.ndarray, Mapping[str, np.ndarray]]  # (cache length, tokens [n], extra inputs name -> [n, F])
-HOST_BACKEND = "onnxruntime"  # the backend whose batched graphs share a host cache
 
 
 class SlotView(KVCache):
@@ -100,7 +100,7 @@ def slots_refusal(manifest: Manifest, model: str, backend: str, batches: Sequenc
     info = manifest.models[model]
     if info.state is not None:
         return f"model '{model}' keeps a recurrent state per sequence (linear-attention layers): one sequence at a time"
-    if backend != HOST_BACKEND:
+    if not BACKENDS[backend].host_batches:
         return f"model '{model}' runs on {backend}, which runs one sequence at a time yet"
     if not need_graphs:
         return None

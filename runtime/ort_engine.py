@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specexport.backends import BACKENDS, ONNXRUNTIME
 from specexport.contract import INPUT_IDS, EngineEntry, TensorSpec, chain_tree_feeds
 from specexport.errors import BadInput, MissingDependency, missing_extra
 from specexport.runtime.engine import EngineOptions, SharedGraphs, check_feeds
@@ -52,10 +53,11 @@ ONNXRUNTIME_GPU_SWAP = "pip uninstall -y onnxruntime && pip install 'onnxruntime
 FOLDED_ON_GPU = ("this target's ort-gqa graph also verifies token trees (draft.tree), so every call gives "
                  "GroupQueryAttention a bias, which onnxruntime's CUDA kernel runs unfused or refuses; for a GPU "
                  "build without draft.tree, or use attention: standard with TensorRT")
+# EngineOptions.device -> providers. TensorRT is a backend of its own (specexport/backends.py),
+# not a provider here: one path to it
 _PROVIDERS = {
     "cpu": ["CPUExecutionProvider"],
     "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
-    "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
 }
 
 
@@ -63,7 +65,7 @@ def _onnxruntime():
     try:
         import onnxruntime
     except ImportError:
-        raise missing_extra("onnxruntime", "cpu") from None
+        raise missing_extra(ONNXRUNTIME, BACKENDS[ONNXRUNTIME].extra) from None
     return onnxruntime
 
 
@@ -140,7 +142,7 @@ class OrtEngine:
         def make():
             return ort.InferenceSession(str(path), so, providers=providers)
 
-        key = ("onnxruntime", str(Path(path).resolve()), options.device)
+        key = (ONNXRUNTIME, str(Path(path).resolve()), options.device)
         self._session = make() if shared is None else shared.get(key, make)
         # A chain entry of a graph that also verifies trees lacks the tree inputs: fed a chain's
         extra = {i.name for i in self._session.get_inputs()} - set(inputs)

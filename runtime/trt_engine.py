@@ -3,7 +3,7 @@
 Device buffers are allocated once per engine with cuda-python (no torch); one CUDA stream
 per engine; only the outputs asked for (tokens, and logits when sampling) come back to the
 host. The KV cache is a ``DeviceKVCache`` by default (``open_device_kv_cache``, the
-tensorrt entry of engine.DEVICE_KV_CACHES): engines bound to it (``TrtEngine.bind_kv_cache``)
+tensorrt entry's device_cache in specexport/backends.py): engines bound to it (``TrtEngine.bind_kv_cache``)
 read past K/V in place and append their present.* outputs with 2-D device copies, so no
 cache-sized copy crosses the bus per run, and the fixed-shape step can be captured once as a
 CUDA graph and replayed. With ``EngineOptions(device_kv=False)`` the host KVCache is used
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from specexport import contract
+from specexport.backends import BACKENDS, TENSORRT
 from specexport.contract import EngineEntry, ModelEntry, TensorSpec
 from specexport.errors import BadInput, SpecexportError, missing_extra
 from specexport.runtime.engine import EngineOptions
@@ -35,7 +36,7 @@ from specexport.runtime.kv_cache import CacheLength
 if TYPE_CHECKING:  # for annotations only: the package is imported lazily
     import tensorrt as trt
 
-GPU_EXTRA = "gpu"
+GPU_EXTRA = BACKENDS[TENSORRT].extra
 PAST, PRESENT = f"{contract.PAST}.", f"{contract.PRESENT}."  # name prefixes: past_key_values.{i}.key
 
 

@@ -47,7 +47,7 @@ def dflash_runners(pipe, tmp: Path, args) -> dict:
     from specexport.exporter.heads import dflash
     from specexport.exporter.heads.block import BlockGraph, example_inputs, graph_io
     from specexport.exporter.onnx_export import WeightStore, export_module, tensor_specs
-    from specexport.exporter.recipe import DFlashDrafter
+    from specexport.exporter.recipe import DFlashDrafterSpec
     from specexport.runtime.block_drafter import BlockRunner
     from specexport.runtime.engine import EngineOptions
     from specexport.runtime.kv_cache import KVCache
@@ -68,7 +68,7 @@ def dflash_runners(pipe, tmp: Path, args) -> dict:
         folder = _write(tmp / f"dflash{layers}", {**fields, "architectures": ["DFlashDraftModel"], "block_size": 8,
                                                   "dflash_config": {"target_layer_ids": layer_ids, "mask_token_id": 0}},
                         dense_tensors(gen, fields, len(layer_ids), target.config.hidden_size))
-        spec = DFlashDrafter(kind="dflash", name=f"dflash{layers}", path=folder)
+        spec = DFlashDrafterSpec(kind="dflash", name=f"dflash{layers}", path=folder)
         head = dflash.load(spec, target, tmp, "head").spec
         taps = tuple(sorted(head.taps))
         from specexport.exporter.heads.base import tap_columns

@@ -315,12 +315,12 @@ def _recipe_models() -> list[tuple[type[BaseModel], str]]:
 
     sources = [(r.GgufSource, "target: {source: gguf, ...}"), (r.HfSource, "target: {source: hf, ...}"),
                (r.TinySource, "target: {source: tiny, ...}")]
-    drafters = [(r.NgramDrafter, "drafters: [{kind: ngram, ...}]"),
-                (r.QuantizedSelfDrafter, "drafters: [{kind: quantized-self, ...}]"),
-                (r.ModelDrafter, "drafters: [{kind: model, ...}]"),
-                (r.Eagle3Drafter, "drafters: [{kind: eagle3, ...}]"), (r.MtpDrafter, "drafters: [{kind: mtp, ...}]"),
-                (r.DFlashDrafter, "drafters: [{kind: dflash, ...}]"),
-                (r.DSparkDrafter, "drafters: [{kind: dspark, ...}]")]
+    drafters = [(r.NgramDrafterSpec, "drafters: [{kind: ngram, ...}]"),
+                (r.QuantizedSelfDrafterSpec, "drafters: [{kind: quantized-self, ...}]"),
+                (r.ModelDrafterSpec, "drafters: [{kind: model, ...}]"),
+                (r.Eagle3DrafterSpec, "drafters: [{kind: eagle3, ...}]"), (r.MtpDrafterSpec, "drafters: [{kind: mtp, ...}]"),
+                (r.DFlashDrafterSpec, "drafters: [{kind: dflash, ...}]"),
+                (r.DSparkDrafterSpec, "drafters: [{kind: dspark, ...}]")]
     sections = [(r.Shapes, "shapes"), (r.DraftPlan, "draft"), (r.TreePlan, "draft.tree"), (r.Quantization, "quantization"),
                 (r.Validation, "validation"),
                 (r.TensorRTSettings, "tensorrt")]

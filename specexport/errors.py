@@ -6,6 +6,8 @@ traceback for a problem the user can fix.
 
 import importlib.util
 
+from specexport.backends import BACKENDS
+
 
 class SpecexportError(Exception):
     """A failure reported to the user as one line. ``exit_code`` is what the CLI returns."""
@@ -32,14 +34,13 @@ def missing_extra(package: str, extra: str) -> MissingDependency:
 # The optional packages commands import when they run, and the extra that installs each
 # (pyproject.toml; tests/test_packaging.py keeps the two in step).
 EXTRA_OF_MODULE = {
-    "onnxruntime": "cpu",
+    **{package: b.extra for b in BACKENDS.values() for package in b.packages},
     **dict.fromkeys(("torch", "transformers", "onnx", "onnxscript", "safetensors", "gguf", "accelerate"), "export"),
     **dict.fromkeys(("fastapi", "uvicorn", "prometheus_client", "httpx"), "serve"),
     "ray": "ray",
     "matplotlib": "bench",
     "jsonschema": "bench",
     "llguidance": "structured",
-    **dict.fromkeys(("tensorrt", "cuda"), "gpu"),
 }
 
 

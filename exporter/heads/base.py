@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 import torch
 
+from specexport.backends import ONNXRUNTIME
 from specexport.contract import DrafterEntry, EngineEntry, KVUpdate, ModelEntry, Role, engine_name
 from specexport.exporter.onnx_export import WeightStore, tensor_specs
 from specexport.exporter.validate import reference_ids
@@ -131,7 +132,7 @@ class HeadContext:
             inputs, outputs = specs[tokens]
             self.builder.specs[name] = (inputs, outputs)
             self.builder.engines.append(EngineEntry(
-                name=name, model=self.name, role=role, backend="onnxruntime", path=path.name, batch=self.batch,
+                name=name, model=self.name, role=role, backend=ONNXRUNTIME, path=path.name, batch=self.batch,
                 tokens=tokens, inputs=inputs, outputs=outputs, kv_update=kv_update, weights=store.location,
             ))
             paths[name] = path
@@ -167,7 +168,7 @@ class HeadContext:
                                    tensor_specs(proto, "outputs", tokens, batch))
                 self.builder.specs[name] = (inputs, outputs)
                 self.builder.engines.append(EngineEntry(
-                    name=name, model=self.name, role=role, backend="onnxruntime", path=path.name, batch=batch,
+                    name=name, model=self.name, role=role, backend=ONNXRUNTIME, path=path.name, batch=batch,
                     tokens=tokens, inputs=inputs, outputs=outputs, kv_update=kv_update, weights=store.location,
                 ))
                 saved[name] = (batch, tokens)

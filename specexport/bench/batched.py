@@ -30,7 +30,7 @@ import numpy as np
 from specexport.atomic import atomic_path, write_text
 from specexport.bench.harness import load_prompts
 from specexport.errors import BadInput
-from specexport.runtime.api import check_drafter
+from specexport.runtime.input_checks import check_drafter
 
 
 def parse_batches(text: str) -> list[int]:

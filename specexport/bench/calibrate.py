@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from specexport import atomic
+from specexport.backends import ONNXRUNTIME
 
 
 def _interpolate(curve: dict[int, float], tokens: int) -> float:
@@ -192,10 +193,10 @@ def _batched_model(pipe, model: str, batches: list[int], widths: list[int]):
     from specexport.runtime.model import BatchedCall, open_caches, open_model
 
     info = pipe.manifest.models[model]
-    caches = open_caches(info, "onnxruntime", pipe.options, max(2, *batches), 1)
-    batched = open_model(pipe.manifest, model, "onnxruntime", pipe.options, pipe.sessions, caches)
+    caches = open_caches(info, ONNXRUNTIME, pipe.options, max(2, *batches), 1)
+    batched = open_model(pipe.manifest, model, ONNXRUNTIME, pipe.options, pipe.sessions, caches)
     for batch in batches:
-        built = [e for e in pipe.manifest.engines_of(model, "onnxruntime", batch=batch)
+        built = [e for e in pipe.manifest.engines_of(model, ONNXRUNTIME, batch=batch)
                  if e.role in BATCHED_ROLES and e.kv_update == KVUpdate.IN_PLACE]
         for tokens in widths:
             if (batch, tokens) not in batched.calls:
@@ -225,7 +226,7 @@ def measure_draft_rounds(pipe, drafters: list[str], batches: list[int], depth: i
     """Seconds of each drafter's round of k = 0..``depth`` drafts at every batch size, from its
     own cost model (Drafter.round_cost) over its batched step measured at B, for the drafters
     with a model that run batched; drafters without engines cost nothing."""
-    from specexport.runtime.api import HEAD_KINDS, batched_refusal
+    from specexport.runtime.input_checks import HEAD_KINDS, batched_refusal
 
     costs: dict[str, dict[int, list[float]]] = {}
     timed: dict[str, dict[tuple[int, int], float]] = {}
@@ -296,11 +297,11 @@ def schedule_steps(table: list[dict]) -> list[list[int]]:
 def calibrate_schedule(pipe, profiles: dict, depth: int, reporter, rounds: int = 5) -> dict:
     """Measure t(B, T) (and the draft models' batched steps) over the batch sizes built, and
     choose K(B) up to ``depth``; {} with a ``schedule_skipped`` reason when nothing is batched."""
-    from specexport.runtime.api import HEAD_KINDS, batched_refusal
+    from specexport.runtime.input_checks import HEAD_KINDS, batched_refusal
 
     manifest = pipe.manifest
     batches = manifest.batch_sizes("target")
-    if manifest.models["target"].attention != "ort-gqa" or "onnxruntime" not in manifest.backends():
+    if manifest.models["target"].attention != "ort-gqa" or ONNXRUNTIME not in manifest.backends():
         return {"schedule_skipped": "batched decoding needs onnxruntime graphs built with attention: ort-gqa"}
     if batches == [1]:
         return {"schedule_skipped": "built for batch 1 only (shapes.batch): no depth by batch size to choose"}

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from specexport.backends import BACKENDS, DEFAULT_BACKEND
 from specexport.cli.output import print_json
 
 
@@ -35,8 +36,8 @@ from specexport.cli.output import print_json
 @click.option("--tree-nodes", default=None,
               help="Comma-separated tree sizes (0,6): each drafter that builds token trees runs at each, side by "
                    "side, labelled DRAFTER+treeN (0: its chain). Default: the recipe's draft.tree for its drafters.")
-@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default=None,
-              help="Engines to run (default: onnxruntime when the directory has them).")
+@click.option("--backend", type=click.Choice(list(BACKENDS)), default=None,
+              help=f"Engines to run (default: {DEFAULT_BACKEND} when the directory has them).")
 @click.option("--host-kv", is_flag=True,
               help="tensorrt: keep the KV cache in host memory, copied to the GPU on every run.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench/out"), show_default=True,

@@ -88,10 +88,11 @@ def build(recipe: Path | None, out: Path | None, from_onnx: Path | None, precisi
     if from_onnx is not None:
         if recipe is not None or out is not None:
             raise BadInput("give a RECIPE or --from-onnx DIR, not both (--from-onnx rebuilds DIR in place)")
+        from specexport.backends import TENSORRT
         from specexport.cli.trt import build_from_onnx
 
         manifest = build_from_onnx(from_onnx, Reporter(quiet=quiet or as_json), precision=precision)
-        built = [e["name"] for e in manifest["engines"] if e["backend"] == "tensorrt"]
+        built = [e["name"] for e in manifest["engines"] if e["backend"] == TENSORRT]
         if as_json:
             print_json({"out": str(from_onnx), "tensorrt_engines": built})
         elif not quiet:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from specexport.backends import BACKENDS, DEFAULT_BACKEND
 from specexport.cli.controls import output_options
 from specexport.cli.output import print_json
 
@@ -35,10 +36,11 @@ from specexport.cli.output import print_json
 @click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible runs).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); it is cut from the output.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="onnxruntime intra-op threads.")
-@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default=None,
-              help="Engines to run (default: onnxruntime when the directory has them).")
+@click.option("--backend", type=click.Choice(list(BACKENDS)), default=None,
+              help=f"Engines to run (default: {DEFAULT_BACKEND} when the directory has them).")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu", show_default=True,
-              help="onnxruntime execution provider for the ONNX graphs.")
+              help="onnxruntime execution provider for the ONNX graphs (tensorrt: the old spelling of "
+                   "--backend tensorrt).")
 @click.option("--host-kv", is_flag=True,
               help="tensorrt: keep the KV cache in host memory, copied to the GPU on every run "
                    "(default: on the GPU, read and appended in place).")
@@ -132,8 +134,8 @@ def _generate_batch(engine_dir: Path, prompts_file: Path, max_batch: int | None,
 @click.option("--rounds", type=click.IntRange(1), default=9, show_default=True,
               help="Timed rounds (after one warm-up); each round runs every graph once, medians kept.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="onnxruntime intra-op threads.")
-@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default=None,
-              help="Engines to time (default: onnxruntime when the directory has them).")
+@click.option("--backend", type=click.Choice(list(BACKENDS)), default=None,
+              help=f"Engines to time (default: {DEFAULT_BACKEND} when the directory has them).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
 def tune(engine_dir: Path, rounds: int, threads: int | None, backend: str | None, as_json: bool) -> None:
     """Measure every graph's cost on this machine; the runtime then prefers them (costs.json)."""

@@ -32,15 +32,16 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None, tree_n
     """Fail before the port opens on what would fail while loading: the directory, a target
     that cannot batch, the drafter, batched engines, a tree size without its graph. Returns
     the drafter to run."""
+    from specexport.backends import DEFAULT_BACKEND
     from specexport.contract import Manifest
-    from specexport.runtime.api import batched_refusal, check_drafter, check_tree_nodes
+    from specexport.runtime.input_checks import batched_refusal, check_drafter, check_tree_nodes
     from specexport.serve.config import refuse_recurrent_target
 
     manifest = Manifest.load(engine_dir)
     refuse_recurrent_target(manifest, engine_dir)  # first: rebuilding with ort-gqa would not help it
-    if "onnxruntime" not in manifest.backends():
-        raise BadInput(f"{engine_dir}: serve runs onnxruntime engines and this directory has none; rebuild it "
-                       "with backend: onnxruntime in the recipe")
+    if DEFAULT_BACKEND not in manifest.backends():  # the backend load() picks, which batches
+        raise BadInput(f"{engine_dir}: serve runs {DEFAULT_BACKEND} engines and this directory has none; rebuild it "
+                       f"with backend: {DEFAULT_BACKEND} in the recipe")
     built = manifest.batch_sizes("target")
     if max_batch is not None and max_batch < min(built):
         raise BadInput(f"--max-batch: {max_batch} is below the smallest batch size built ({min(built)})")

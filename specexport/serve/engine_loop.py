@@ -93,9 +93,9 @@ class Job:
 
 class EngineThread:
     def __init__(self, pipe, loop: BatchLoop, metrics: ServerMetrics, max_waiting: int):
-        self.pipe, self.batch, self.metrics = pipe, loop, metrics
+        self.pipe, self.loop, self.metrics = pipe, loop, metrics
         self.capacity = loop.target.slots + max_waiting
-        self.batch.on_token, self.batch.on_round = self._on_token, self._on_round
+        self.loop.on_token, self.loop.on_round = self._on_token, self._on_round
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit", Job) | ("cancel", id) | ("stop", None)
         self._jobs: dict[Hashable, Job] = {}  # engine thread only
         self._admitted = 0  # jobs submitted and not yet finished (guarded by _lock)
@@ -139,9 +139,9 @@ class EngineThread:
     def _run(self) -> None:
         while True:
             try:
-                if not self._take(block=not self.batch.busy):
+                if not self._take(block=not self.loop.busy):
                     break
-                ended = self.batch.step()
+                ended = self.loop.step()
             except Exception as err:  # noqa: BLE001 - a failing round must not kill the server silently
                 _log.exception("engine round failed")
                 self._fail_all(f"internal error in the engine: {type(err).__name__}: {err}")
@@ -149,8 +149,8 @@ class EngineThread:
             self._flush()
             for key, finished in ended:
                 self._finish(key, finished)
-            self.metrics.running.set(len(self.batch.running))
-            self.metrics.waiting.set(len(self.batch.waiting))
+            self.metrics.running.set(len(self.loop.running))
+            self.metrics.waiting.set(len(self.loop.waiting))
         self._fail_all("the server is shutting down")
         while True:  # jobs that arrived too late to be taken
             try:
@@ -174,7 +174,7 @@ class EngineThread:
             if kind == "submit":
                 self._admit(item)
             elif kind == "cancel" and item in self._jobs:
-                self.batch.cancel(item)
+                self.loop.cancel(item)
             block = False  # take whatever else arrived, then run a round
 
     def _admit(self, job: Job) -> None:
@@ -189,7 +189,7 @@ class EngineThread:
             self._release(job, Event(done=True, error=str(err)))
             return
         self._jobs[job.id] = job
-        self.batch.submit(job.id, request)
+        self.loop.submit(job.id, request)
 
     def _on_token(self, key: Hashable, token: int) -> None:
         self._jobs[key].pending.append(token)
@@ -242,9 +242,9 @@ class EngineThread:
         for job in list(self._jobs.values()):
             self._release(job, Event(done=True, error=message))
         for key in self._jobs:
-            self.batch.cancel(key)
+            self.loop.cancel(key)
         self._jobs.clear()
         try:
-            self.batch.step()  # drops the cancelled rows; nothing else is running
+            self.loop.step()  # drops the cancelled rows; nothing else is running
         except Exception:  # noqa: BLE001
             _log.exception("could not clear the batch")

@@ -320,7 +320,7 @@ def test_a_two_step_distill_runs_on_cuda(work, tmp_path):
     a checkpoint the loader reads on the CPU."""
     from specexport.exporter.distill.command import distill
     from specexport.exporter.heads.eagle3 import load
-    from specexport.exporter.recipe import Eagle3Drafter, TinySource
+    from specexport.exporter.recipe import Eagle3DrafterSpec, TinySource
     from specexport.exporter.sources import load_source
 
     out = tmp_path / "head"
@@ -328,7 +328,7 @@ def test_a_two_step_distill_runs_on_cuda(work, tmp_path):
     assert record["steps"] == 2 and record["runs"][-1]["device"] == "cuda"
     assert record["final"]["anchors"] > 0 and record["final"]["loss"] > 0
     target = load_source(TinySource(**TARGET), work, "target")
-    head = load(Eagle3Drafter(kind="eagle3", path=out), target, work, "drafters.0")
+    head = load(Eagle3DrafterSpec(kind="eagle3", path=out), target, work, "drafters.0")
     assert head.spec.taps == tuple(record["taps"])
 
 
@@ -342,12 +342,12 @@ def test_the_training_unroll_is_the_chain_the_loader_builds(trained, work):
     from specexport.exporter.distill.eagle3_model import Eagle3Draft, rope_tables
     from specexport.exporter.heads.chain import TargetStates
     from specexport.exporter.heads.eagle3 import load
-    from specexport.exporter.recipe import Eagle3Drafter, TinySource
+    from specexport.exporter.recipe import Eagle3DrafterSpec, TinySource
     from specexport.exporter.sources import load_source
 
     out, _ = trained
     target = load_source(TinySource(**TARGET), work, "target")
-    head = load(Eagle3Drafter(kind="eagle3", path=out), target, work, "drafters.0")
+    head = load(Eagle3DrafterSpec(kind="eagle3", path=out), target, work, "drafters.0")
     config = json.loads((out / "config.json").read_text())
     saved = load_file(str(out / "model.safetensors"))
     embed = target.model.get_input_embeddings().weight.detach()

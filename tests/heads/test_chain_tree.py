@@ -1,4 +1,4 @@
-"""Chain heads' token trees, EAGLE-3 and MTP (runtime/chain_drafter.py propose_tree, the head's
+"""Chain heads' token trees, EAGLE-3 and MTP (runtime/chain_drafter.py trees and tree_alone, the head's
 tree step of exporter/heads/chain_tree.py, runtime/tree.py spine_tree): what the head drafts as a
 tree is the reference's own choice, and decoding with it stays the target's.
 

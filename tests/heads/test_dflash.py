@@ -142,7 +142,7 @@ def test_the_policy_costs_one_block_per_round(pipe, engines):
     depth reads), and nothing when it skips."""
     manifest = json.loads((engines / "manifest.json").read_text())
     block = min((e for e in manifest["engines"] if e["model"] == "zlab"), key=lambda e: e["tokens"])["cost_ms"]
-    policy = pipe._policy(pipe.drafter("zlab"))
+    policy = pipe.costs.depth_policy(pipe.drafter("zlab"), pipe.target)
     assert policy.round_cost(0) == 0.0
     for k in (1, 3):
         assert policy.round_cost(k) == pytest.approx(block / 1e3)

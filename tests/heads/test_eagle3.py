@@ -173,12 +173,12 @@ MALFORMED = [
 @pytest.mark.parametrize("broken,message", MALFORMED, ids=[m for _, m in MALFORMED])
 def test_malformed_checkpoints_are_one_line_errors(tmp_path, broken, message):
     from specexport.exporter.heads.eagle3 import load
-    from specexport.exporter.recipe import Eagle3Drafter, TinySource
+    from specexport.exporter.recipe import Eagle3DrafterSpec, TinySource
     from specexport.exporter.sources import load_source
 
     write_eagle3(tmp_path / "head", target_config(), "safeailab", **broken)
     target = load_source(TinySource(**TARGET), tmp_path, "target")
-    spec = Eagle3Drafter(kind="eagle3", path="head")
+    spec = Eagle3DrafterSpec(kind="eagle3", path="head")
     with pytest.raises(BadInput, match=message) as err:
         load(spec, target, tmp_path, "drafters.0")
     assert "\n" not in str(err.value) and str(err.value).startswith("drafters.0")

@@ -161,13 +161,13 @@ MALFORMED = [
 @pytest.mark.parametrize("layout,broken,message", MALFORMED, ids=[m for *_, m in MALFORMED])
 def test_malformed_checkpoints_are_one_line_errors(tmp_path, layout, broken, message):
     from specexport.exporter.heads.mtp import load
-    from specexport.exporter.recipe import HfSource, MtpDrafter
+    from specexport.exporter.recipe import HfSource, MtpDrafterSpec
     from specexport.exporter.sources import load_source
 
     write_mtp_target(tmp_path / "t", "llama", layout, **broken)
     target = load_source(HfSource(source="hf", path=tmp_path / "t"), tmp_path, "target")
     with pytest.raises(BadInput, match=message) as err:
-        load(MtpDrafter(kind="mtp"), target, tmp_path, "drafters.0")
+        load(MtpDrafterSpec(kind="mtp"), target, tmp_path, "drafters.0")
     assert "\n" not in str(err.value) and str(err.value).startswith("drafters.0")
 
 
@@ -176,7 +176,7 @@ def test_unreachable_layers_and_targets_are_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from specexport.exporter.heads.mtp import load
-    from specexport.exporter.recipe import HfSource, MtpDrafter, TinySource
+    from specexport.exporter.recipe import HfSource, MtpDrafterSpec, TinySource
     from specexport.exporter.sources import load_source
 
     folder = write_mtp_target(tmp_path / "t", "llama", "deepseek")
@@ -185,10 +185,10 @@ def test_unreachable_layers_and_targets_are_refused(tmp_path):
     save_file(weights, str(folder / "model.safetensors"))
     target = load_source(HfSource(source="hf", path=folder), tmp_path, "target")
     with pytest.raises(BadInput, match="mixture-of-experts"):
-        load(MtpDrafter(kind="mtp"), target, tmp_path, "drafters.0")
+        load(MtpDrafterSpec(kind="mtp"), target, tmp_path, "drafters.0")
     tiny = load_source(TinySource(source="tiny"), tmp_path, "target")
     with pytest.raises(BadInput, match="needs a transformers directory target"):
-        load(MtpDrafter(kind="mtp"), tiny, tmp_path, "drafters.0")
+        load(MtpDrafterSpec(kind="mtp"), tiny, tmp_path, "drafters.0")
 
 
 def test_a_malformed_speculators_config_is_one_line(tmp_path):

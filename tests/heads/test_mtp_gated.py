@@ -31,9 +31,9 @@ def load_target(folder):
 
 def load_head(target, folder):
     from specexport.exporter.heads.mtp import load
-    from specexport.exporter.recipe import MtpDrafter
+    from specexport.exporter.recipe import MtpDrafterSpec
 
-    return load(MtpDrafter(kind="mtp"), target, folder.parent, "drafters.0")
+    return load(MtpDrafterSpec(kind="mtp"), target, folder.parent, "drafters.0")
 
 
 def reference_rows(target, head, rows: int = ROWS, seed: int = 0):

@@ -1,4 +1,4 @@
-"""A draft model's token trees (runtime/drafters.py ModelDrafter.propose_tree): the int4 copy of
+"""A draft model's token trees (runtime/drafters.py ModelDrafter.trees): the int4 copy of
 the target and a separate draft model draft their greedy chain as the spine with each step's
 top-k as leaves. Every tree is checked against the same model run from an empty cache on the
 committed context (so a round that left a stale draft row in the cache, after a path that ended

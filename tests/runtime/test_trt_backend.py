@@ -60,10 +60,22 @@ def test_loading_the_tensorrt_backend_names_the_extra(tiny_dir, tmp_path):
 
 
 @without_gpu
-def test_generate_with_tensorrt_backend_exits_2(tiny_dir, tmp_path):
+@pytest.mark.parametrize("flag", [("--backend", "tensorrt"), ("--device", "tensorrt")])  # the old spelling
+def test_generate_with_tensorrt_backend_exits_2(tiny_dir, tmp_path, flag):
     engines = as_tensorrt_build(tiny_dir, tmp_path / "engines", ("target",), fake_plans=False)
-    code, _, err = run_cli("generate", engines, "--backend", "tensorrt", "--prompt", "hi", "-n", "2")
+    code, _, err = run_cli("generate", engines, *flag, "--prompt", "hi", "-n", "2")
     check_one_line(code, err, "pip install 'specexport[gpu]'")
+
+
+def test_device_tensorrt_is_the_tensorrt_backend(tiny_dir):
+    """One path to TensorRT: --device tensorrt asks for the tensorrt backend's engines, which an
+    onnxruntime-only directory lacks, and cannot be given beside another backend."""
+    from specexport.runtime import load
+
+    with pytest.raises(BadInput, match="no engines for backend 'tensorrt'"):
+        load(tiny_dir, device="tensorrt")
+    with pytest.raises(BadInput, match="--device tensorrt is --backend tensorrt"):
+        load(tiny_dir, device="tensorrt", backend="onnxruntime")
 
 
 @without_gpu

@@ -1,0 +1,46 @@
+"""What each engine run costs, as the runners, the drafters and the adaptive depth read it:
+measured on this machine by ``specexport tune`` where it was, else at build."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from specexport.contract import EngineEntry, Manifest, Role
+from specexport.runtime.adaptive import DepthPolicy
+from specexport.runtime.costs import TunedCosts
+from specexport.runtime.drafters import Drafter
+from specexport.runtime.runner import ModelRunner, monotone_costs
+
+
+class EngineCosts:
+    def __init__(self, manifest: Manifest, tuned: TunedCosts | None, backend_of: Callable[[str], str]):
+        """``backend_of``: model -> the backend its engines run on (Pipeline.backend_of)."""
+        self.manifest, self.tuned, self.backend_of = manifest, tuned, backend_of
+
+    def ms(self, entry: EngineEntry) -> float | None:
+        """One run of the engine: measured on this machine by specexport tune, else at build."""
+        tuned = self.tuned.ms(entry) if self.tuned is not None else None
+        return tuned if tuned is not None else entry.cost_ms
+
+    def by_role(self, model: str) -> dict[Role, dict[int, float]]:
+        """role -> tokens -> ms of one batch-1 run of the model's graphs (0 where unmeasured)."""
+        costs: dict[Role, dict[int, float]] = {}
+        for entry in self.manifest.engines_of(model, self.backend_of(model)):
+            costs.setdefault(entry.role, {})[entry.tokens] = self.ms(entry) or 0.0
+        return costs
+
+    @property
+    def source(self) -> str:
+        """Which costs are in use: "tuned (host, date)" or "build"."""
+        return self.tuned.label if self.tuned is not None else "build"
+
+    def depth_policy(self, drafter: Drafter, target: ModelRunner) -> DepthPolicy:
+        """A fresh adaptive-depth policy: the target's verify costs and the drafter's own round cost."""
+        verify = monotone_costs({e.tokens: self.ms(e)
+                                 for e in self.manifest.engines_of("target", self.backend_of("target"))})
+
+        def verify_cost(tokens: int) -> float | None:
+            ms = verify.get(target.engine_size(tokens))
+            return ms / 1e3 if ms else None
+
+        return DepthPolicy(verify_cost, drafter.round_cost)

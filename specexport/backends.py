@@ -1,0 +1,43 @@
+"""The backends an engine directory's engines run on: one entry each, read by the recipe, the
+build, the CLI, the runtime and the error messages.
+
+A backend is one runtime module (its Engine, and a cache kept beside its engines where it has
+one) plus one entry here. Stdlib only: the exporter and the runtime both import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ONNXRUNTIME = "onnxruntime"
+TENSORRT = "tensorrt"
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    engine: str  # "module:factory" of one engine: (EngineEntry, engine dir, EngineOptions, SharedGraphs | None)
+    # "module:factory" of a cache kept beside the engines (EngineOptions.device_kv): (ModelEntry,
+    # EngineOptions); None: the host KVCache
+    device_cache: str | None
+    host_batches: bool  # its batched graphs share one host cache: it runs several sequences at once
+    fallback: str  # the backend a drafter model without engines of this one runs on (the target never falls back)
+    suffix: str  # its engine files' suffix
+    extra: str  # the pip extra that installs it (specexport[extra])
+    packages: tuple[str, ...]  # the modules it imports, whose absence names the extra
+    dists: tuple[str, ...]  # its distributions, the first installed giving the version recorded
+    missing_hint: str = ""  # how to get its engines into a directory without them ({dir}: the directory)
+
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in (
+    Backend(ONNXRUNTIME, "specexport.runtime.ort_engine:open_ort_engine", None, host_batches=True,
+            fallback=ONNXRUNTIME, suffix=".onnx", extra="cpu", packages=("onnxruntime",),
+            dists=("onnxruntime", "onnxruntime-gpu")),
+    # the int4 drafter's MatMulNBits graphs have no TensorRT importer: it runs on onnxruntime beside
+    Backend(TENSORRT, "specexport.runtime.trt_engine:open_trt_engine",
+            "specexport.runtime.trt_engine:open_device_kv_cache", host_batches=False, fallback=ONNXRUNTIME,
+            suffix=".plan", extra="gpu", packages=("tensorrt", "cuda"), dists=("tensorrt",),
+            missing_hint="; build them on this machine with: specexport build --from-onnx {dir}"),
+)}
+DEFAULT_BACKEND = ONNXRUNTIME  # what a directory runs on when no backend is asked for and it has its engines
+
