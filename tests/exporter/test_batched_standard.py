@@ -201,8 +201,8 @@ def test_each_request_under_batching_gives_its_batch_1_output(standard_batched, 
         request, _ = pipe.batch_request(prompt, max_new_tokens=budget)
         loop.submit(i, request)
     done: dict = {}
-    while loop.busy:
-        done.update(loop.step())
+    for ended in loop.run():
+        done.update(ended)
     assert [done[i].tokens for i in range(len(PROMPTS))] == alone
     if drafter != "none":
         assert sum(done[i].stats.proposed for i in done) > 0

@@ -80,8 +80,8 @@ def decode(target: Model, drafter, prompt, *, draft_len: int, max_new_tokens: in
     loop.submit(0, Request(np.asarray(prompt, dtype=np.int64), max_new_tokens, sampling,
                            rng if rng is not None else np.random.default_rng(0), stop))
     finished = []
-    while loop.busy:
-        finished += loop.step()
+    for ended in loop.run():
+        finished += ended
     return out, finished[0][1].stats
 
 

@@ -168,8 +168,8 @@ def test_every_head_decodes_and_drafts_in_the_batch_as_alone(pipe, kind):
         for j in range(i, min(i + 2, len(prompts))):
             loop.submit(j, Request(np.asarray(prompts[j], dtype=np.int64), budgets[j]))
         done.update(loop.step())
-    while loop.busy:
-        done.update(loop.step())
+    for ended in loop.run():
+        done.update(ended)
     for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
         want = pipe.generate(prompt_ids=prompt, drafter=kind, max_new_tokens=budget, adaptive=False).token_ids
         assert done[i].tokens == want, (kind, i)

@@ -81,8 +81,8 @@ def decode_constrained(table, grammars, spec, drafter, prompt, *, max_new=40, sa
     rules = SequenceRules(Penalties(), prompt, frozenset({EOS}), grammars.start(spec))
     loop.submit(0, Request(prompt, max_new, sampling, np.random.default_rng(seed), None, rules))
     finished = []
-    while loop.busy:
-        finished += loop.step()
+    for ended in loop.run():
+        finished += ended
     return out, finished[0][1].stats
 
 

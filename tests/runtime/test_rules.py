@@ -136,8 +136,8 @@ def decode_ruled(table, drafter, prompt, penalties, *, sampling=GREEDY, max_new=
                       rules_class(penalties, prompt, frozenset({EOS})), logprobs)
     loop.submit(0, request)
     finished = []
-    while loop.busy:
-        finished += loop.step()
+    for ended in loop.run():
+        finished += ended
     return out, finished[0][1].stats
 
 

@@ -79,8 +79,8 @@ def decode_with(pipe, drafter, prompts, max_new, verifier_class=TreeVerifier, on
     for key, ids in enumerate(prompts):
         loop.submit(key, pipe.batch_request(ids, max_new_tokens=max_new)[0])
     finished = {}
-    while loop.busy:
-        finished.update(loop.step())
+    for ended in loop.run():
+        finished.update(ended)
     return [out[key] for key in range(len(prompts))], [finished[key].stats for key in range(len(prompts))]
 
 
@@ -221,8 +221,8 @@ def test_a_batched_loop_decodes_ngram_trees_together(batched):
     for key, (prompt, n) in enumerate(zip(ids, (48, 12))):
         loop.submit(key, batched.batch_request(prompt, max_new_tokens=n)[0])
     finished = {}
-    while loop.busy:
-        finished.update(loop.step())
+    for ended in loop.run():
+        finished.update(ended)
     assert [out[0], out[1]] == want
     assert finished[0].stats.tree_nodes > 0 and finished[1].stats.tree_nodes > 0
     assert {r.batch for r in rounds if r.width > 1} >= {1, 2}
