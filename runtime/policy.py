@@ -168,8 +168,12 @@ class SpeculationPolicy:
                 proposals = [tree.best(keep) if tree.size > keep else tree for tree in proposals]
             return proposals
         n = len(running)
-        # an in-place graph checks the padded length against the cache: the width fits every row
+        # an in-place graph checks its padded length against every row's cache: a batched call's
+        # graph (its T, not only the longest row) fits the fullest row; one row's runner picks a
+        # graph that fits by itself
         room = min(self.target.max_seq_len - (seq.length - 1) for seq in running)
+        if self.target.batch_for(n) > 1:
+            room = max(t for t in self.target.widths(n) if t <= room)
         width = min(1 + max(p.size for p in proposals), room)
         if self.shared is not None and width > 1:  # the width with the most expected tokens per second of verify
             width = self.shared.choose(self.target, proposals, width, self.drafter.name)

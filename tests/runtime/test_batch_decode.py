@@ -73,6 +73,21 @@ def test_generate_batch_equals_generate_and_depth_zero_works(batched_engines):
     assert all(g.stats.proposed == 0 and g.stats.tokens == 14 for g in together)
 
 
+def test_rows_at_the_end_of_the_cache_decode_in_a_batch_as_alone(batched_engines):
+    # rows a few positions from a full cache beside rows with room: the batched verify graph
+    # (its padded T, not only the longest row) must fit the fullest row, or onnxruntime's
+    # GroupQueryAttention refuses the call; each row then ends as it does alone ("kv_full")
+    pipe = load(batched_engines)
+    motif = [11, 12, 13, 14, 15, 16]
+    room = pipe.max_seq_len
+    prompts = [(motif * 40)[: room - 3], (motif * 40)[: room - 9], motif * 3]
+    alone = [pipe.generate(prompt_ids=p, drafter="ngram", max_new_tokens=12, adaptive=False) for p in prompts]
+    together = pipe.generate_batch(prompts, drafter="ngram", max_new_tokens=12, adaptive=False, schedule=False)
+    assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+    assert [g.stop_reason for g in together][:2] == ["kv_full", "kv_full"]
+    assert sum(g.stats.proposed for g in together) > 0  # the rows with room drafted
+
+
 def test_a_batched_sampled_run_is_reproducible_and_each_row_has_its_own_stream(batched_engines):
     pipe = load(batched_engines)
     prompts = _prompts(3, seed=5)
