@@ -272,11 +272,11 @@ class Pipeline:
         """A continuous-batching loop (runtime/loop.BatchLoop) over the target's slots: submit
         requests made by ``batch_request`` and step it. Rounds draft at most the manifest's depth
         for the number of running sequences (the plan's schedule, unless ``schedule`` is False)
-        and ``draft_len``; ``per_sequence``: each round's width, under that cap, from every row's
-        own acceptance and the measured batch costs; otherwise ``adaptive``: each sequence's own
-        adaptive depth under it (so a request alone in the batch decodes exactly as
-        ``generate``). Every drafter kind runs batched where the directory has its graphs at
-        each batch size (``batched_refusal`` says why not)."""
+        and ``draft_len``; ``adaptive``: each sequence's own adaptive depth under it (so a
+        request alone in the batch decodes exactly as ``generate``); ``per_sequence``: then each
+        round's batch-wide verify width from every row's acceptance and the measured batch
+        costs. Every drafter kind runs batched where the directory has its graphs at each batch
+        size (``batched_refusal`` says why not)."""
         target = self.batched_target(max_batch)
         chosen = self.drafter(drafter, target.slots)
         policy = (lambda: self.costs.depth_policy(chosen, self.target)) if adaptive and chosen.name != "none" else None

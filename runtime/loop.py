@@ -94,8 +94,8 @@ class BatchLoop:
 
     How much each round drafts is the policy's (runtime/policy.py): ``schedule`` caps the depth
     by the number of running rows; ``adaptive`` makes each sequence's own DepthPolicy under that
-    cap, or ``per_sequence`` picks one batch-wide width for all rows; ``tree_verifier`` with
-    ``tree_nodes`` > 0 verifies token trees where the drafter builds them."""
+    cap; ``per_sequence`` then picks one batch-wide verify width for the rows' drafts;
+    ``tree_verifier`` with ``tree_nodes`` > 0 verifies token trees where the drafter builds them."""
 
     def __init__(self, target: Model, drafter: Drafter, *, draft_len: int, eos_ids: frozenset[int],
                  on_token: Callable[[Hashable, int], None] | None = None, schedule: DraftSchedule | None = None,

@@ -96,11 +96,12 @@ class SpeculationPolicy:
             target.measure_costs()
         self.target, self.drafter, self.draft_len, self.schedule = target, drafter, draft_len, schedule
         self.chains = ChainVerifier(target)
+        # the batch-wide width (per_sequence): after each row drafted as deep as its own depth
+        # allows, the one verify width that pays for the batch
         self.shared = SharedWidth(DepthPolicy(lambda tokens: None)) if per_sequence else None
         # each sequence's own adaptive depth under the cap: a request alone in the batch decodes
-        # as `generate` does (the same depths, so the same draws when sampled). The shared
-        # width replaces it.
-        self.adaptive = None if per_sequence else adaptive
+        # as `generate` does (the same depths, so the same draws when sampled)
+        self.adaptive = adaptive
         # token trees where the drafter builds them: each row verifies a tree of up to
         # tree_nodes drafts (at B > 1 at most the round's depth) when its batch size has a tree graph
         self.trees = trees if tree_nodes > 0 and drafter.builds_trees else None
