@@ -67,7 +67,7 @@ class DepthPolicy:
         if not base:
             return limit
         stats = self._stats(tag)
-        expected = expected_lengths(stats.alpha(self.prior), limit)[1:]  # E(k), k = 1..limit
+        expected = expected_lengths(stats.alpha(self.prior), limit)  # E(k), k = 1..limit
         best_k, best_rate = 0, 1.0 / (base + (0.0 if sunk else self.round_cost(0)))
         for k in range(1, limit + 1):
             cost = self.verify_cost(1 + k)

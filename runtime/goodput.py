@@ -19,15 +19,15 @@ import numpy as np
 
 
 def expected_lengths(rate: float, depth: int) -> np.ndarray:
-    """[depth + 1] tokens a round commits with k = 0..depth drafts at per-position acceptance
-    ``rate`` (a geometric model): E(k) = 1 + rate + rate² + ... + rate^k. The one expected-length
-    formula: adaptive depth and the shared width both read it."""
-    return np.concatenate(([1.0], 1.0 + np.cumsum(float(rate) ** np.arange(1, depth + 1))))
+    """[depth] tokens a round commits with k = 1..depth drafts at per-position acceptance
+    ``rate`` (a geometric model): E(k) = 1 + rate + rate² + ... + rate^k (E(0) = 1). The one
+    expected-length formula: adaptive depth and the shared width both read it."""
+    return 1.0 + np.cumsum(float(rate) ** np.arange(1, depth + 1))
 
 
 def expected_tokens(rate: float, depth: int) -> float:
     """E(depth): tokens a round commits with ``depth`` drafts."""
-    return float(expected_lengths(rate, depth)[-1])
+    return float(expected_lengths(rate, depth)[-1]) if depth > 0 else 1.0
 
 
 def best_width(widths: Sequence[int], cost: Callable[[int], float], rates: Sequence[float],

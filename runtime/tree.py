@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,6 +40,15 @@ ROOT = -1
 # drafted (a deeper node costs the drafter more steps): a drafter growing a tree level by level
 # stops where no deeper node could be among them.
 SizeHint = Callable[[np.ndarray, np.ndarray, int], int]
+
+
+@cache
+def chain_parents(n: int) -> np.ndarray:
+    """[n] a chain's parents, -1, 0, 1, ..., n-2: one read-only array per length, shared by every
+    chain of that length (a round's proposals are made without allocating or checking them)."""
+    parents = np.arange(-1, n - 1, dtype=np.int64)
+    parents.flags.writeable = False
+    return parents
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,8 @@ class DraftTree:
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
             raise ValueError("a tree needs one parent per token")
+        if self.parents is chain_parents(len(self.parents)) and self.weights is None:
+            return  # a chain (every round of a chain drafter makes one): nothing to check
         if self.weights is not None and len(self.weights) != len(self.tokens):
             raise ValueError("a tree needs one weight per token")
         parents = np.asarray(self.parents)  # [N]
@@ -73,7 +84,7 @@ class DraftTree:
     @classmethod
     def chain(cls, tokens, tag: str = "", probs: Sequence[Kept] | np.ndarray | None = None) -> DraftTree:
         tokens = np.asarray(tokens, dtype=np.int64)
-        return cls(tokens, np.arange(-1, len(tokens) - 1, dtype=np.int64), tag, probs=probs)
+        return cls(tokens, chain_parents(len(tokens)), tag, probs=probs)
 
     @classmethod
     def of_draft(cls, draft: Draft) -> DraftTree:
@@ -83,7 +94,7 @@ class DraftTree:
     @cached_property
     def is_chain(self) -> bool:
         """Each node the only child of the one before: acceptance reads it left to right."""
-        return bool((self.parents == np.arange(-1, self.size - 1)).all())
+        return self.parents is chain_parents(self.size) or bool((self.parents == chain_parents(self.size)).all())
 
     def path_rows(self, path: list[int]) -> slice | list[int]:
         """The verify rows of the root and the accepted ``path`` (row 0 the root, 1+i node i):
@@ -125,7 +136,8 @@ class DraftTree:
         """A chain's first ``keep`` nodes (a prefix of a chain is a chain)."""
         if keep >= self.size:
             return self
-        return DraftTree(self.tokens[:keep], self.parents[:keep], self.tag,
+        parents = chain_parents(keep) if self.is_chain else self.parents[:keep]
+        return DraftTree(self.tokens[:keep], parents, self.tag,
                          None if self.weights is None else self.weights[:keep],
                          None if self.probs is None else self.probs[:keep])
 

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
+from specexport.contract import LOGITS, NEXT_TOKENS
 from specexport.runtime.model import Model
 from specexport.runtime.tree import DraftTree
 
@@ -64,7 +65,8 @@ class ChainVerifier:
         out = target.run(n, feed, want_logits, want)  # name -> [B, T, ...]
         seconds = target.seconds - before
         batch, width = target.graph(n, 1 + max(chain.size for chain in proposals))
-        return Verified([{name: value[r] for name, value in out.items()} for r in range(n)], batch, width, seconds)
+        names = [NEXT_TOKENS, *([LOGITS] if want_logits else []), *want]  # not an append graph's presents
+        return Verified([{name: out[name][r] for name in names} for r in range(n)], batch, width, seconds)
 
     def commit(self, length: int, path: list[int], slot: int = 0) -> None:
         """Nothing moves: the chain's accepted drafts were written in place, and the next pass

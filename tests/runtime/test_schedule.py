@@ -104,7 +104,7 @@ def test_per_sequence_width_follows_acceptance_and_cost():
     from specexport.runtime.goodput import best_width, expected_lengths, expected_tokens
 
     assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 2) == 1.75
-    assert expected_lengths(0.5, 2) == pytest.approx([1, 1.5, 1.75])
+    assert expected_lengths(0.5, 2) == pytest.approx([1.5, 1.75])
     cost = {1: 1.0, 2: 1.1, 6: 1.4}.__getitem__
     assert best_width([1, 2, 6], cost, [0.9, 0.9], [5, 5]) == 6  # rows that keep hitting: wide
     assert best_width([1, 2, 6], cost, [0.05, 0.05], [5, 5]) == 1  # rows that keep missing: no drafts
