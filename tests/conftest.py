@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import io
+import os
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -15,6 +16,32 @@ from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "bench" / "prompts" / "dev.jsonl"
+
+
+def pytest_configure(config) -> None:
+    """pytest-xdist runs one worker per core (make test): each worker's onnxruntime pool and
+    torch get their share of the cores, not all of them. Left at the default, every worker's
+    pool had a thread per core, spinning between runs (runtime/ort_engine.py), and torch as
+    many: on 2 cores, two workers' four spinning threads fought for two cores (a decode step
+    1.8x slower than with one thread each, per runtime/ort_engine.py's table). The pool is
+    made here, before any session, so sessions asking for more threads run on it (onnxruntime
+    cannot resize it; they warn). Subprocesses the tests start inherit OMP_NUM_THREADS."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers < 2 or not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # not distributed, or the controller (it runs no test)
+    from specexport.runtime.ort_engine import SHARED_POOL, physical_cores
+
+    threads = max(1, physical_cores() // workers)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
+    if "torch" in sys.modules:  # read OMP_NUM_THREADS at import; set it if already imported
+        sys.modules["torch"].set_num_threads(threads)
+    try:
+        import onnxruntime
+    except ImportError:
+        return
+    if SHARED_POOL.size is None:
+        SHARED_POOL.threads_for(onnxruntime, threads)
+    config.addinivalue_line("filterwarnings", "ignore:onnxruntime's thread pool was made with:RuntimeWarning")
 
 
 def copy_engines(src: Path, dst: Path) -> Path:
