@@ -68,13 +68,15 @@ demo: engines engines-int4
 
 # One pytest-xdist worker per core (at most 8), a test file per worker at a time: a file's module
 # fixtures are built once, and builds shared across files once per run (tests/conftest.py).
+# --no-loadscope-reorder: files are handed out in collection order, the slowest first
+# (tests/conftest.py SLOWEST_FILES), not sorted by their number of tests.
 TEST_WORKERS ?= auto
 
 test: $(STAMP)
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --maxprocesses 8 --dist loadfile
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --maxprocesses 8 --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --maxprocesses 8 --dist loadfile -m "not slow"
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --maxprocesses 8 --dist loadfile --no-loadscope-reorder -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check specexport exporter runtime tests

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import io
+import os
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -15,6 +16,80 @@ from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "bench" / "prompts" / "dev.jsonl"
+
+
+def pytest_configure(config) -> None:
+    """pytest-xdist runs one worker per core (make test): each worker's onnxruntime pool and
+    torch get their share of the cores, not all of them. Left at the default, every worker's
+    pool had a thread per core, spinning between runs (runtime/ort_engine.py), and torch as
+    many: on 2 cores, two workers' four spinning threads fought for two cores (a decode step
+    1.8x slower than with one thread each, per runtime/ort_engine.py's table). The pool is
+    made here, before any session, so sessions asking for more threads run on it (onnxruntime
+    cannot resize it; they warn). Subprocesses the tests start inherit OMP_NUM_THREADS."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers < 2 or not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # not distributed, or the controller (it runs no test)
+    from specexport.runtime.ort_engine import SHARED_POOL, physical_cores
+
+    threads = max(1, physical_cores() // workers)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
+    if "torch" in sys.modules:  # read OMP_NUM_THREADS at import; set it if already imported
+        sys.modules["torch"].set_num_threads(threads)
+    try:
+        import onnxruntime
+    except ImportError:
+        return
+    if SHARED_POOL.size is None:
+        SHARED_POOL.threads_for(onnxruntime, threads)
+    config.addinivalue_line("filterwarnings", "ignore:onnxruntime's thread pool was made with:RuntimeWarning")
+
+
+# The slowest test files, slowest first: seconds per file (fixture setup included) summed from
+# --junitxml of a whole run on the 2-core VM, 2026-12-05, two workers, other jobs on the cores.
+# pytest-xdist's loadfile hands files out in collection order when told --no-loadscope-reorder
+# (make test; by default it sorts them by test count, which left 60-300 s files of few tests,
+# the SmolLM2 builds among them, for the end), so the long ones start first and the last files
+# handed out are short: no long file runs alone at the end while the other worker idles.
+SLOWEST_FILES = [
+    "tests/e2e/test_smollm2.py",  # 786
+    "tests/e2e/test_smollm2_int4.py",  # 455
+    "tests/heads/test_chain_tree.py",  # 182
+    "tests/exporter/test_archs.py",  # 150
+    "tests/runtime/test_batch_heads.py",  # 115
+    "tests/distill/test_distill.py",  # 105
+    "tests/heads/test_mtp.py",  # 97
+    "tests/heads/test_taps.py",  # 92
+    "tests/runtime/test_pipeline.py",  # 90
+    "tests/bench/test_peers.py",  # 89
+    "tests/heads/test_mtp_gated.py",  # 89
+    "tests/heads/test_eagle3.py",  # 86
+    "tests/heads/test_tensorrt.py",  # 85
+    "tests/heads/test_dspark.py",  # 81
+    "tests/exporter/test_linear_attention.py",  # 81
+    "tests/heads/test_block_tree.py",  # 67
+    "tests/exporter/test_batched_standard.py",  # 65
+    "tests/heads/test_dflash.py",  # 52
+    "tests/runtime/test_grammar.py",  # 50
+    "tests/exporter/test_build.py",  # 48
+    "tests/distill/test_distill_dflash.py",  # 46
+    "tests/runtime/test_tree_decode.py",  # 43
+    "tests/distill/test_distill_dspark.py",  # 42
+    "tests/exporter/test_tree_graph.py",  # 37
+    "tests/exporter/test_quantized.py",  # 31
+    "tests/e2e/test_smollm2_serve.py",  # 30
+    "tests/bench/test_bench.py",  # 29
+    "tests/runtime/test_model_tree.py",  # 29
+    "tests/runtime/test_hybrid_targets.py",  # 27
+    "tests/e2e/test_readme.py",  # 26
+    "tests/heads/test_chain_acceptance.py",  # 24
+]
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """SLOWEST_FILES first, in that order; every other file after them in collection order
+    (a stable sort: each file's tests keep their order, module fixtures stay per file)."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
 
 def copy_engines(src: Path, dst: Path) -> Path:
