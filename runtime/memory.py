@@ -33,6 +33,8 @@ def current_rss_bytes() -> int | None:
 
 def memory() -> dict:
     """{"peak_rss_mb": ..., "rss_mb": ...} (MiB, one decimal; None where unknown)."""
-    peak, now = peak_rss_bytes(), current_rss_bytes()
+    now, peak = current_rss_bytes(), peak_rss_bytes()  # current first: the peak read after it holds it
+    if peak is not None and now is not None:
+        peak = max(peak, now)  # getrusage's high-water mark lags /proc's count by a page or so
     return {"peak_rss_mb": round(peak / _MB, 1) if peak is not None else None,
             "rss_mb": round(now / _MB, 1) if now is not None else None}
