@@ -204,8 +204,9 @@ def drafts_by_reference(pipe, drafter: str, prompt: str, new_tokens: int = 12) -
     seen = []
     propose = chosen.propose
 
-    def spy(rows, ks):  # one slot: generate's
-        drafts = propose(rows, ks)
+    def spy(rows, budget):  # one slot: generate's
+        drafts = propose(rows, budget)
+        ks = budget.depths
         if ks[0] > 0:
             products = getattr(chosen.slots[0], "last_confidence", None) if hasattr(chosen, "slots") else None
             seen.append((np.array(rows[0].context), np.array(drafts[0].tokens), ks[0],

@@ -240,9 +240,9 @@ ON_FAKE_GPU = textwrap.dedent(f"""
         for h in heads:
             drafter, seen[h] = pipe.drafter(h), []
             propose = drafter.propose
-            def recorded(rows, ks, _propose=propose, _seen=seen[h]):
-                drafts = _propose(rows, ks)
-                if ks[0] > 0:
+            def recorded(rows, budget, _propose=propose, _seen=seen[h]):
+                drafts = _propose(rows, budget)
+                if budget.depths[0] > 0:
                     _seen.append([int(t) for t in drafts[0].tokens])
                 return drafts
             drafter.propose = recorded

@@ -118,8 +118,9 @@ def spy_proposals(drafter, seen: list) -> None:
     the depth asked for), for the rounds that asked for drafts."""
     propose = drafter.propose
 
-    def recorded(rows, ks):
-        drafts = propose(rows, ks)
+    def recorded(rows, budget):
+        drafts = propose(rows, budget)
+        ks = budget.depths
         if ks and ks[0] > 0:
             seen.append((np.array(rows[0].context), np.array(drafts[0].tokens), int(ks[0])))
         return drafts
