@@ -55,6 +55,7 @@ from specexport.contract import (
     present_names,
 )
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
+from specexport.runtime.cache_store import HostStore
 from specexport.runtime.drafters import ChainsAndTrees, DraftBudget, DraftRow, PartCosts, TargetOut
 from specexport.runtime.engine import Engine
 from specexport.runtime.kv_cache import CacheLength
@@ -353,9 +354,9 @@ class BlockDrafter(ChainsAndTrees):
     needs = (AUX_HIDDEN_STATES,)
 
     def __init__(self, name: str, calls: dict[int, BatchedCall], slots: list[BlockSlot], round_ms: float,
-                 tensors: dict[str, np.ndarray] | None):
+                 store: HostStore | None):
         self.name = name
-        self.tensors = tensors  # the head cache [slots, n_kv, S_max, hd] (None: one slot)
+        self.store = store  # the head cache [slots, n_kv, S_max, hd] (None: one slot)
         self.calls = calls  # batch size (>= 2) -> its block graph (C = 1+D context rows)
         self.slots = slots  # slot -> the sequence's drafting over its cache row
         self.round_ms = round_ms  # one block call of a round's C, batch 1
@@ -380,8 +381,8 @@ class BlockDrafter(ChainsAndTrees):
 
     def move(self, src: int, dst: int) -> None:
         length = self.slots[src].runner.cache.length
-        for array in (self.tensors or {}).values():
-            array[dst, :, :length] = array[src, :, :length]
+        if self.store is not None:
+            self.store.move(src, dst, length)
         self.slots[dst].adopt(self.slots[src])
 
     def trees(self, rows: Sequence[DraftRow], budget: DraftBudget) -> list[DraftTree | None]:
@@ -448,7 +449,7 @@ def make(pipe, entry, slots: int) -> BlockDrafter:
     round_rows = states[0].round_rows
     calls = {b: call for (b, t), call in head.calls.items() if t == round_rows}  # B -> the block graph of a round
     round_ms = pipe.costs_by_role(model).get(Role.BLOCK, {}).get(round_rows, 0.0)
-    return BlockDrafter(entry.name, calls, states, round_ms, head.caches.tensors)
+    return BlockDrafter(entry.name, calls, states, round_ms, head.caches.store)
 
 
 def _block_runner(name: str, engines: list, cache: CacheLength, entries: list) -> BlockRunner:

@@ -50,10 +50,9 @@ from specexport.contract import (
     TREE_PAST_MASK,
     DrafterEntry,
     Role,
-    past_names,
-    present_names,
 )
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept
+from specexport.runtime.cache_store import HostStore
 from specexport.runtime.drafters import ChainsAndTrees, DraftBudget, DraftRow, PartCosts, TargetOut
 from specexport.runtime.engine import LazyEngine
 from specexport.runtime.model import Model
@@ -165,9 +164,9 @@ class ChainDrafter(ChainsAndTrees):
             at = len(feed[r][1]) - 1  # the row's last fed row: its logits give level 1
             grown[r] = self._expansion(out[LOGITS][r, at], out[HIDDEN_OUT][r, at], depths[r], nodes, top_k, r,
                                        rows[r].tree_size)
-        tensors = self.catchup.caches.tensors
-        assert tensors is not None  # _tree_batch found a batched tree step: the slots share host tensors
-        self._grow(grown, self.tree_steps[batch], {name: array[:batch] for name, array in tensors.items()})
+        store = self.catchup.caches.store
+        assert store is not None  # _tree_batch found a batched tree step: the slots share a host store
+        self._grow(grown, self.tree_steps[batch], store, batch)
         for r, expansion in grown.items():
             trees[r] = expansion.tree(f"{self.name}/tree")
         return trees
@@ -183,14 +182,14 @@ class ChainDrafter(ChainsAndTrees):
         if 1 in self.tree_steps and depth > 1:
             expansion = self._expansion(out[LOGITS][0, at], out[HIDDEN_OUT][0, at], depth, nodes, top_k, slot,
                                         row.tree_size)
-            self._grow({0: expansion}, self.tree_steps[1], self.catchup.runners[slot].cache.view())
+            self._grow({0: expansion}, self.tree_steps[1], self.catchup.runners[slot].cache.rows_store, 1)
             return expansion.tree(f"{self.name}/tree")
         return self._spine(out, at, depth, nodes, top_k, slot, row.tree_size)
 
     def _tree_batch(self, rows: int) -> int | None:
         """The smallest batch size of the tree step that holds ``rows`` slots of the shared host
         cache (None: none built, or the slots do not share one)."""
-        if self.catchup.caches.tensors is None:
+        if self.catchup.caches.store is None:
             return None
         return min((b for b in self.tree_steps if rows <= b <= self.catchup.slots), default=None)
 
@@ -203,24 +202,22 @@ class ChainDrafter(ChainsAndTrees):
         return Expansion(lambda row: self._top(row, top_k), logits, hidden, depth, nodes, self.tree_rows, committed,
                          hint)
 
-    def _grow(self, grown: dict[int, Expansion], engine: LazyEngine, cache: dict[str, np.ndarray]) -> None:
+    def _grow(self, grown: dict[int, Expansion], engine: LazyEngine, store: HostStore, batch: int) -> None:
         """Expand every sequence of ``grown`` (batch row -> its expansion) level by level: one
         tree-step call per level over the rows still expanding (the others idle), each row's
-        new K/V written into its row of ``cache`` ([B, n_kv, S_max, hd] each, B the graph's)."""
-        layers = len(cache) // 2
-        batch = next(iter(cache.values())).shape[0]
+        new K/V written into its row of the first ``batch`` rows of ``store`` (B the graph's)."""
+        cache = store.rows(batch)  # [B, n_kv, S_max, hd] each
         while True:
             levels = {r: level for r, expansion in grown.items() if (level := expansion.next_level()) is not None}
             if not levels:
                 return
             feeds = tree_step_feeds(cache, self.tree_rows, [levels.get(r) for r in range(batch)])
             start = time.perf_counter()
-            out = engine.run(feeds, [LOGITS, HIDDEN_OUT, *present_names(layers)])
+            out = engine.run(feeds, [LOGITS, HIDDEN_OUT, *store.presents])
             self._tree_seconds += time.perf_counter() - start
+            store.write(out, [(r, level.write, len(level.tokens)) for r, level in levels.items()])
             for r, level in levels.items():
                 count = len(level.tokens)
-                for past, present in zip(past_names(layers), present_names(layers)):
-                    cache[past][r, :, level.write : level.write + count] = out[present][r, :, :count]  # [n_kv, n, hd]
                 grown[r].grow(out[LOGITS][r, :count], out[HIDDEN_OUT][r, :count])
 
     def _spine(self, out: dict[str, np.ndarray], at: int, depth: int, nodes: int, top_k: int,
