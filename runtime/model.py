@@ -27,13 +27,10 @@ import numpy as np
 
 from specexport.backends import BACKENDS
 from specexport.contract import (
-    CACHE_LENGTH,
     CONTEXT_FEATURES,
-    CONTEXT_VALID,
     INPUT_IDS,
     LOGITS,
     NEXT_TOKENS,
-    VALID_TOKENS,
     EngineEntry,
     KVUpdate,
     Manifest,
@@ -43,6 +40,7 @@ from specexport.contract import (
 from specexport.errors import BadInput
 from specexport.runtime.cache_store import HostStore
 from specexport.runtime.engine import Engine, EngineOptions, LazyEngine, SharedGraphs, open_kv_cache
+from specexport.runtime.graph_call import GraphCall
 from specexport.runtime.kv_cache import CacheLength, KVCache
 from specexport.runtime.runner import PAD_ID, ModelRunner, StepOutput, time_interleaved
 
@@ -115,52 +113,37 @@ def slots_refusal(manifest: Manifest, model: str, backend: str, batches: Sequenc
 
 
 class BatchedCall:
-    """One batched graph (B rows, T tokens) with its feed buffers over the first B rows of the
-    host cache. ``rows``: slot -> (cache length, tokens, extra inputs); the other rows idle. A row
-    writes one cache position per token, or for a block head's graph per context row (its
+    """One batched graph (B rows, T tokens) over the first B rows of the host cache store (a
+    GraphCall). ``rows``: slot -> (cache length, tokens, extra inputs); the other rows idle. A
+    row writes one cache position per token, or for a block head's graph per context row (its
     ``input_ids`` is the anchor alone); ``valid_tokens`` / ``context_valid`` count them."""
 
     def __init__(self, engine: Engine, batch: int, tokens: int, store: HostStore, in_place: bool,
                  per_context_row: bool = False, full_rows: bool = False):
         """``full_rows``: a fed row counts all T tokens as real where its cache has room (its
         padding's K/V lands past its length, never read), as ModelRunner's ``full_rows``."""
-        self.engine, self.batch, self.tokens, self.store, self.in_place = engine, batch, tokens, store, in_place
+        self.engine, self.batch, self.tokens, self.in_place = engine, batch, tokens, in_place
         self.full_rows = full_rows
         self.max_seq_len = store.max_seq_len
-        self.feeds = dict(store.rows(batch))  # [B, n_kv, S_max, hd] views
-        self.cache_names = set(self.feeds)
-        for name, spec in engine.inputs.items():
-            if name not in self.feeds:  # input_ids [B, T], cache_length [B], valid counts [B], features [B, T, F]
-                self.feeds[name] = np.zeros(spec.shape, dtype=spec.dtype)
-        self.bound = store.bound(batch) if in_place else None
-        self.presents = [] if in_place else store.presents
+        self.call = GraphCall.over(engine, store, batch, in_place)
         # what counts a row's cache positions: its tokens, or a block graph's context rows
         self.positions = CONTEXT_FEATURES if per_context_row else INPUT_IDS
-        self.seconds = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.call.seconds
 
     def run(self, rows: Mapping[int, Row], want_logits: bool, want: Sequence[str] = ()) -> dict[str, np.ndarray]:
-        for name, array in self.feeds.items():
-            if name not in self.cache_names:
-                array.fill(0)
+        self.call.clear()
         written = []
         for r, (length, tokens, inputs) in rows.items():
-            self.feeds[INPUT_IDS][r, : len(tokens)] = tokens
-            self.feeds[CACHE_LENGTH][r] = length
-            for name, values in inputs.items():
-                self.feeds[name][r, : len(values)] = values
             count = len(inputs[self.positions]) if self.positions in inputs else len(tokens)
             full = self.full_rows and length + self.tokens <= self.max_seq_len
-            for valid in (VALID_TOKENS, CONTEXT_VALID):  # the row's real positions, the only ones written
-                if valid in self.feeds:
-                    self.feeds[valid][r] = self.tokens if full else count
+            # the row's real positions, the only ones written
+            self.call.feed_row(r, length, tokens, inputs, self.tokens if full else count)
             written.append((r, length, count))
-        outputs = [NEXT_TOKENS, *([LOGITS] if want_logits else []), *want, *self.presents]
-        start = time.perf_counter()
-        out = self.engine.run(self.feeds, outputs, self.bound)  # next_tokens [B, T], logits [B, T, V]
-        self.seconds += time.perf_counter() - start
-        if not self.in_place:
-            self.store.write(out, written)
-        return out
+        # next_tokens [B, T], logits [B, T, V]; an append graph's rows copied into the store
+        return self.call.run([NEXT_TOKENS, *([LOGITS] if want_logits else []), *want], written)
 
     def time_run(self, want_logits: bool = False) -> float:
         """One run with every row full at half the cache (before any sequence runs: it writes)."""

@@ -19,7 +19,6 @@ made a seeded run's trees depend on the clock.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -36,6 +35,7 @@ from specexport.contract import (
     KVUpdate,
 )
 from specexport.runtime.cache_store import HostStore
+from specexport.runtime.graph_call import GraphCall
 from specexport.runtime.runner import PAD_ID, time_interleaved
 from specexport.runtime.tree import DraftTree
 from specexport.runtime.verifier import Verified, VerifyRow
@@ -91,7 +91,6 @@ class TreeVerifier:
         self.rows = max(t for _, t in self.engines)  # 1 + N: the root and up to N nodes
         self.max_seq_len = store.max_seq_len
         self.in_place = entry.kv_update == KVUpdate.IN_PLACE
-        self.seconds = 0.0
         self._presents: dict[str, np.ndarray] | None = None  # an appending graph's K/V of the last run [B, n_kv, T, hd]
         self._costs: dict[int, dict[int, float]] = {}  # batch -> rows -> seconds of one pass (absent: not timed)
         self._sizes: dict[tuple[int, int], int] = {}  # (batch, nodes) -> rows of the graph that holds them
@@ -99,9 +98,14 @@ class TreeVerifier:
             known = {rows: (costs or {}).get((b, rows)) for b, rows in self.engines if b == batch}
             if all(known.values()):
                 self._costs[batch] = {rows: float(s) for rows, s in known.items() if s}
-        # (batch, rows) -> the feeds (cache views, then the tree's small arrays, updated in place)
-        # and the bound outputs of that graph: one I/O binding per graph, not one per pass
-        self._held: dict[tuple[int, int], tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]] = {}
+        # (batch, rows) -> that graph's call (its feeds updated in place: one I/O binding per
+        # graph, not one per pass)
+        self._calls: dict[tuple[int, int], GraphCall] = {}
+
+    @property
+    def seconds(self) -> float:
+        """Seconds inside the tree graphs' verify passes so far."""
+        return sum(call.seconds for call in self._calls.values())
 
     @property
     def nodes(self) -> int:
@@ -142,9 +146,8 @@ class TreeVerifier:
         start = self.max_seq_len - rows
         saved = self.store.save(batch, start)
         pads = DraftTree.chain(np.full(rows - 1, PAD_ID, dtype=np.int64))
-        began = time.perf_counter()
-        self._call(batch, dict.fromkeys(range(batch), (start, PAD_ID, pads)), want_logits, ())
-        elapsed = time.perf_counter() - began
+        call, names = self._call(batch, dict.fromkeys(range(batch), (start, PAD_ID, pads)), want_logits, ())
+        elapsed = call.time(names)
         self.store.restore(saved, batch, start)
         return elapsed
 
@@ -173,32 +176,23 @@ class TreeVerifier:
                 raise ValueError(f"a tree of {tree.size} nodes at length {length} does not fit the tree graph")
         size = self._size(batch, nodes)
         padded = {slot: (length, root, _padded(tree, size - 1)) for slot, (length, root, tree) in rows.items()}
-        start = time.perf_counter()
-        out = self._call(batch, padded, want_logits, want)
-        elapsed = time.perf_counter() - start
-        self.seconds += elapsed
+        call, names = self._call(batch, padded, want_logits, want)
+        out = call.run(names)
         self._presents = {p: out.pop(p) for p in self.store.presents} if not self.in_place else None
         return {slot: {name: value[slot, : 1 + tree.size] for name, value in out.items()}
                 for slot, (_, _, tree) in rows.items()}
 
     def _call(self, batch: int, rows: Mapping[int, TreeRow], want_logits: bool,
-              want: tuple[str, ...]) -> dict[str, np.ndarray]:
-        """One pass of the graph (batch, rows) over trees already padded to its rows; a slot
-        not in ``rows`` idles (length 0, no valid rows: nothing written)."""
+              want: tuple[str, ...]) -> tuple[GraphCall, list[str]]:
+        """The graph (batch, rows) fed trees already padded to its rows, and the outputs to ask
+        for; a slot not in ``rows`` idles (length 0, no valid rows: nothing written)."""
         nodes = next(iter(rows.values()))[2].size
         engine = self.engines[(batch, 1 + nodes)]
-        feeds = batched_tree_feeds(rows, batch, nodes, VALID_TOKENS in engine.inputs)
-        held = self._held.get((batch, 1 + nodes))
-        if held is None:  # the first pass of this graph: the dicts every later pass reuses
-            bound = self.store.bound(batch) if self.in_place else None
-            held = self._held[(batch, 1 + nodes)] = ({**self.store.rows(batch), **feeds}, bound)
-        else:  # written in place, so the engine's I/O binding over them is made once
-            for name, value in feeds.items():
-                held[0][name][...] = value
-        names = [NEXT_TOKENS, *([LOGITS] if want_logits else []), *want]
-        if not self.in_place:
-            names += self.store.presents
-        return engine.run(held[0], names, held[1])
+        call = self._calls.get((batch, 1 + nodes))
+        if call is None:  # the first pass of this graph: the feeds every later pass updates
+            call = self._calls[(batch, 1 + nodes)] = GraphCall.over(engine, self.store, batch, self.in_place)
+        call.set(batched_tree_feeds(rows, batch, nodes, VALID_TOKENS in engine.inputs))
+        return call, [NEXT_TOKENS, *([LOGITS] if want_logits else []), *want]
 
     def commit(self, length: int, path: list[int], slot: int = 0) -> None:
         """Keep the slot's root and accepted nodes ``path`` (root to leaf) at ``length``,
