@@ -153,6 +153,10 @@ class ModelRunner:
             choice = max(((t, e) for t, e in self._engines if t <= self.cache.free), key=lambda te: te[0])
         return choice
 
+    def _run(self, size: int, want_logits: bool, want: Sequence[str] = ()) -> dict[str, np.ndarray]:
+        """One run of the engine of ``size`` tokens on its feeds (counted in ``seconds``)."""
+        return self._calls[size].run(self._outputs(want_logits, want))
+
     def _outputs(self, want_logits: bool, want: Sequence[str] = ()) -> list[str]:
         """What to ask a run for besides an appending graph's presents (the call adds those)."""
         return [NEXT_TOKENS, *([LOGITS] if want_logits else []), *self._states, *want]
@@ -181,7 +185,7 @@ class ModelRunner:
             call.feed_row(0, self.cache.length, tokens[done : done + count],
                           {name: rows[done : done + count] for name, rows in (inputs or {}).items()},
                           size if self.full_rows else count)  # [1, T], extra inputs [1, T, F]
-            result = call.run(self._outputs(want_logits, want))
+            result = self._run(size, want_logits, want)
             # in place: the engine wrote its positions into the cache; else they are copied in
             self.cache.store(result, count, in_place=engine.name in self._in_place)
             next_parts.append(result[NEXT_TOKENS][0, :count])  # [count]
