@@ -35,7 +35,6 @@ through its slot.
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -47,7 +46,6 @@ from specexport.contract import (
     CACHE_LENGTH,
     CONTEXT_FEATURES,
     CONTEXT_VALID,
-    INPUT_IDS,
     LOGITS,
     NEXT_TOKENS,
     PRESENT,
@@ -55,8 +53,10 @@ from specexport.contract import (
     present_names,
 )
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
+from specexport.runtime.cache_store import HostStore
 from specexport.runtime.drafters import ChainsAndTrees, DraftBudget, DraftRow, PartCosts, TargetOut
 from specexport.runtime.engine import Engine
+from specexport.runtime.graph_call import GraphCall
 from specexport.runtime.kv_cache import CacheLength
 from specexport.runtime.model import BatchedCall
 from specexport.runtime.tree import DraftTree, SizeHint, grow_spine, top_candidates
@@ -65,23 +65,25 @@ PAD_ID = 0  # the anchor of a call whose drafts are thrown away (a prompt chunk)
 
 
 class BlockRunner:
-    """A block head's graphs, one per context size C, over its own KV cache. Also what the
-    build's interleaved timing runs (``sizes``, ``time_run``, ``end_timing``, ``engine_at``)."""
+    """A block head's graphs, one per context size C, over its own KV cache (a GraphCall each).
+    Also what the build's interleaved timing runs (``sizes``, ``time_run``, ``end_timing``,
+    ``engine_at``)."""
 
     def __init__(self, name: str, engines: Sequence[Engine], cache, tokens_of: dict[str, int]):
         self.name = name
         self.cache = cache
         self._by_size = dict(sorted(((tokens_of[e.name], e) for e in engines), key=lambda pair: pair[0]))
-        self._feeds: dict[int, dict[str, np.ndarray]] = {}
-        for size, engine in self._by_size.items():
-            feeds = dict(cache.view())
-            for input_name in (INPUT_IDS, CONTEXT_FEATURES, CONTEXT_VALID, CACHE_LENGTH):
-                spec = engine.inputs[input_name]
-                feeds[input_name] = np.zeros(spec.shape, dtype=spec.dtype)
-            self._feeds[size] = feeds
-        self._presents = present_names(cache.num_layers)
-        self.seconds = 0.0
-        self.calls = 0
+        # the presents come back and are appended by the cache (``write``), which counts its length
+        self._calls = {size: GraphCall(engine, cache.view(), presents=present_names(cache.num_layers))
+                       for size, engine in self._by_size.items()}
+
+    @property
+    def seconds(self) -> float:
+        return sum(call.seconds for call in self._calls.values())
+
+    @property
+    def calls(self) -> int:
+        return sum(call.calls for call in self._calls.values())
 
     @property
     def sizes(self) -> list[int]:
@@ -90,41 +92,35 @@ class BlockRunner:
     def engine_at(self, size: int) -> str:
         return self._by_size[size].name
 
+    def feeds(self, size: int) -> dict[str, np.ndarray]:
+        """The feed buffers of the graph of ``size`` context rows (a cost script fills them)."""
+        return self._calls[size].feeds
+
     def fitting(self, rows: int) -> int:
         """The smallest graph that takes ``rows`` context rows (the largest when none does)."""
         return next((s for s in self._by_size if s >= rows), self.sizes[-1])
 
     def _wanted(self, size: int, want_logits: bool) -> list[str]:
         extra = [BLOCK_HIDDEN] if BLOCK_HIDDEN in self._by_size[size].outputs else []
-        return [NEXT_TOKENS, *self._presents, *([LOGITS] if want_logits else []), *extra]
+        return [NEXT_TOKENS, *([LOGITS] if want_logits else []), *extra]
 
     def run(self, size: int, anchor: int, rows: np.ndarray, want_logits: bool = False) -> dict[str, np.ndarray]:
         """Append ``rows`` [n <= size, F] to the cache and draft the block after ``anchor``."""
         count = len(rows)
         if count > self.cache.free:
             raise ValueError(f"{self.name}: {count} context rows do not fit in {self.cache.free} free cache slots")
-        feeds = self._feeds[size]
-        feeds[INPUT_IDS][0, 0] = anchor
-        features = feeds[CONTEXT_FEATURES]  # [1, C, F]
-        features[0, :count] = rows
-        features[0, count:] = 0.0
-        feeds[CONTEXT_VALID][0] = count
-        feeds[CACHE_LENGTH][0] = self.cache.length
-        start = time.perf_counter()
-        out = self._by_size[size].run(feeds, self._wanted(size, want_logits))
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
+        call = self._calls[size]
+        call.feed_row(0, self.cache.length, np.array([anchor]), {CONTEXT_FEATURES: rows}, count)
+        out = call.run(self._wanted(size, want_logits))
         self.cache.write(out, count)
         return out
 
     def time_run(self, size: int, want_logits: bool = False) -> float:
         """Seconds of one run of the graph of ``size`` rows over a half-full cache (nothing written)."""
-        feeds = self._feeds[size]
+        feeds = self._calls[size].feeds
         feeds[CACHE_LENGTH][0] = (self.cache.max_seq_len - size) // 2
         feeds[CONTEXT_VALID][0] = size
-        start = time.perf_counter()
-        self._by_size[size].run(feeds, self._wanted(size, want_logits))
-        return time.perf_counter() - start
+        return self._calls[size].time(self._wanted(size, want_logits))
 
     def end_timing(self, sizes: Sequence[int]) -> None:
         pass  # append graphs only read the cache while timed
@@ -353,9 +349,9 @@ class BlockDrafter(ChainsAndTrees):
     needs = (AUX_HIDDEN_STATES,)
 
     def __init__(self, name: str, calls: dict[int, BatchedCall], slots: list[BlockSlot], round_ms: float,
-                 tensors: dict[str, np.ndarray] | None):
+                 store: HostStore | None):
         self.name = name
-        self.tensors = tensors  # the head cache [slots, n_kv, S_max, hd] (None: one slot)
+        self.store = store  # the head cache [slots, n_kv, S_max, hd] (None: one slot)
         self.calls = calls  # batch size (>= 2) -> its block graph (C = 1+D context rows)
         self.slots = slots  # slot -> the sequence's drafting over its cache row
         self.round_ms = round_ms  # one block call of a round's C, batch 1
@@ -380,8 +376,8 @@ class BlockDrafter(ChainsAndTrees):
 
     def move(self, src: int, dst: int) -> None:
         length = self.slots[src].runner.cache.length
-        for array in (self.tensors or {}).values():
-            array[dst, :, :length] = array[src, :, :length]
+        if self.store is not None:
+            self.store.move(src, dst, length)
         self.slots[dst].adopt(self.slots[src])
 
     def trees(self, rows: Sequence[DraftRow], budget: DraftBudget) -> list[DraftTree | None]:
@@ -448,7 +444,7 @@ def make(pipe, entry, slots: int) -> BlockDrafter:
     round_rows = states[0].round_rows
     calls = {b: call for (b, t), call in head.calls.items() if t == round_rows}  # B -> the block graph of a round
     round_ms = pipe.costs_by_role(model).get(Role.BLOCK, {}).get(round_rows, 0.0)
-    return BlockDrafter(entry.name, calls, states, round_ms, head.caches.tensors)
+    return BlockDrafter(entry.name, calls, states, round_ms, head.caches.store)
 
 
 def _block_runner(name: str, engines: list, cache: CacheLength, entries: list) -> BlockRunner:

@@ -31,7 +31,6 @@ like any committed rows.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -50,12 +49,11 @@ from specexport.contract import (
     TREE_PAST_MASK,
     DrafterEntry,
     Role,
-    past_names,
-    present_names,
 )
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept
 from specexport.runtime.drafters import ChainsAndTrees, DraftBudget, DraftRow, PartCosts, TargetOut
 from specexport.runtime.engine import LazyEngine
+from specexport.runtime.graph_call import GraphCall
 from specexport.runtime.model import Model
 from specexport.runtime.runner import PAD_ID
 from specexport.runtime.tree import ROOT, DraftTree, SizeHint, expansion_budget, grow_spine, top_candidates
@@ -76,7 +74,7 @@ class ChainDrafter(ChainsAndTrees):
         self.catchup, self.step = catchup, step  # two views of one head cache
         # batch size -> the tree step: one level of a tree, tree_rows nodes a row per call
         self.tree_steps, self.tree_rows = tree_steps or {}, tree_rows
-        self._tree_seconds = 0.0
+        self._tree_calls: dict[tuple[int, int | None], GraphCall] = {}  # (batch, alone's slot) -> its tree step
         self._draftable: np.ndarray | None = None  # [V_draft] target ids the head can draft (its finite logits)
         self.cost_ms = cost_ms  # "catchup" | "step" -> tokens -> ms of one batch-1 run
         self.max_seq_len = catchup.max_seq_len
@@ -85,7 +83,7 @@ class ChainDrafter(ChainsAndTrees):
 
     @property
     def engine_seconds(self) -> float:
-        return self.catchup.seconds + self.step.seconds + self._tree_seconds
+        return self.catchup.seconds + self.step.seconds + sum(c.seconds for c in self._tree_calls.values())
 
     def round_cost(self, k: int, costs: PartCosts | None = None) -> float:
         """One catch-up call of the round's committed rows (the catch-up graph), then k-1
@@ -165,9 +163,7 @@ class ChainDrafter(ChainsAndTrees):
             at = len(feed[r][1]) - 1  # the row's last fed row: its logits give level 1
             grown[r] = self._expansion(out[LOGITS][r, at], out[HIDDEN_OUT][r, at], depths[r], nodes, top_k, r,
                                        rows[r].tree_size)
-        tensors = self.catchup.caches.tensors
-        assert tensors is not None  # _tree_batch found a batched tree step: the slots share host tensors
-        self._grow(grown, self.tree_steps[batch], {name: array[:batch] for name, array in tensors.items()})
+        self._grow(grown, self._tree_call(batch), batch)
         for r, expansion in grown.items():
             trees[r] = expansion.tree(f"{self.name}/tree")
         return trees
@@ -183,14 +179,14 @@ class ChainDrafter(ChainsAndTrees):
         if 1 in self.tree_steps and depth > 1:
             expansion = self._expansion(out[LOGITS][0, at], out[HIDDEN_OUT][0, at], depth, nodes, top_k, slot,
                                         row.tree_size)
-            self._grow({0: expansion}, self.tree_steps[1], self.catchup.runners[slot].cache.view())
+            self._grow({0: expansion}, self._tree_call(1, slot), 1)
             return expansion.tree(f"{self.name}/tree")
         return self._spine(out, at, depth, nodes, top_k, slot, row.tree_size)
 
     def _tree_batch(self, rows: int) -> int | None:
         """The smallest batch size of the tree step that holds ``rows`` slots of the shared host
         cache (None: none built, or the slots do not share one)."""
-        if self.catchup.caches.tensors is None:
+        if self.catchup.caches.store is None:
             return None
         return min((b for b in self.tree_steps if rows <= b <= self.catchup.slots), default=None)
 
@@ -203,24 +199,30 @@ class ChainDrafter(ChainsAndTrees):
         return Expansion(lambda row: self._top(row, top_k), logits, hidden, depth, nodes, self.tree_rows, committed,
                          hint)
 
-    def _grow(self, grown: dict[int, Expansion], engine: LazyEngine, cache: dict[str, np.ndarray]) -> None:
+    def _tree_call(self, batch: int, slot: int | None = None) -> GraphCall:
+        """The tree step of ``batch`` rows over the first rows of the slots' shared store, or
+        (``slot``) at batch 1 over that slot's row alone; made once, its feeds reused."""
+        key = (batch, slot)
+        if key not in self._tree_calls:
+            store = self.catchup.caches.store if slot is None else self.catchup.runners[slot].cache.rows_store
+            assert store is not None  # _tree_batch found a batched tree step: the slots share a host store
+            self._tree_calls[key] = GraphCall.over(self.tree_steps[batch], store, batch, in_place=False)
+        return self._tree_calls[key]
+
+    def _grow(self, grown: dict[int, Expansion], call: GraphCall, batch: int) -> None:
         """Expand every sequence of ``grown`` (batch row -> its expansion) level by level: one
         tree-step call per level over the rows still expanding (the others idle), each row's
-        new K/V written into its row of ``cache`` ([B, n_kv, S_max, hd] each, B the graph's)."""
-        layers = len(cache) // 2
-        batch = next(iter(cache.values())).shape[0]
+        new K/V appended into its row of the call's store (B = ``batch``, the graph's)."""
+        cache = {name: call.feeds[name] for name in call.cache_names}  # [B, n_kv, S_max, hd] each
         while True:
             levels = {r: level for r, expansion in grown.items() if (level := expansion.next_level()) is not None}
             if not levels:
                 return
             feeds = tree_step_feeds(cache, self.tree_rows, [levels.get(r) for r in range(batch)])
-            start = time.perf_counter()
-            out = engine.run(feeds, [LOGITS, HIDDEN_OUT, *present_names(layers)])
-            self._tree_seconds += time.perf_counter() - start
+            call.set({name: value for name, value in feeds.items() if name not in call.cache_names})
+            out = call.run([LOGITS, HIDDEN_OUT], [(r, level.write, len(level.tokens)) for r, level in levels.items()])
             for r, level in levels.items():
                 count = len(level.tokens)
-                for past, present in zip(past_names(layers), present_names(layers)):
-                    cache[past][r, :, level.write : level.write + count] = out[present][r, :, :count]  # [n_kv, n, hd]
                 grown[r].grow(out[LOGITS][r, :count], out[HIDDEN_OUT][r, :count])
 
     def _spine(self, out: dict[str, np.ndarray], at: int, depth: int, nodes: int, top_k: int,

@@ -11,7 +11,8 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from specexport.contract import KVLayout, StateLayout, past_names, present_of, state_present_of
+from specexport.contract import KVLayout, StateLayout, state_present_of
+from specexport.runtime.cache_store import HostStore
 
 
 class CacheLength(ABC):
@@ -62,29 +63,28 @@ class CacheLength(ABC):
 
 
 class KVCache(CacheLength):
-    """The cache in host memory, one [B, n_kv, S_max, hd] array per past input."""
+    """The cache in host memory, one [B, n_kv, S_max, hd] array per past input (a HostStore)."""
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
                  dtype: str = "float32"):
         super().__init__(num_layers, max_seq_len)
         shape = KVLayout(num_layers, num_kv_heads, head_dim, max_seq_len, dtype).shape(batch)  # [B, n_kv, S_max, hd]
-        self._tensors = {name: np.zeros(shape, dtype=dtype) for name in past_names(num_layers)}
-        self._present_names = {name: present_of(name) for name in self._tensors}
+        self.rows_store = HostStore.allocate(num_layers, shape, dtype)
 
     def view(self) -> dict[str, np.ndarray]:
         """The feeds for a graph's past inputs: the cache arrays themselves, not copies."""
-        return self._tensors
+        return self.rows_store.rows()
 
     def write(self, presents: dict[str, np.ndarray], count: int) -> None:
         """Append the first ``count`` new positions of each present.* output at ``length``."""
         if count > self.free:
             raise ValueError(f"KV cache overflow: {count} tokens with {self.free} slots free")
-        append_rows(self._tensors, presents, [(0, self.length, count)])
+        self.rows_store.write(presents, [(0, self.length, count)])
         self.advance(count)
 
     def in_place_outputs(self) -> dict[str, np.ndarray]:
         """present.* -> the past buffer it updates, for graphs that write the cache in place."""
-        return {present: self._tensors[past] for past, present in self._present_names.items()}
+        return self.rows_store.bound()
 
 
 
@@ -114,7 +114,7 @@ class RecurrentCache(KVCache):
         return list(self._state_presents.values())
 
     def view(self) -> dict[str, np.ndarray]:
-        return {**self._tensors, **self._states}
+        return {**self.rows_store.rows(), **self._states}
 
     def store(self, outputs: dict[str, np.ndarray], count: int, in_place: bool) -> None:
         """Commit ``count`` new positions: the K/V (copied in, or written in place by the graph)
@@ -154,12 +154,3 @@ def open_host_cache(num_layers: int, batch: int, num_kv_heads: int, max_seq_len:
     if state is None:
         return KVCache(num_layers, batch, num_kv_heads, max_seq_len, head_dim, dtype)
     return RecurrentCache(num_layers, batch, num_kv_heads, max_seq_len, head_dim, state, dtype, keep)
-
-
-def append_rows(cache: dict[str, np.ndarray], out: dict[str, np.ndarray], written: list[tuple[int, int, int]]) -> None:
-    """Write what an append graph computed for each fed row, ``written``: (row, cache length,
-    count), from its present.* [B, n_kv, T, hd] into the cache; padding and idle rows never."""
-    for past, array in cache.items():
-        new = out[present_of(past)]  # [B, n_kv, T, hd]
-        for row, length, count in written:
-            array[row, :, length : length + count] = new[row, :, :count]

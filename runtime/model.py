@@ -27,25 +27,21 @@ import numpy as np
 
 from specexport.backends import BACKENDS
 from specexport.contract import (
-    CACHE_LENGTH,
     CONTEXT_FEATURES,
-    CONTEXT_VALID,
     INPUT_IDS,
     LOGITS,
     NEXT_TOKENS,
-    VALID_TOKENS,
     EngineEntry,
     KVUpdate,
     Manifest,
     ModelEntry,
     Role,
-    past_names,
-    present_names,
-    present_of,
 )
 from specexport.errors import BadInput
+from specexport.runtime.cache_store import HostStore
 from specexport.runtime.engine import Engine, EngineOptions, LazyEngine, SharedGraphs, open_kv_cache
-from specexport.runtime.kv_cache import CacheLength, KVCache, append_rows
+from specexport.runtime.graph_call import GraphCall
+from specexport.runtime.kv_cache import CacheLength, KVCache
 from specexport.runtime.runner import PAD_ID, ModelRunner, StepOutput, time_interleaved
 
 Row = tuple[int, np.ndarray, Mapping[str, np.ndarray]]  # (cache length, tokens [n], extra inputs name -> [n, F])
@@ -56,10 +52,9 @@ class SlotView(KVCache):
     (in place or appended). Batched calls write the row without counting here: the caller says
     how long it is before each run (``set_length``)."""
 
-    def __init__(self, tensors: dict[str, np.ndarray], slot: int, num_layers: int, max_seq_len: int):
+    def __init__(self, store: HostStore, slot: int, num_layers: int, max_seq_len: int):
         CacheLength.__init__(self, num_layers, max_seq_len)
-        self._tensors = {name: array[slot : slot + 1] for name, array in tensors.items()}  # [1, n_kv, S_max, hd]
-        self._present_names = {name: present_of(name) for name in self._tensors}
+        self.rows_store = store.slot(slot)  # [1, n_kv, S_max, hd] views of the row
 
     def set_length(self, length: int) -> None:
         if not 0 <= length <= self.max_seq_len:
@@ -69,25 +64,29 @@ class SlotView(KVCache):
 
 @dataclass
 class SlotCaches:
-    """A model's cache: one batch-1 cache per slot, and the [slots] host tensors they view (None
-    for one slot, whose cache may live on the device or keep a recurrent state)."""
+    """A model's cache: one batch-1 cache per slot, and the [slots] host store they are rows of
+    (None for one slot, whose cache may live on the device or keep a recurrent state)."""
 
     slots: list[CacheLength]
-    tensors: dict[str, np.ndarray] | None
+    store: HostStore | None
+
+    @property
+    def tensors(self) -> dict[str, np.ndarray] | None:
+        """The shared store's arrays [slots, n_kv, S_max, hd] (None: one slot); the loop asks
+        only whether there are any (a row's prefill can then be copied to another slot)."""
+        return None if self.store is None else self.store.rows()
 
 
-def host_tensors(info: ModelEntry, slots: int) -> dict[str, np.ndarray]:
-    """past name -> [slots, n_kv, S_max, hd], written now (np.full, not the lazily mapped
-    np.zeros): pages are faulted in at load, not inside the first rounds that reach a row."""
-    shape = info.kv.shape(slots)
-    return {name: np.full(shape, 0, dtype=info.kv_dtype) for name in past_names(info.num_layers)}
+def host_store(info: ModelEntry, slots: int) -> HostStore:
+    """The model's K/V of ``slots`` rows in host memory, written now (HostStore.allocate)."""
+    return HostStore.allocate(info.num_layers, info.kv.shape(slots), info.kv_dtype, fill=True)
 
 
 def open_caches(info: ModelEntry, backend: str, options: EngineOptions, slots: int, largest_graph: int) -> SlotCaches:
     if slots == 1:  # host, device or recurrent: runtime/engine.py chooses
         return SlotCaches([open_kv_cache(backend, info, options, largest_graph)], None)
-    tensors = host_tensors(info, slots)
-    return SlotCaches([SlotView(tensors, s, info.num_layers, info.max_seq_len) for s in range(slots)], tensors)
+    store = host_store(info, slots)
+    return SlotCaches([SlotView(store, s, info.num_layers, info.max_seq_len) for s in range(slots)], store)
 
 
 def slots_refusal(manifest: Manifest, model: str, backend: str, batches: Sequence[int],
@@ -114,55 +113,41 @@ def slots_refusal(manifest: Manifest, model: str, backend: str, batches: Sequenc
 
 
 class BatchedCall:
-    """One batched graph (B rows, T tokens) with its feed buffers over the first B rows of the
-    host cache. ``rows``: slot -> (cache length, tokens, extra inputs); the other rows idle. A row
-    writes one cache position per token, or for a block head's graph per context row (its
+    """One batched graph (B rows, T tokens) over the first B rows of the host cache store (a
+    GraphCall). ``rows``: slot -> (cache length, tokens, extra inputs); the other rows idle. A
+    row writes one cache position per token, or for a block head's graph per context row (its
     ``input_ids`` is the anchor alone); ``valid_tokens`` / ``context_valid`` count them."""
 
-    def __init__(self, engine: Engine, batch: int, tokens: int, cache: dict[str, np.ndarray], in_place: bool,
+    def __init__(self, engine: Engine, batch: int, tokens: int, store: HostStore, in_place: bool,
                  per_context_row: bool = False, full_rows: bool = False):
         """``full_rows``: a fed row counts all T tokens as real where its cache has room (its
         padding's K/V lands past its length, never read), as ModelRunner's ``full_rows``."""
-        self.engine, self.batch, self.tokens, self.cache, self.in_place = engine, batch, tokens, cache, in_place
+        self.engine, self.batch, self.tokens, self.in_place = engine, batch, tokens, in_place
         self.full_rows = full_rows
-        self.max_seq_len = cache[next(iter(cache))].shape[2] if cache else 0
-        self.feeds = {name: array[:batch] for name, array in cache.items()}  # [B, n_kv, S_max, hd] views
-        for name, spec in engine.inputs.items():
-            if name not in self.feeds:  # input_ids [B, T], cache_length [B], valid counts [B], features [B, T, F]
-                self.feeds[name] = np.zeros(spec.shape, dtype=spec.dtype)
-        self.bound = {present_of(name): array[:batch] for name, array in cache.items()} if in_place else None
-        self.presents = [] if in_place else present_names(len(cache) // 2)
+        self.max_seq_len = store.max_seq_len
+        self.call = GraphCall.over(engine, store, batch, in_place)
         # what counts a row's cache positions: its tokens, or a block graph's context rows
         self.positions = CONTEXT_FEATURES if per_context_row else INPUT_IDS
-        self.seconds = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.call.seconds
 
     def run(self, rows: Mapping[int, Row], want_logits: bool, want: Sequence[str] = ()) -> dict[str, np.ndarray]:
-        for name, array in self.feeds.items():
-            if name not in self.cache:
-                array.fill(0)
+        self.call.clear()
         written = []
         for r, (length, tokens, inputs) in rows.items():
-            self.feeds[INPUT_IDS][r, : len(tokens)] = tokens
-            self.feeds[CACHE_LENGTH][r] = length
-            for name, values in inputs.items():
-                self.feeds[name][r, : len(values)] = values
             count = len(inputs[self.positions]) if self.positions in inputs else len(tokens)
             full = self.full_rows and length + self.tokens <= self.max_seq_len
-            for valid in (VALID_TOKENS, CONTEXT_VALID):  # the row's real positions, the only ones written
-                if valid in self.feeds:
-                    self.feeds[valid][r] = self.tokens if full else count
+            # the row's real positions, the only ones written
+            self.call.feed_row(r, length, tokens, inputs, self.tokens if full else count)
             written.append((r, length, count))
-        outputs = [NEXT_TOKENS, *([LOGITS] if want_logits else []), *want, *self.presents]
-        start = time.perf_counter()
-        out = self.engine.run(self.feeds, outputs, self.bound)  # next_tokens [B, T], logits [B, T, V]
-        self.seconds += time.perf_counter() - start
-        if not self.in_place:
-            append_rows(self.cache, out, written)
-        return out
+        # next_tokens [B, T], logits [B, T, V]; an append graph's rows copied into the store
+        return self.call.run([NEXT_TOKENS, *([LOGITS] if want_logits else []), *want], written)
 
     def time_run(self, want_logits: bool = False) -> float:
         """One run with every row full at half the cache (before any sequence runs: it writes)."""
-        middle = (self.cache[next(iter(self.cache))].shape[2] - self.tokens) // 2
+        middle = (self.max_seq_len - self.tokens) // 2
         rows = dict.fromkeys(range(self.batch), (middle, np.full(self.tokens, PAD_ID, dtype=np.int64), {}))
         start = time.perf_counter()
         self.run(rows, want_logits)
@@ -253,8 +238,8 @@ class Model:
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Slot ``dst`` takes slot ``src``'s first ``length`` positions (a row left: the last moves in)."""
-        for array in (self.caches.tensors or {}).values():
-            array[dst, :, :length] = array[src, :, :length]
+        if self.caches.store is not None:
+            self.caches.store.move(src, dst, length)
 
     def time_run(self, key: tuple[int, int], want_logits: bool = False) -> float:
         """One run of the graph (B, T): a batched call, else the runner's graph of T tokens."""
@@ -302,11 +287,11 @@ def open_model(manifest: Manifest, model: str, backend: str, options: EngineOpti
                                    frozenset(e.name for e in singles if e.kv_update == KVUpdate.IN_PLACE),
                                    roles={e.name: e.role for e in singles}, full_rows=info.full_rows))
     calls = {}
-    if caches.tensors is not None:
+    if caches.store is not None:
         for entry in manifest.engines_of(model, backend, batch=None):
             if 1 < entry.batch <= slots and (roles is None or entry.role in roles) and entry.role.decoding:
                 engine = LazyEngine(entry, manifest.root, options, None, sessions)
-                calls[(entry.batch, entry.tokens)] = BatchedCall(engine, entry.batch, entry.tokens, caches.tensors,
+                calls[(entry.batch, entry.tokens)] = BatchedCall(engine, entry.batch, entry.tokens, caches.store,
                                                                  entry.kv_update == KVUpdate.IN_PLACE,
                                                                  per_context_row=entry.role == Role.BLOCK,
                                                                  full_rows=info.full_rows)

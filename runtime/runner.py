@@ -16,7 +16,6 @@ like the tokens, and the extra outputs come back in ``StepOutput.extras``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -24,7 +23,6 @@ import numpy as np
 
 from specexport.contract import (
     CACHE_LENGTH,
-    INPUT_IDS,
     LOGITS,
     NEXT_TOKENS,
     VALID_TOKENS,
@@ -32,9 +30,9 @@ from specexport.contract import (
     present_names,
 )
 from specexport.runtime.engine import Engine
+from specexport.runtime.graph_call import PAD_ID as PAD_ID  # where the exporter imports it from
+from specexport.runtime.graph_call import GraphCall
 from specexport.runtime.kv_cache import KVCache
-
-PAD_ID = 0  # any id works: padded positions are never read back
 
 
 @dataclass
@@ -62,31 +60,24 @@ class ModelRunner:
         if not self._engines:
             raise ValueError(f"model {name} has no engines to decode with")
         self._first_piece = self._plan_pieces(monotone_costs(cost_ms or {}), cache.max_seq_len)
-        self._feeds: dict[int, dict[str, np.ndarray]] = {}
-        for tokens, engine in self._by_size.items():
-            feeds = dict(cache.view())
-            # [B, T]; a block drafter's graph takes one anchor token for its T context rows
-            spec = getattr(engine, "inputs", {}).get(INPUT_IDS)
-            feeds[INPUT_IDS] = np.full(spec.shape if spec is not None else (1, tokens), PAD_ID, dtype=np.int64)
-            feeds[CACHE_LENGTH] = np.zeros(1, dtype=np.int64)  # [B]
-            if VALID_TOKENS in getattr(engine, "inputs", {}):  # ort-gqa: the real tokens of the row
-                feeds[VALID_TOKENS] = np.full(1, tokens, dtype=np.int64)  # [B]
-            self._feeds[tokens] = feeds
-        presents = present_names(cache.num_layers)
-        states = cache.state_outputs  # a linear-attention model's state after each position
         # engines that update the cache in place (attention: ort-gqa) get it bound as their
         # present outputs and return only tokens (and logits); the others return the new K/V
         self._in_place = in_place
-        self._cache_outputs = cache.in_place_outputs()
-        self._outputs = {  # (in place?, want logits?) -> outputs to ask for
-            (False, False): [NEXT_TOKENS, *presents, *states],
-            (False, True): [NEXT_TOKENS, LOGITS, *presents, *states],
-            (True, False): [NEXT_TOKENS, *states],
-            (True, True): [NEXT_TOKENS, LOGITS, *states],
-        }
-        self._complete: set[int] = set()  # sizes whose every input has a feed buffer
-        self.seconds = 0.0  # time inside engines, for the stats
-        self.calls = 0
+        presents = present_names(cache.num_layers)
+        bound = cache.in_place_outputs()
+        # token count -> its call over the cache (a block drafter's graph takes one anchor token)
+        self._calls = {tokens: GraphCall(engine, cache.view(), engine.name in in_place, bound, presents,
+                                         tokens=tokens) for tokens, engine in self._by_size.items()}
+        self._states = cache.state_outputs  # a linear-attention model's state after each position
+
+    @property
+    def seconds(self) -> float:
+        """Time inside engines, for the stats."""
+        return sum(call.seconds for call in self._calls.values())
+
+    @property
+    def calls(self) -> int:
+        return sum(call.calls for call in self._calls.values())
 
     @property
     def length(self) -> int:
@@ -124,13 +115,11 @@ class ModelRunner:
 
     def time_run(self, size: int, want_logits: bool = False) -> float:
         """Seconds of one run of the engine of ``size`` tokens over a half-full cache."""
-        feeds = self._feeds[size]
-        feeds[CACHE_LENGTH][0] = (self.cache.max_seq_len - size) // 2
-        if VALID_TOKENS in feeds:
-            feeds[VALID_TOKENS][0] = size
-        start = time.perf_counter()
-        self._run(size, want_logits=want_logits)
-        return time.perf_counter() - start
+        call = self._calls[size]
+        call.feeds[CACHE_LENGTH][0] = (self.cache.max_seq_len - size) // 2
+        if VALID_TOKENS in call.feeds:
+            call.feeds[VALID_TOKENS][0] = size
+        return call.time(self._outputs(want_logits))
 
     def end_timing(self, sizes: Sequence[int]) -> None:
         """After timing: in-place engines wrote into the cache, so it is rewound to empty."""
@@ -165,29 +154,12 @@ class ModelRunner:
         return choice
 
     def _run(self, size: int, want_logits: bool, want: Sequence[str] = ()) -> dict[str, np.ndarray]:
-        """One run of the engine of ``size`` tokens on its feeds; returns its outputs."""
-        engine = self._by_size[size]
-        in_place = engine.name in self._in_place
-        outputs = self._outputs[(in_place, want_logits)]
-        if want:
-            outputs = [*outputs, *want]
-        if size not in self._complete:  # extra inputs never fed yet (features while timing): zeros
-            for name in getattr(engine, "inputs", {}):
-                self._extra_feed(size, name)
-            self._complete.add(size)
-        if in_place:
-            return engine.run(self._feeds[size], outputs, self._cache_outputs)
-        return engine.run(self._feeds[size], outputs)
+        """One run of the engine of ``size`` tokens on its feeds (counted in ``seconds``)."""
+        return self._calls[size].run(self._outputs(want_logits, want))
 
-    def _extra_feed(self, size: int, name: str) -> np.ndarray:
-        """The feed buffer of an extra input (features) of the engine of ``size`` tokens, made once."""
-        feeds = self._feeds[size]
-        if name not in feeds:
-            spec = self._by_size[size].inputs.get(name)
-            if spec is None:
-                raise ValueError(f"{self._by_size[size].name} has no input {name!r}")
-            feeds[name] = np.zeros(spec.shape, dtype=spec.dtype)  # [1, T, F]
-        return feeds[name]
+    def _outputs(self, want_logits: bool, want: Sequence[str] = ()) -> list[str]:
+        """What to ask a run for besides an appending graph's presents (the call adds those)."""
+        return [NEXT_TOKENS, *([LOGITS] if want_logits else []), *self._states, *want]
 
     def forward(self, tokens: Sequence[int], want_logits: bool = False,
                 inputs: Mapping[str, np.ndarray] | None = None, want: Sequence[str] = ()) -> StepOutput:
@@ -208,23 +180,14 @@ class ModelRunner:
         while done < n:
             size, engine = self._pick(n - done)
             count = min(size, n - done)
-            feeds = self._feeds[size]
-            ids = feeds[INPUT_IDS]  # [1, T]
-            ids[0, :count] = tokens[done : done + count]
-            ids[0, count:] = PAD_ID
-            feeds[CACHE_LENGTH][0] = self.cache.length
-            if VALID_TOKENS in feeds:  # full rows: the padding's K/V lands past the length, never read
-                feeds[VALID_TOKENS][0] = size if self.full_rows else count
-            for name, rows in (inputs or {}).items():
-                buffer = self._extra_feed(size, name)  # [1, T, F]
-                buffer[0, :count] = rows[done : done + count]
-                buffer[0, count:] = 0.0
-            start = time.perf_counter()
+            call = self._calls[size]
+            # full rows: the padding's K/V lands past the length, never read
+            call.feed_row(0, self.cache.length, tokens[done : done + count],
+                          {name: rows[done : done + count] for name, rows in (inputs or {}).items()},
+                          size if self.full_rows else count)  # [1, T], extra inputs [1, T, F]
             result = self._run(size, want_logits, want)
-            self.seconds += time.perf_counter() - start
             # in place: the engine wrote its positions into the cache; else they are copied in
             self.cache.store(result, count, in_place=engine.name in self._in_place)
-            self.calls += 1
             next_parts.append(result[NEXT_TOKENS][0, :count])  # [count]
             if want_logits:
                 logit_parts.append(result[LOGITS][0, :count])  # [count, V]

@@ -21,6 +21,6 @@ def open_tree_verifier(manifest: Manifest, backend: str, target: Model, options:
     cache = target.runners[0].cache
     root: Path = manifest.root
     engines = {(e.batch, e.tokens): LazyEngine(e, root, options, cache, sessions) for e in entries}
-    tensors = target.caches.tensors if target.caches.tensors is not None else cache.view()
+    store = target.caches.store if target.caches.store is not None else cache.rows_store
     tuned = {(e.batch, e.tokens): ms / 1e3 for e in entries if (ms := cost_ms(e))}
-    return TreeVerifier(engines, entries[-1], target.caches.slots, tensors, tuned)
+    return TreeVerifier(engines, entries[-1], target.caches.slots, store, tuned)

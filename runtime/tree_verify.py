@@ -19,7 +19,6 @@ made a seeded run's trees depend on the clock.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -34,8 +33,9 @@ from specexport.contract import (
     VALID_TOKENS,
     EngineEntry,
     KVUpdate,
-    present_of,
 )
+from specexport.runtime.cache_store import HostStore
+from specexport.runtime.graph_call import GraphCall
 from specexport.runtime.runner import PAD_ID, time_interleaved
 from specexport.runtime.tree import DraftTree
 from specexport.runtime.verifier import Verified, VerifyRow
@@ -80,28 +80,32 @@ class TreeVerifier:
     """``engines``: (batch, rows) -> its engine, rows = 1 + nodes (LazyEngines; an ort-gqa graph
     has an entry per tree size at each batch size, a standard one a single size per batch size
     that smaller trees are padded to). ``caches``: the target's slot caches (their lengths);
-    ``tensors``: the K/V arrays [slots, n_kv, S_max, hd] they are rows of."""
+    ``store``: the K/V store [slots, n_kv, S_max, hd] they are rows of."""
 
     def __init__(self, engines: Mapping[tuple[int, int], object], entry: EngineEntry, caches: list,
-                 tensors: Mapping[str, np.ndarray], costs: Mapping[tuple[int, int], float] | None = None):
+                 store: HostStore, costs: Mapping[tuple[int, int], float] | None = None):
         """``costs``: (batch, rows) -> seconds of a pass measured before (specexport tune); a
         batch size all of whose graphs have one is not timed on first use."""
-        self.engines, self.caches, self.tensors = dict(engines), caches, dict(tensors)
+        self.engines, self.caches, self.store = dict(engines), caches, store
         self.batches = sorted({b for b, _ in self.engines if b <= len(caches)})
         self.rows = max(t for _, t in self.engines)  # 1 + N: the root and up to N nodes
-        self.max_seq_len = next(iter(self.tensors.values())).shape[2]
+        self.max_seq_len = store.max_seq_len
         self.in_place = entry.kv_update == KVUpdate.IN_PLACE
-        self.seconds = 0.0
-        self._presents: dict[str, np.ndarray] = {}  # an appending graph's K/V of the last run [B, n_kv, T, hd]
+        self._presents: dict[str, np.ndarray] | None = None  # an appending graph's K/V of the last run [B, n_kv, T, hd]
         self._costs: dict[int, dict[int, float]] = {}  # batch -> rows -> seconds of one pass (absent: not timed)
         self._sizes: dict[tuple[int, int], int] = {}  # (batch, nodes) -> rows of the graph that holds them
         for batch in self.batches:
             known = {rows: (costs or {}).get((b, rows)) for b, rows in self.engines if b == batch}
             if all(known.values()):
                 self._costs[batch] = {rows: float(s) for rows, s in known.items() if s}
-        # (batch, rows) -> the feeds (cache views, then the tree's small arrays, updated in place)
-        # and the bound outputs of that graph: one I/O binding per graph, not one per pass
-        self._held: dict[tuple[int, int], tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]] = {}
+        # (batch, rows) -> that graph's call (its feeds updated in place: one I/O binding per
+        # graph, not one per pass)
+        self._calls: dict[tuple[int, int], GraphCall] = {}
+
+    @property
+    def seconds(self) -> float:
+        """Seconds inside the tree graphs' verify passes so far."""
+        return sum(call.seconds for call in self._calls.values())
 
     @property
     def nodes(self) -> int:
@@ -140,13 +144,11 @@ class TreeVerifier:
         the cache's far end (time_interleaved's runner protocol); what it writes there is put back."""
         batch, rows = key
         start = self.max_seq_len - rows
-        saved = {name: array[:batch, :, start:].copy() for name, array in self.tensors.items()}
+        saved = self.store.save(batch, start)
         pads = DraftTree.chain(np.full(rows - 1, PAD_ID, dtype=np.int64))
-        began = time.perf_counter()
-        self._call(batch, dict.fromkeys(range(batch), (start, PAD_ID, pads)), want_logits, ())
-        elapsed = time.perf_counter() - began
-        for name, values in saved.items():
-            self.tensors[name][:batch, :, start:] = values
+        call, names = self._call(batch, dict.fromkeys(range(batch), (start, PAD_ID, pads)), want_logits, ())
+        elapsed = call.time(names)
+        self.store.restore(saved, batch, start)
         return elapsed
 
     def end_timing(self, sizes) -> None:
@@ -174,33 +176,23 @@ class TreeVerifier:
                 raise ValueError(f"a tree of {tree.size} nodes at length {length} does not fit the tree graph")
         size = self._size(batch, nodes)
         padded = {slot: (length, root, _padded(tree, size - 1)) for slot, (length, root, tree) in rows.items()}
-        start = time.perf_counter()
-        out = self._call(batch, padded, want_logits, want)
-        elapsed = time.perf_counter() - start
-        self.seconds += elapsed
-        self._presents = {p: out.pop(present_of(p)) for p in self.tensors} if not self.in_place else {}
+        call, names = self._call(batch, padded, want_logits, want)
+        out = call.run(names)
+        self._presents = {p: out.pop(p) for p in self.store.presents} if not self.in_place else None
         return {slot: {name: value[slot, : 1 + tree.size] for name, value in out.items()}
                 for slot, (_, _, tree) in rows.items()}
 
     def _call(self, batch: int, rows: Mapping[int, TreeRow], want_logits: bool,
-              want: tuple[str, ...]) -> dict[str, np.ndarray]:
-        """One pass of the graph (batch, rows) over trees already padded to its rows; a slot
-        not in ``rows`` idles (length 0, no valid rows: nothing written)."""
+              want: tuple[str, ...]) -> tuple[GraphCall, list[str]]:
+        """The graph (batch, rows) fed trees already padded to its rows, and the outputs to ask
+        for; a slot not in ``rows`` idles (length 0, no valid rows: nothing written)."""
         nodes = next(iter(rows.values()))[2].size
         engine = self.engines[(batch, 1 + nodes)]
-        feeds = batched_tree_feeds(rows, batch, nodes, VALID_TOKENS in engine.inputs)
-        held = self._held.get((batch, 1 + nodes))
-        if held is None:  # the first pass of this graph: the dicts every later pass reuses
-            cache = {name: array[:batch] for name, array in self.tensors.items()}  # [B, n_kv, S_max, hd] views
-            bound = {present_of(name): array for name, array in cache.items()} if self.in_place else None
-            held = self._held[(batch, 1 + nodes)] = ({**cache, **feeds}, bound)
-        else:  # written in place, so the engine's I/O binding over them is made once
-            for name, value in feeds.items():
-                held[0][name][...] = value
-        names = [NEXT_TOKENS, *([LOGITS] if want_logits else []), *want]
-        if not self.in_place:
-            names += [present_of(p) for p in self.tensors]
-        return engine.run(held[0], names, held[1])
+        call = self._calls.get((batch, 1 + nodes))
+        if call is None:  # the first pass of this graph: the feeds every later pass updates
+            call = self._calls[(batch, 1 + nodes)] = GraphCall.over(engine, self.store, batch, self.in_place)
+        call.set(batched_tree_feeds(rows, batch, nodes, VALID_TOKENS in engine.inputs))
+        return call, [NEXT_TOKENS, *([LOGITS] if want_logits else []), *want]
 
     def commit(self, length: int, path: list[int], slot: int = 0) -> None:
         """Keep the slot's root and accepted nodes ``path`` (root to leaf) at ``length``,
@@ -208,16 +200,7 @@ class TreeVerifier:
         rows = [0, *(1 + p for p in path)]  # graph rows, increasing
         # an in-place pass already wrote a path of the tree's first rows (a chain-shaped one) in place
         if not (self.in_place and rows[-1] == len(rows) - 1):
-            self._move(slot, length, rows)
+            self.store.compact(slot, length, rows, self._presents)
         cache = self.caches[slot]
         cache.set_length(min(length, cache.length))
         cache.advance(length + len(rows) - cache.length)
-
-    def _move(self, slot: int, length: int, rows: list[int]) -> None:
-        """The pass's ``rows`` of the slot's tree into the cache at ``length``, ``length`` + 1, ..."""
-        source = length + np.asarray(rows)  # [1+len(path)] slots the pass wrote them at
-        for name, array in self.tensors.items():  # [slots, n_kv, S_max, hd]
-            if self.in_place:  # one gather per tensor (it copies before the slots are overwritten)
-                array[slot, :, length : length + len(rows)] = array[slot][:, source]  # [n_kv, 1+len(path), hd]
-            else:
-                array[slot, :, length : length + len(rows)] = self._presents[name][slot][:, rows]  # [n_kv, 1+len(path), hd]

@@ -86,7 +86,7 @@ def dflash_runners(pipe, tmp: Path, args) -> dict:
                            EngineOptions(threads=args.threads))
         cache = KVCache(layers, 1, head.dense.kv_heads, max_seq, head.dense.head_dim)
         runner = BlockRunner(name, [engine], cache, {name: rows})
-        runner._feeds[rows][CONTEXT_FEATURES][:] = np.random.default_rng(0).normal(size=(1, rows, width))
+        runner.feeds(rows)[CONTEXT_FEATURES][:] = np.random.default_rng(0).normal(size=(1, rows, width))
         out[f"dflash {layers} layer{'s' if layers > 1 else ''}, block 8, C={rows}"] = (runner, [rows])
     return out
 

@@ -38,7 +38,7 @@ _BY_KIND_SAMPLED = [
 
 # (what the slip is, file, the line as it is, the slip, the tests that must catch it)
 CASES = [
-    ("append graphs write each row one position late", "runtime/kv_cache.py",
+    ("append graphs write each row one position late", "runtime/cache_store.py",
      "array[row, :, length : length + count] = new[row, :, :count]",
      "array[row, :, length + 1 : length + 1 + count] = new[row, :, :count]",
      ["tests/exporter/test_batched_standard.py::test_each_request_under_batching_gives_its_batch_1_output"]),

@@ -202,7 +202,7 @@ def _batched_model(pipe, model: str, batches: list[int], widths: list[int]):
             if (batch, tokens) not in batched.calls:
                 entry = _widened(built[-1], tokens)
                 engine = LazyEngine(entry, pipe.manifest.root, pipe.options, None, pipe.sessions)
-                batched.calls[(batch, tokens)] = BatchedCall(engine, batch, tokens, caches.tensors, in_place=True)
+                batched.calls[(batch, tokens)] = BatchedCall(engine, batch, tokens, caches.store, in_place=True)
     return batched
 
 

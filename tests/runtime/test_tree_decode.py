@@ -58,8 +58,7 @@ class NoCompaction(TreeVerifier):
 
     def commit(self, length, path, slot=0):
         if not self.in_place:
-            for name, array in self.tensors.items():
-                array[slot, :, length : length + 1 + len(path)] = self._presents[name][slot, :, : 1 + len(path)]
+            self.store.write(self._presents, [(slot, length, 1 + len(path))])
         cache = self.caches[slot]
         cache.set_length(min(length, cache.length))
         cache.advance(length + 1 + len(path) - cache.length)
@@ -71,7 +70,7 @@ def decode_with(pipe, drafter, prompts, max_new, verifier_class=TreeVerifier, on
     target = pipe.batched_target()  # a slot for every row of the largest batch built
     base = pipe.tree_verifier(target)
     verifier = verifier_class(base.engines, pipe.manifest.engines_of("target", "onnxruntime", tree=True)[-1],
-                              base.caches, base.tensors)
+                              base.caches, base.store)
     out: dict[int, list[int]] = {key: [] for key in range(len(prompts))}
     loop = BatchLoop(target, drafter, draft_len=pipe.manifest.draft_len, eos_ids=frozenset(),
                      on_token=lambda key, token: out[key].append(token), tree_verifier=verifier, tree_nodes=NODES,
