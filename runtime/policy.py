@@ -113,6 +113,8 @@ class SpeculationPolicy:
             seq.depth_policy = self.adaptive()
 
     def plan(self, running: Sequence[Running]) -> RoundPlan:
+        """Before drafting: the round's cap, each row's depth, and a tree round where the batch
+        size has a tree graph that every row's cache holds (else chains)."""
         n = len(running)
         cap = self.draft_len if self.schedule is None else min(self.draft_len, self.schedule.depth(n))
         trees = self.trees
