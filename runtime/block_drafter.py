@@ -56,7 +56,7 @@ from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, wa
 from specexport.runtime.cache_store import HostStore
 from specexport.runtime.drafters import ChainsAndTrees, DraftBudget, DraftRow, PartCosts, TargetOut
 from specexport.runtime.engine import Engine
-from specexport.runtime.graph_call import GraphCall
+from specexport.runtime.graph_call import GraphCall, TimedCalls
 from specexport.runtime.kv_cache import CacheLength
 from specexport.runtime.model import BatchedCall
 from specexport.runtime.tree import DraftTree, SizeHint, grow_spine, top_candidates
@@ -64,7 +64,7 @@ from specexport.runtime.tree import DraftTree, SizeHint, grow_spine, top_candida
 PAD_ID = 0  # the anchor of a call whose drafts are thrown away (a prompt chunk)
 
 
-class BlockRunner:
+class BlockRunner(TimedCalls):
     """A block head's graphs, one per context size C, over its own KV cache (a GraphCall each).
     Also what the build's interleaved timing runs (``sizes``, ``time_run``, ``end_timing``,
     ``engine_at``)."""
@@ -76,14 +76,6 @@ class BlockRunner:
         # the presents come back and are appended by the cache (``write``), which counts its length
         self._calls = {size: GraphCall(engine, cache.view(), presents=present_names(cache.num_layers))
                        for size, engine in self._by_size.items()}
-
-    @property
-    def seconds(self) -> float:
-        return sum(call.seconds for call in self._calls.values())
-
-    @property
-    def calls(self) -> int:
-        return sum(call.calls for call in self._calls.values())
 
     @property
     def sizes(self) -> list[int]:

@@ -14,6 +14,7 @@ live in runtime/chain_drafter.py (EAGLE-3, MTP) and runtime/block_drafter.py (DF
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -113,9 +114,10 @@ class Drafter(Protocol):
 NO_NODES = DraftTree(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))  # a row verifying its root alone
 
 
-class ChainsAndTrees:
+class ChainsAndTrees(ABC):
     """``propose`` over a drafter's two ways of drafting: ``chains(rows, depths)`` (a Draft per
-    row) and, where it ``builds_trees``, ``trees(rows, budget)`` (a DraftTree or None per row)."""
+    row) and ``trees(rows, budget)`` (a DraftTree or None per row), asked for only where the
+    drafter ``builds_trees``."""
 
     builds_trees = True
 
@@ -124,11 +126,13 @@ class ChainsAndTrees:
             return [tree if tree is not None else NO_NODES for tree in self.trees(rows, budget)]
         return [DraftTree.of_draft(draft) for draft in self.chains(rows, budget.depths)]
 
+    @abstractmethod
     def chains(self, rows: Sequence[DraftRow], depths: Sequence[int]) -> list[Draft]:
-        raise NotImplementedError
+        """A chain of at most ``depths[r]`` tokens for every row (0: EMPTY_DRAFT)."""
 
+    @abstractmethod
     def trees(self, rows: Sequence[DraftRow], budget: DraftBudget) -> list[DraftTree | None]:
-        raise NotImplementedError
+        """A tree within ``budget`` for every row (None: nothing to offer)."""
 
 
 class Stateless(ChainsAndTrees):

@@ -23,6 +23,21 @@ from specexport.runtime.cache_store import HostStore, Written
 PAD_ID = 0  # any id works: padded positions are never read back
 
 
+class TimedCalls:
+    """Engine seconds and runs summed over a holder's graph calls (``_calls``: key -> GraphCall):
+    what a runner, a block head's runner and the tree verifier report to the stats."""
+
+    _calls: Mapping[object, GraphCall]
+
+    @property
+    def seconds(self) -> float:
+        return sum(call.seconds for call in self._calls.values())
+
+    @property
+    def calls(self) -> int:
+        return sum(call.calls for call in self._calls.values())
+
+
 class GraphCall:
     """``cache``: the past inputs fed as they are (views of the store's rows; empty for a cache
     on the device); ``in_place``: the graph writes the cache itself, into ``bound`` (present

@@ -269,7 +269,7 @@ def _start(target: Model, drafter: Drafter, slot: int, key: Hashable, request: R
     stats = DecodeStats(draft_len=draft_len)
     start = time.perf_counter()
     runner = target.runners[slot]
-    if shared is not None and target.caches.tensors is not None:
+    if shared is not None and target.caches.store is not None:
         target.move(shared.slot, slot, len(prompt) - 1)
         runner.cache.set_length(len(prompt) - 1)
         extras = shared.extras

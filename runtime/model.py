@@ -70,12 +70,6 @@ class SlotCaches:
     slots: list[CacheLength]
     store: HostStore | None
 
-    @property
-    def tensors(self) -> dict[str, np.ndarray] | None:
-        """The shared store's arrays [slots, n_kv, S_max, hd] (None: one slot); the loop asks
-        only whether there are any (a row's prefill can then be copied to another slot)."""
-        return None if self.store is None else self.store.rows()
-
 
 def host_store(info: ModelEntry, slots: int) -> HostStore:
     """The model's K/V of ``slots`` rows in host memory, written now (HostStore.allocate)."""

@@ -31,7 +31,7 @@ from specexport.contract import (
 )
 from specexport.runtime.engine import Engine
 from specexport.runtime.graph_call import PAD_ID as PAD_ID  # where the exporter imports it from
-from specexport.runtime.graph_call import GraphCall
+from specexport.runtime.graph_call import GraphCall, TimedCalls
 from specexport.runtime.kv_cache import KVCache
 
 
@@ -42,7 +42,7 @@ class StepOutput:
     extras: dict[str, np.ndarray] = field(default_factory=dict)  # name -> [n, ...] outputs asked for by `want`
 
 
-class ModelRunner:
+class ModelRunner(TimedCalls):
     def __init__(self, name: str, engines: Sequence[Engine], cache: KVCache, tokens_of: dict[str, int],
                  cost_ms: dict[int, float] | None = None, in_place: frozenset[str] = frozenset(),
                  roles: Mapping[str, Role] | None = None, full_rows: bool = False):
@@ -69,15 +69,6 @@ class ModelRunner:
         self._calls = {tokens: GraphCall(engine, cache.view(), engine.name in in_place, bound, presents,
                                          tokens=tokens) for tokens, engine in self._by_size.items()}
         self._states = cache.state_outputs  # a linear-attention model's state after each position
-
-    @property
-    def seconds(self) -> float:
-        """Time inside engines, for the stats."""
-        return sum(call.seconds for call in self._calls.values())
-
-    @property
-    def calls(self) -> int:
-        return sum(call.calls for call in self._calls.values())
 
     @property
     def length(self) -> int:

@@ -35,7 +35,7 @@ from specexport.contract import (
     KVUpdate,
 )
 from specexport.runtime.cache_store import HostStore
-from specexport.runtime.graph_call import GraphCall
+from specexport.runtime.graph_call import GraphCall, TimedCalls
 from specexport.runtime.runner import PAD_ID, time_interleaved
 from specexport.runtime.tree import DraftTree
 from specexport.runtime.verifier import Verified, VerifyRow
@@ -76,7 +76,7 @@ def _padded(tree: DraftTree, nodes: int) -> DraftTree:
                      np.concatenate((tree.parents, np.full(extra, -1, dtype=np.int64))))
 
 
-class TreeVerifier:
+class TreeVerifier(TimedCalls):
     """``engines``: (batch, rows) -> its engine, rows = 1 + nodes (LazyEngines; an ort-gqa graph
     has an entry per tree size at each batch size, a standard one a single size per batch size
     that smaller trees are padded to). ``caches``: the target's slot caches (their lengths);
@@ -101,11 +101,6 @@ class TreeVerifier:
         # (batch, rows) -> that graph's call (its feeds updated in place: one I/O binding per
         # graph, not one per pass)
         self._calls: dict[tuple[int, int], GraphCall] = {}
-
-    @property
-    def seconds(self) -> float:
-        """Seconds inside the tree graphs' verify passes so far."""
-        return sum(call.seconds for call in self._calls.values())
 
     @property
     def nodes(self) -> int:
