@@ -266,7 +266,7 @@ def test_a_batch_grows_each_rows_tree_as_its_slot_alone(batched_eagle3):
     # wrote or read another row's slot differs here even where no deep node makes the cut)
     _, _, pipe = batched_eagle3
     drafter = pipe.drafter("e-safe", 2)
-    tensors = drafter.catchup.caches.tensors
+    tensors = drafter.catchup.caches.store.rows()  # views of every slot's row of the head cache
     compared = []
     batched_trees = drafter.trees
 
