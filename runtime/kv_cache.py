@@ -88,7 +88,6 @@ class KVCache(CacheLength):
         return self.rows_store.bound()
 
 
-
 class RecurrentCache(KVCache):
     """The cache of a model with linear-attention layers (Qwen3-Next, Qwen3.5): the KV cache of
     its attention layers, plus each linear layer's recurrent state (contract.StateLayout) in a

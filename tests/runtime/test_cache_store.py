@@ -74,6 +74,13 @@ def test_save_and_restore_put_back_what_a_timing_run_overwrites():
         array[:2, :, 5:] = 0.0
     store.restore(saved, 2, 5)
     assert all(np.array_equal(store.rows()[n], before[n]) for n in before)
+    # ``count`` positions only: those after them keep what the block wrote
+    saved = store.save(1, 2, 3)
+    for array in store.rows().values():
+        array[:1, :, 2:] = 0.0
+    store.restore(saved, 1, 2)
+    for name, array in store.rows().items():
+        assert np.array_equal(array[:1, :, :5], before[name][:1, :, :5]) and not array[:1, :, 5:].any()
 
 
 class _Engine:
