@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from specexport.backends import TENSORRT
 from specexport.contract import (
     CACHE_LENGTH,
     DRAFT_FEATURES,
@@ -461,9 +462,12 @@ def target_states(ctx: HeadContext, ids: np.ndarray) -> TargetStates:
 def round_catchup_sizes(ctx: HeadContext) -> dict[int, Role]:
     """The catch-up entries of a round: after an accept of n drafts the head catches up 1+n
     rows, so one entry per size 2..1+D (one row runs the 2-row entry: size 1 is the step's
-    name), each an entry of the one catch-up file. With only 1+D, every round caught up 1+D
-    rows whatever it accepted."""
-    return dict.fromkeys(range(2, max(ctx.plan.tokens_per_verify, 2) + 1), Role.CATCHUP)
+    name), each an entry of the one catch-up file; with only 1+D, every round caught up 1+D
+    rows whatever it accepted. TensorRT compiles a plan per entry: there 1+D alone."""
+    largest = ctx.plan.tokens_per_verify
+    if TENSORRT in ctx.recipe.backends:
+        return {largest: Role.CATCHUP}
+    return dict.fromkeys(range(2, max(largest, 2) + 1), Role.CATCHUP)
 
 
 def catchup_sizes(ctx: HeadContext) -> dict[int, Role]:
