@@ -84,8 +84,8 @@ def choose(rows: list[dict], tolerance: float = 0.01) -> dict:
 
 
 def calibrate(recipe_path: Path, prompts_path: Path, max_new_tokens: int, threads: int, reporter,
-              rounds: int = 9, accept_noise: bool = False) -> dict:
-    """Steps 1-4 of the module docstring; writes <recipe>.calibration.json last. ``rounds``: the
+              cost_rounds: int = 9, accept_noise: bool = False) -> dict:
+    """Steps 1-4 of the module docstring; writes <recipe>.calibration.json last. ``cost_rounds``: the
     timed rounds of every measurement; rounds spreading more than timing_noise.NOISE_LIMIT raise
     NoisyTimings (nothing written) unless ``accept_noise``."""
     from specexport.bench.harness import load_prompts, measure_costs
@@ -107,7 +107,7 @@ def calibrate(recipe_path: Path, prompts_path: Path, max_new_tokens: int, thread
     pipe = load(out, threads=threads)
     prompts = load_prompts(prompts_path)
     with reporter.step("calibrate", "verify cost curve and the drafters' rounds") as step:
-        costs = measure_costs(pipe, list(pipe.manifest.drafters), rounds, False, depth, accept_noise)
+        costs = measure_costs(pipe, list(pipe.manifest.drafters), cost_rounds, False, depth, accept_noise)
         curve = {point["tokens"]: point["ms"] / 1e3 for point in costs["curve"]}
         step.detail = ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in sorted(curve.items()))
     draft_ms = costs["draft_ms"]
@@ -149,7 +149,7 @@ def calibrate(recipe_path: Path, prompts_path: Path, max_new_tokens: int, thread
         # c_i per drafter/category (single sequence, full depth): E(k) = 1 + sum of the first k
         "acceptance": {f"{d}/{c}": [round(float(v), 4) for v in cum] for (d, c), cum in sorted(profiles.items())},
     }
-    choice.update(calibrate_schedule(pipe, profiles, best["draft_len"], reporter, rounds, accept_noise))
+    choice.update(calibrate_schedule(pipe, profiles, best["draft_len"], reporter, cost_rounds, accept_noise))
     choice["noisy"] = {**costs["noisy"], **choice.pop("schedule_noisy", {})}  # written anyway (--accept-noise)
     path = recipe_path.with_name(f"{recipe_path.stem}.calibration.json")
     atomic.write_text(path, json.dumps(choice, indent=1) + "\n")  # a build may read it any time
