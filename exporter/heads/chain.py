@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from specexport.backends import TENSORRT
 from specexport.contract import (
     CACHE_LENGTH,
     DRAFT_FEATURES,
@@ -463,9 +462,10 @@ def round_catchup_sizes(ctx: HeadContext) -> dict[int, Role]:
     """The catch-up entries of a round: after an accept of n drafts the head catches up 1+n
     rows, so one entry per size 2..1+D (one row runs the 2-row entry: size 1 is the step's
     name), each an entry of the one catch-up file; with only 1+D, every round caught up 1+D
-    rows whatever it accepted. TensorRT compiles a plan per entry: there 1+D alone."""
+    rows whatever it accepted. As the target's verify sizes: for ort-gqa recipes (onnxruntime
+    only); standard ones may go to TensorRT, which compiles a plan per entry: 1+D alone."""
     largest = ctx.plan.tokens_per_verify
-    if TENSORRT in ctx.recipe.backends:
+    if ctx.recipe.attention != "ort-gqa":
         return {largest: Role.CATCHUP}
     return dict.fromkeys(range(2, max(largest, 2) + 1), Role.CATCHUP)
 
