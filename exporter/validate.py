@@ -461,13 +461,13 @@ def validate_batched_tree(graph: BatchedGraph, single: GraphUnderTest, specs, ca
 
 @contextmanager
 def _restored(cache, start: int, count: int):
-    """Put back the cache positions [start, start + count) after the block (in-place writes)."""
-    saved = {name: array[:, :, start : start + count].copy() for name, array in cache.view().items()} if count else {}
+    """Put back the K/V positions [start, start + count) after the block (in-place writes; a
+    recurrent state is only read by the graphs)."""
+    saved = cache.rows_store.save(1, start, count) if count else {}
     try:
         yield
     finally:
-        for name, values in saved.items():
-            cache.view()[name][:, :, start : start + values.shape[2]] = values
+        cache.rows_store.restore(saved, 1, start)
 
 
 def _rows_against_one(engine, one, cache, tokens: int, ref_ids: np.ndarray, max_seq_len: int,

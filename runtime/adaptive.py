@@ -1,19 +1,21 @@
 """Adaptive draft depth: draft only as deep as the measured costs and acceptance pay for.
 
-For each draft tag (the drafter's name, or the n-gram match length for prompt lookup) the
-policy estimates alpha = P(a draft is kept | the drafts before it were), with exponential
-forgetting. Depth k is then worth
+Depth k of a tag's chain (the drafter's name, or the n-gram match length for prompt lookup) is
+worth
 
-    E(k) / (T_verify(1+k) + T_draft(k)),   E(k) = 1 + alpha + alpha² + ... + alpha^k,
+    E(k) / T_round(k),   E(k) = 1 + p_1 + ... + p_k,
 
-with T_verify the time of the verify engine that holds 1+k tokens and T_draft(k) the
-drafter's own cost of a round of depth k (``Drafter.round_cost``: a chain head's catch-up and
+with E(k) from the acceptance estimate (runtime/acceptance_estimate.py) and T_round(k) the price
+of a round at depth k at this batch size (runtime/round_prices.py): the verify engine that holds
+1+k tokens plus the drafter's own round (``Drafter.round_cost``: a chain head's catch-up and
 steps, a block head's one call, a draft model's steps; k = 0 what skipping costs it, a later
-catch-up), all from costs measured at build time or by ``specexport tune`` (so a seeded run
-makes the same choices every time). k = 0 (plain decoding) wins when drafts are too often wrong for
-what they cost, so a poor drafter never makes decoding much slower than the target alone;
-every ``probe_every`` rounds that chose 0 for a tag, the full draft is verified anyway so the
-estimate can recover. A policy lives for one generation.
+catch-up), from costs measured at build or by ``specexport tune``, and replaced by the clock's
+measurement where the two disagree. k = 0 (plain decoding) wins when drafts are too often wrong
+for what they cost, or when drafting is slower than the prices said: the floor that keeps
+speculation from being much slower than the target alone. Every ``probe_every`` rounds that
+chose 0 for a tag, the full draft is verified anyway so the estimate can recover; every
+``plain_every`` rounds that drafted, one plain round measures what the target alone costs now.
+A policy lives for one generation; the prices it reads are shared by the loop's sequences.
 """
 
 from __future__ import annotations
@@ -21,22 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specexport.runtime.goodput import expected_lengths
-
-
-@dataclass
-class _TagStats:
-    """Acceptance of one tag's drafts: each position a draft reaches is a trial; a geometric
-    model (every draft kept with the same probability alpha) turns it into E(k). Every round
-    updates it whatever its depth, so a depth it stopped trying is not stuck with an old
-    estimate."""
-
-    kept: float = 0.0  # exponentially forgotten counts
-    trials: float = 0.0
-    skipped: int = 0  # rounds in a row that chose depth 0
-
-    def alpha(self, prior: float, prior_weight: float = 1.0) -> float:
-        return (self.kept + prior * prior_weight) / (self.trials + prior_weight)
+from specexport.runtime.acceptance_estimate import AcceptanceEstimate
+from specexport.runtime.round_prices import RoundPrices
 
 
 @dataclass
@@ -44,52 +32,68 @@ class DepthPolicy:
     verify_cost: Callable[[int], float | None]  # tokens -> seconds of that verify (None: unknown)
     # depth -> seconds of the drafter's round (Drafter.round_cost); at 0 what skipping costs it
     round_cost: Callable[[int], float] = lambda k: 0.0
-    decay: float = 0.9  # per round: the last ten rounds or so count
-    prior: float = 0.8  # optimistic start: draft until measured otherwise
     probe_every: int = 8
-    _tags: dict[str, _TagStats] = field(default_factory=dict)
+    # a plain round after this many drafting rounds, while depth 0's measurement is young (then
+    # eight times as seldom): what the target alone costs now
+    plain_every: int = 8
+    estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    prices: RoundPrices | None = None  # None: priced from the costs above, checked by this sequence alone
+    checked: bool = True  # check the prices against the clock (False: fixed, a seeded run's choices repeat)
+    _skipped: dict[str, int] = field(default_factory=dict)  # per tag: rounds in a row that chose depth 0
+    _drafted: int = 0  # rounds that drafted since the last plain one
 
-    def _stats(self, tag: str) -> _TagStats:
-        if tag not in self._tags:
-            self._tags[tag] = _TagStats()
-        return self._tags[tag]
+    def __post_init__(self) -> None:
+        if self.prices is None:
+            self.prices = RoundPrices(self.priced) if self.checked else RoundPrices(self.priced, margin=float("inf"))
 
-    def alpha(self, tag: str) -> float:
-        """The estimated probability that a draft of ``tag`` is kept (given the ones before it were)."""
-        return self._stats(tag).alpha(self.prior)
+    def priced(self, batch: int, depth: int) -> float | None:
+        """A round's price from the engines' costs: the verify of 1+depth tokens and the drafter's
+        round (batch 1's, whatever the batch: a batched loop prices its own, runtime/policy.py)."""
+        verify = self.verify_cost(1 + depth)
+        return verify + self.round_cost(depth) if verify else None
 
-    def best_depth(self, tag: str, limit: int, sunk: bool = False) -> int:
-        """The depth <= limit with the best expected tokens per second. ``sunk``: the drafts
-        already exist, so only the verify cost counts."""
+    def best_depth(self, tag: str, limit: int, batch: int = 1, sunk: bool = False) -> int:
+        """The depth <= limit with the best expected tokens per second in a round at ``batch``.
+        ``sunk``: the drafts already exist, so only the verify cost counts."""
         if limit <= 0:
             return 0
-        base = self.verify_cost(1)
+        assert self.prices is not None
+        price = (lambda k: self.verify_cost(1 + k)) if sunk else (lambda k: self.prices.seconds(batch, k))
+        base = price(0)
         if not base:
             return limit
-        stats = self._stats(tag)
-        expected = expected_lengths(stats.alpha(self.prior), limit)  # E(k), k = 1..limit
-        best_k, best_rate = 0, 1.0 / (base + (0.0 if sunk else self.round_cost(0)))
+        expected = self.estimate.chain_lengths(tag, limit)  # [limit] E(k), k = 1..limit
+        best_k, best_rate = 0, 1.0 / base
         for k in range(1, limit + 1):
-            cost = self.verify_cost(1 + k)
+            cost = price(k)
             if not cost:
                 return limit  # no measurement: draft as asked
-            cost += 0.0 if sunk else self.round_cost(k)
             rate = expected[k - 1] / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate
+        return best_k if sunk else self._explore(tag, best_k, limit, batch)
+
+    def _explore(self, tag: str, best_k: int, limit: int, batch: int) -> int:
+        """The chosen depth, or now and then a probe: the full draft after ``probe_every``
+        rounds of 0, a plain round after ``plain_every`` rounds that drafted."""
         if best_k == 0:
-            stats.skipped += 1
-            if stats.skipped >= self.probe_every:
-                stats.skipped = 0
+            self._drafted = 0
+            self._skipped[tag] = self._skipped.get(tag, 0) + 1
+            if self._skipped[tag] >= self.probe_every:
+                self._skipped[tag] = 0
                 return limit
-        else:
-            stats.skipped = 0
+            return 0
+        self._skipped[tag] = 0
+        self._drafted += 1
+        assert self.prices is not None
+        if not self.prices.checked:
+            return best_k
+        young = self.prices.rounds(batch, 0) < self.prices.window
+        if self._drafted >= self.plain_every * (1 if young else 8):
+            self._drafted = 0
+            return 0
         return best_k
 
-    def update(self, tag: str, proposed: int, accepted: int) -> None:
-        if proposed == 0:
-            return
-        stats = self._stats(tag)
-        reached = min(accepted + 1, proposed)  # positions whose fate was decided
-        stats.kept = self.decay * stats.kept + accepted
-        stats.trials = self.decay * stats.trials + reached
+    def update(self, tag: str, proposal, accepted: int) -> None:
+        """A verified proposal of ``tag`` and the nodes of it the target kept."""
+        self.estimate.observe(tag, proposal, accepted)

@@ -93,13 +93,15 @@ __all__ = ["Generation", "Pipeline", "TextTracker", "load",
 
 class Pipeline:
     def __init__(self, manifest: Manifest, options: EngineOptions, backend: str, *,
-                 tuned: TunedCosts | None = None, started: float | None = None):
+                 tuned: TunedCosts | None = None, started: float | None = None, check_prices: bool = True):
         """``tuned``: costs measured on this machine (specexport tune), preferred over the
-        build's; ``started``: perf_counter() when load() began (for load_to_first_token_s)."""
+        build's; ``started``: perf_counter() when load() began (for load_to_first_token_s);
+        ``check_prices``: adaptive depth checks its round prices against the clock
+        (runtime/round_prices.py; False: fixed prices, so a seeded run repeats its choices)."""
         self.manifest = manifest
         self.options = options
         self.backend = backend
-        self.costs = EngineCosts(manifest, tuned, self.backend_of)
+        self.costs = EngineCosts(manifest, tuned, self.backend_of, check_prices)
         self._started = started
         self.text = TextCodec(manifest.root, manifest.tokenizer)
         self._grammars: Grammars | None = None
@@ -389,7 +391,7 @@ class TextTracker:
 
 
 def load(engine_dir: str | Path, *, threads: int | None = None, device: str = "cpu", backend: str | None = None,
-         verify: bool = True, device_kv: bool = True, tuned_costs: bool = True) -> Pipeline:
+         verify: bool = True, device_kv: bool = True, tuned_costs: bool = True, check_prices: bool = True) -> Pipeline:
     """Open an engine directory: check its manifest and file hashes, create the sessions.
     Hashes are checked in full on first use and then only for files whose size, times or inode
     changed (runtime/integrity.py; ``specexport verify`` checks everything).
@@ -397,7 +399,8 @@ def load(engine_dir: str | Path, *, threads: int | None = None, device: str = "c
     ``backend="tensorrt"``, the one TensorRT path). ``device_kv``: with the tensorrt backend,
     keep the KV caches on the GPU (False: in host memory, copied to the GPU on every run).
     ``tuned_costs``: prefer the costs measured by ``specexport tune`` on this machine over the
-    build's."""
+    build's. ``check_prices``: adaptive depth replaces a round price the clock disagrees with
+    (False: the costs as they are, so seeded runs choose the same depths every time)."""
     started = time.perf_counter()
     if device == TENSORRT:
         if backend not in (None, TENSORRT):
@@ -412,4 +415,4 @@ def load(engine_dir: str | Path, *, threads: int | None = None, device: str = "c
         hint = BACKENDS[chosen].missing_hint.format(dir=engine_dir) if chosen in BACKENDS else ""
         raise BadInput(f"{engine_dir}: no engines for backend '{chosen}' (it has: {', '.join(available)}){hint}")
     return Pipeline(manifest, EngineOptions(threads=threads, device=device, device_kv=device_kv), chosen,
-                    tuned=load_tuned(manifest) if tuned_costs else None, started=started)
+                    tuned=load_tuned(manifest) if tuned_costs else None, started=started, check_prices=check_prices)

@@ -101,11 +101,13 @@ class HostStore:
             else:
                 array[slot, :, length : length + len(rows)] = presents[present_of(name)][slot][:, rows]
 
-    def save(self, batch: int, start: int) -> dict[str, np.ndarray]:
-        """A copy of the first ``batch`` rows from position ``start`` on (what a timing run overwrites)."""
-        return {name: array[:batch, :, start:].copy() for name, array in self._tensors.items()}
+    def save(self, batch: int, start: int, count: int | None = None) -> dict[str, np.ndarray]:
+        """A copy of the first ``batch`` rows from position ``start`` on (what a timing run
+        overwrites); ``count``: only that many positions (None: to the end)."""
+        end = None if count is None else start + count
+        return {name: array[:batch, :, start:end].copy() for name, array in self._tensors.items()}
 
     def restore(self, saved: Mapping[str, np.ndarray], batch: int, start: int) -> None:
         """Put back what ``save`` copied."""
-        for name, values in saved.items():
-            self._tensors[name][:batch, :, start:] = values
+        for name, values in saved.items():  # [batch, n_kv, count, hd]
+            self._tensors[name][:batch, :, start : start + values.shape[2]] = values

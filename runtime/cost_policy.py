@@ -13,9 +13,12 @@ from specexport.runtime.runner import ModelRunner
 
 
 class EngineCosts:
-    def __init__(self, manifest: Manifest, tuned: TunedCosts | None, backend_of: Callable[[str], str]):
-        """``backend_of``: model -> the backend its engines run on (Pipeline.backend_of)."""
+    def __init__(self, manifest: Manifest, tuned: TunedCosts | None, backend_of: Callable[[str], str],
+                 check_prices: bool = True):
+        """``backend_of``: model -> the backend its engines run on (Pipeline.backend_of);
+        ``check_prices``: adaptive depth checks its prices against the clock."""
         self.manifest, self.tuned, self.backend_of = manifest, tuned, backend_of
+        self.check_prices = check_prices
 
     def ms(self, entry: EngineEntry) -> float | None:
         """One run of the engine: measured on this machine by specexport tune, else at build."""
@@ -44,4 +47,4 @@ class EngineCosts:
             ms = target.planned_ms(tokens)
             return ms / 1e3 if ms else None
 
-        return DepthPolicy(verify_cost, drafter.round_cost)
+        return DepthPolicy(verify_cost, drafter.round_cost, checked=self.check_prices)

@@ -61,7 +61,9 @@ class SharedGraphs:
         return len(self._sessions)
 
 
-def _factory(target: str) -> Any:
+def import_factory(target: str) -> Any:
+    """The function a registry names as "module:factory" (a backend's engine, a drafter kind's
+    drafter), its module imported now: a backend or drafter never used is never imported."""
     module_name, factory = target.split(":")
     return getattr(importlib.import_module(module_name), factory)
 
@@ -70,7 +72,7 @@ def open_engine(entry: EngineEntry, root: Path, options: EngineOptions, shared: 
     """``shared``: the load's sessions by file; engines of one file share a session (None: its own)."""
     if entry.backend not in BACKENDS:
         raise BadInput(f"engine {entry.name}: unknown backend '{entry.backend}' (known: {', '.join(BACKENDS)})")
-    return _factory(BACKENDS[entry.backend].engine)(entry, root, options, shared)
+    return import_factory(BACKENDS[entry.backend].engine)(entry, root, options, shared)
 
 
 def open_kv_cache(backend: str, model: ModelEntry, options: EngineOptions, largest_graph: int = 64) -> KVCache:
@@ -83,7 +85,7 @@ def open_kv_cache(backend: str, model: ModelEntry, options: EngineOptions, large
         raise BadInput(f"model {model.name}: a device-resident cache has no recurrent state (linear-attention "
                        "layers) yet; load with device_kv=False (--host-kv)")
     if target is not None and options.device_kv:
-        return _factory(target)(model, options)
+        return import_factory(target)(model, options)
     return open_host_cache(model.num_layers, 1, model.num_kv_heads, model.max_seq_len, model.head_dim,
                            model.kv_dtype, model.state, keep=max(64, largest_graph))
 

@@ -4,7 +4,7 @@ batched, a tree size, a draft length. Each refusal is one line naming what to ch
 from __future__ import annotations
 
 from specexport.backends import BACKENDS, DEFAULT_BACKEND
-from specexport.contract import DRAFTER_KINDS, DrafterFamily, Manifest, drafter_kinds
+from specexport.contract import Manifest, drafter_kinds
 from specexport.errors import BadInput
 from specexport.runtime.model import slots_refusal
 
@@ -26,7 +26,7 @@ def batched_refusal(manifest: Manifest, drafter: str, max_batch: int | None = No
     batches = target_batches(manifest, max_batch)
     refusal = slots_refusal(manifest, "target", backend, batches, need_graphs=True)
     entry = manifest.drafters.get(drafter)
-    if refusal is not None or entry is None or DRAFTER_KINDS[entry.kind].family == DrafterFamily.LOOKUP:
+    if refusal is not None or entry is None or not entry.signature.runs_model:
         return refusal
     model, fallback = entry.model or entry.name, BACKENDS[backend].fallback
     if model not in manifest.models or not manifest.engines_of(model, fallback):

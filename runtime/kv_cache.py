@@ -11,8 +11,9 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from specexport.contract import KVLayout, StateLayout, state_present_of
+from specexport.contract import KVLayout, StateLayout
 from specexport.runtime.cache_store import HostStore
+from specexport.runtime.state_store import HostStateStore
 
 
 class CacheLength(ABC):
@@ -87,63 +88,41 @@ class KVCache(CacheLength):
         return self.rows_store.bound()
 
 
-
 class RecurrentCache(KVCache):
     """The cache of a model with linear-attention layers (Qwen3-Next, Qwen3.5): the KV cache of
-    its attention layers, plus each linear layer's recurrent state (contract.StateLayout), which
-    has no positions to rewind. Every graph returns the state after each of its T positions
-    (present_state.* [B, T, ...]); ``store`` keeps those of the positions it commits and the
-    state at ``length`` is the past_state.* fed to the next graph. Rewinding selects a kept
-    state, so it reaches back ``keep`` positions (a verify pass's rejected drafts, a drafter's
-    own steps); further back only to 0 (the empty state)."""
+    its attention layers, plus each linear layer's recurrent state (contract.StateLayout) in a
+    state store (runtime/state_store.py), which has no positions to rewind. Every graph returns
+    the state after each of its T positions (present_state.* [B, T, ...]); ``store`` keeps those
+    of the positions it commits and the state at ``length`` is the past_state.* fed to the next
+    graph. Rewinding selects a kept state, so it reaches back ``keep`` positions (a verify pass's
+    rejected drafts, a drafter's own steps); further back only to 0 (the empty state)."""
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
                  state: StateLayout, dtype: str = "float32", keep: int = 64):
         super().__init__(num_layers, batch, num_kv_heads, max_seq_len, head_dim, dtype)
-        self.state_layout = state
-        self.keep = keep
-        self._states = {name: np.zeros(shape, dtype=state.dtype) for name, shape in state.shapes(batch).items()}
-        self._state_presents = {name: state_present_of(name) for name in self._states}
-        # position p -> {past_state name: [B, ...] the state after the first p tokens}; views
-        # into the graphs' outputs, never copied
-        self._kept: dict[int, dict[str, np.ndarray]] = {}
+        self.state_store = HostStateStore.allocate(state, batch, keep)  # past_state name -> [B, ...]
 
     @property
     def state_outputs(self) -> list[str]:
         """The present_state.* outputs every graph run must return."""
-        return list(self._state_presents.values())
+        return self.state_store.presents
 
     def view(self) -> dict[str, np.ndarray]:
-        return {**self.rows_store.rows(), **self._states}
+        return {**self.rows_store.rows(), **self.state_store.rows()}
 
     def store(self, outputs: dict[str, np.ndarray], count: int, in_place: bool) -> None:
         """Commit ``count`` new positions: the K/V (copied in, or written in place by the graph)
         and the states after each of them."""
         start = self.length
         super().store(outputs, count, in_place)
-        for t in range(count):
-            self._kept[start + t + 1] = {past: outputs[present][:, t] for past, present in self._state_presents.items()}
-        self._select(self.length)
-        for position in [p for p in self._kept if p < self.length - self.keep]:
-            del self._kept[position]
+        self.state_store.write(outputs, [(0, start, count)])
 
     def rewind(self, length: int) -> None:
-        if length != self.length and length != 0 and length not in self._kept:
+        if length != self.length and not self.state_store.reaches(0, length):
             raise ValueError(f"cannot rewind a recurrent state of length {self.length} to {length}: only the "
-                             f"last {self.keep} positions are kept")
+                             f"last {self.state_store.keep} positions are kept")
         super().rewind(length)
-        self._kept = {p: s for p, s in self._kept.items() if p <= length}
-        self._select(length)
-
-    def _select(self, length: int) -> None:
-        """Make the past_state.* feeds the state after ``length`` tokens (in place: the runners'
-        feed dicts hold these arrays)."""
-        kept = self._kept.get(length)
-        for name, buffer in self._states.items():
-            if kept is None:  # length 0: the empty state
-                buffer.fill(0.0)
-            else:
-                buffer[...] = kept[name]
+        self.state_store.set_length(0, length)
 
 
 def open_host_cache(num_layers: int, batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,

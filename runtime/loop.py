@@ -34,7 +34,6 @@ from specexport.runtime.rules import SequenceRules
 from specexport.runtime.stats import DecodeStats
 from specexport.runtime.target_rows import TargetRows
 from specexport.runtime.tree import DraftTree, SizeHint
-from specexport.runtime.tree_size import TreeSizer
 from specexport.runtime.tree_verify import TreeVerifier
 
 
@@ -69,8 +68,7 @@ class Running:
     context: np.ndarray  # [S_max + 1] committed tokens: prompt + output
     length: int  # committed tokens; the cache holds length - 1 of them
     stats: DecodeStats
-    depth_policy: DepthPolicy | None = None  # this sequence's own adaptive depth
-    tree_sizer: TreeSizer | None = None  # with it, its adaptive tree size
+    depth_policy: DepthPolicy | None = None  # this sequence's own adaptive depth and acceptance estimate
 
 
 @dataclass
@@ -166,7 +164,7 @@ class BatchLoop:
             kept = proposal.path_rows(path)  # the verify rows of the committed positions: root, accepted nodes
             # the drafter sees the row's outputs of its committed positions only, never a rejected one
             drafter.accept(r, len(path), next_token, {name: out[name][kept] for name in drafter.needs})
-            policy.observe(seq, proposal, len(path))
+            policy.observe(seq, proposal, len(path), plan.trees)
             counted = (seq.stats.proposed, seq.stats.accepted)
             self._commit(seq, proposal, path, next_token, out[LOGITS][kept] if request.logprobs is not None else None)
             _settle_rules(seq)
@@ -175,7 +173,11 @@ class BatchLoop:
             report.proposed.append(seq.stats.proposed - counted[0])
             report.accepted.append(seq.stats.accepted - counted[1])
             seq.stats.verify_s += verified.seconds
-            seq.stats.total_s += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        priced = policy.price_round(verified.batch, max(p.size for p in proposals), seconds) if not plan.trees else None
+        for seq in running:
+            seq.stats.total_s += seconds
+            seq.stats.count_price(priced, seconds)
         return report
 
     def _propose(self, plan: RoundPlan, start: float) -> list[DraftTree]:

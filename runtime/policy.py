@@ -11,27 +11,34 @@ One interface over what decides the amount of speculation, asked at three points
   widest verify graph, or at the batch-wide width with the most expected tokens per second of
   verify (``SharedWidth``, runtime/goodput.py); trees at their best shared size
   (runtime/tree_size.py);
-- ``observe``, after acceptance: what each row kept, for its adaptive depth, the shared width's
-  estimate and its tree sizer.
+- ``observe``, after acceptance: what each row kept, for its acceptance estimate
+  (runtime/acceptance_estimate.py: one estimator for depth, width and tree size) and the shared
+  width's pooled one; and ``observe_round``, what the round took, for the round prices.
 
-Measured costs are fixed once known (tuned, built, or timed on first ask), for chains as for
-trees: a running average of the passes the loop ran ratcheted choices down (a width timed slow
-on one noisy pass was no longer chosen, so never timed again) and tied seeded runs to the clock.
+A round is priced from the engines' costs (tuned, built, or timed on first ask) and the price
+is checked against the clock by the kind of round (runtime/round_prices.py): a price off by
+more than a margin is replaced by the measurement, with hysteresis. The graph costs themselves
+stay fixed once known, for chains as for trees: a running average of single passes ratcheted
+choices down (a width timed slow on one noisy pass was no longer chosen, so never timed again).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from specexport.contract import DraftSchedule
+from specexport.runtime.acceptance_estimate import AcceptanceEstimate
 from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.drafters import DraftBudget, Drafter
 from specexport.runtime.goodput import best_width
 from specexport.runtime.model import Model
+from specexport.runtime.round_prices import RoundPrices
 from specexport.runtime.tree import DraftTree, SizeHint
-from specexport.runtime.tree_size import TreeSizer, shared_size
+from specexport.runtime.tree_size import shared_size, size_ranked
 from specexport.runtime.tree_verify import TreeVerifier
 from specexport.runtime.verifier import ChainVerifier, Verifier
 
@@ -64,11 +71,12 @@ class RoundPlan:
 class SharedWidth:
     """The batch-wide verify width (``per_sequence``): rows share one verify call whose width
     follows the longest row, so the width is chosen once across all rows from their drafts'
-    tags, pooled with DepthPolicy's prior and forgetting; every ``probe_every`` rounds that
-    chose no drafts, the narrowest width holding every draft is verified anyway so the estimate
-    can recover."""
+    tags, their acceptance pooled over the rows; every ``probe_every`` rounds that chose no
+    drafts, the narrowest width holding every draft is verified anyway so the estimate can
+    recover."""
 
-    estimate: DepthPolicy
+    estimate: AcceptanceEstimate
+    probe_every: int = 8
     skipped: int = 0
 
     def choose(self, target: Model, proposals: Sequence[DraftTree], width: int, default_tag: str) -> int:
@@ -76,11 +84,10 @@ class SharedWidth:
         batch = target.batch_for(rows)
         built = target.widths(rows)
         holding = [w for w in built if w >= width][:1] or built[-1:]  # the narrowest holding every draft
-        rates = [self.estimate.alpha(p.tag or default_tag) for p in proposals]
-        chosen = best_width([w for w in built if w < width] + holding, lambda w: target.costs[(batch, w)],
-                            rates, [p.size for p in proposals])
+        lengths = [self.estimate.chain_lengths(p.tag or default_tag, p.size) for p in proposals]
+        chosen = best_width([w for w in built if w < width] + holding, lambda w: target.costs[(batch, w)], lengths)
         self.skipped = self.skipped + 1 if chosen == 1 else 0
-        if self.skipped >= self.estimate.probe_every:
+        if self.skipped >= self.probe_every:
             self.skipped, chosen = 0, holding[0]
         return chosen
 
@@ -98,19 +105,51 @@ class SpeculationPolicy:
         self.chains = ChainVerifier(target)
         # the batch-wide width (per_sequence): after each row drafted as deep as its own depth
         # allows, the one verify width that pays for the batch
-        self.shared = SharedWidth(DepthPolicy(lambda tokens: None)) if per_sequence else None
+        self.shared = SharedWidth(AcceptanceEstimate()) if per_sequence else None
         # each sequence's own adaptive depth under the cap: a request alone in the batch decodes
         # as `generate` does (the same depths, so the same draws when sampled)
         self.adaptive = adaptive
+        # what a round costs, by batch size and depth, checked against the clock: shared by
+        # every sequence (made with the first one's adaptive depth)
+        self.prices: RoundPrices | None = None
+        self.tree_tag = f"{drafter.name}/tree"  # trees' acceptance, apart from chains'
         # token trees where the drafter builds them: each row verifies a tree of up to
         # tree_nodes drafts (at B > 1 at most the round's depth) when its batch size has a tree graph
         self.trees = trees if tree_nodes > 0 and drafter.builds_trees else None
         self.tree_nodes, self.tree_top_k = tree_nodes, tree_top_k
 
     def start(self, seq: Running) -> None:
-        """A sequence joined: its own adaptive depth."""
-        if self.adaptive is not None:
-            seq.depth_policy = self.adaptive()
+        """A sequence joined: its own adaptive depth, over the loop's round prices."""
+        if self.adaptive is None:
+            return
+        seq.depth_policy = self.adaptive()
+        own = seq.depth_policy.prices
+        if own is None:  # a policy that prices nothing (a test's replay)
+            return
+        if self.prices is None:  # the first sequence's settings, priced at every batch size
+            self.prices = replace(own, priced=self._priced(seq.depth_policy))
+        seq.depth_policy.prices = self.prices
+
+    def _priced(self, depth: DepthPolicy) -> Callable[[int, int], float | None]:
+        """(batch, depth) -> a round's price: at a built batch size B > 1 the batched verify
+        graph that runs (its measured cost, where measured) and the drafter's round."""
+        def priced(batch: int, k: int) -> float | None:
+            if batch > 1:
+                built = [t for t in self.target.widths(batch) if t >= 1 + k]
+                seconds = self.target.costs.get((batch, built[0])) if built else None
+                if seconds:
+                    return seconds + self.drafter.round_cost(k)
+            return depth.priced(1, k)
+        return priced
+
+    def price_round(self, batch: int, depth: int, seconds: float) -> float | None:
+        """A chain round of ``depth`` drafts (its widest row) at built batch ``batch`` took
+        ``seconds``: its price before it was checked against them (None: unpriced)."""
+        if self.prices is None:
+            return None
+        priced = self.prices.seconds(batch, depth)
+        self.prices.observe(batch, depth, seconds)
+        return priced
 
     def plan(self, running: Sequence[Running]) -> RoundPlan:
         """Before drafting: the round's cap, each row's depth, and a tree round where the batch
@@ -124,11 +163,8 @@ class SpeculationPolicy:
             nodes = min(self.tree_nodes, trees.nodes, cap if n > 1 else self.tree_nodes)
             if batch is not None and nodes > 0 and all(trees.fits(seq.length - 1, nodes, batch) for seq in running):
                 depths = self._depths(running, cap)
-                for seq in running:  # each adaptive row calibrates its own weights; the others are taken as they are
-                    if seq.depth_policy is not None and seq.tree_sizer is None:
-                        seq.tree_sizer = TreeSizer(trees.cost)
                 # an adaptive row alone has its drafter stop growing where the size below would cut
-                hints = [self._size_hint(seq.tree_sizer) if n == 1 else None for seq in running]
+                hints = [self._size_hint(seq) if n == 1 else None for seq in running]
                 return RoundPlan(cap, depths, trees, nodes, self.tree_top_k, hints)
         return RoundPlan(cap, self._depths(running, cap), self.chains)
 
@@ -140,20 +176,21 @@ class SpeculationPolicy:
     def _depths(self, running: Sequence[Running], cap: int) -> list[int]:
         """Each row's depth: the round's, within its cache and its token budget, then as its own
         adaptive depth chooses."""
-        max_seq_len = self.target.max_seq_len
+        max_seq_len, batch = self.target.max_seq_len, self.target.batch_for(len(running))
         ks = [min(cap, max_seq_len - seq.length, seq.request.max_new_tokens - seq.stats.tokens - 1)
               for seq in running]
-        return [seq.depth_policy.best_depth(self.drafter.name, k) if seq.depth_policy is not None else k
+        return [seq.depth_policy.best_depth(self.drafter.name, k, batch) if seq.depth_policy is not None else k
                 for seq, k in zip(running, ks)]
 
-    def _size_hint(self, sizer: TreeSizer | None) -> SizeHint | None:
+    def _size_hint(self, seq: Running) -> SizeHint | None:
         """The size an adaptive sequence verifying alone will cut its tree to, counting the
         drafter's steps down to its deepest node (None: a fixed-size row). Not at B > 1: there the
         rows share one size, which may give a row more nodes than its own tree would choose."""
-        if sizer is None or self.trees is None:
+        if seq.depth_policy is None or self.trees is None:
             return None
+        estimate, tag = seq.depth_policy.estimate, self.tree_tag
         cost, round_cost = self.trees.cost, self.drafter.round_cost
-        return lambda weights, depths, drafted: sizer.size_ranked(weights, depths, cost, drafted, round_cost)
+        return lambda weights, depths, drafted: size_ranked(estimate, tag, weights, depths, cost, drafted, round_cost)
 
     def trim(self, seq: Running, chain: DraftTree) -> DraftTree:
         """A chain that exists, cut to the prefix the row's adaptive depth keeps."""
@@ -166,8 +203,10 @@ class SpeculationPolicy:
                 trees = plan.verifier
                 assert isinstance(trees, TreeVerifier)
                 batch = trees.batch_for(len(running))
-                sizers = [seq.tree_sizer or TreeSizer(trees.cost) for seq in running]
-                keep = shared_size(sizers, proposals, lambda rows: trees.cost(rows, batch))
+                # a fixed-depth row's weights are taken as they are: a fresh estimate
+                estimates = [(seq.depth_policy.estimate if seq.depth_policy is not None else AcceptanceEstimate(),
+                              self.tree_tag) for seq in running]
+                keep = shared_size(estimates, proposals, lambda rows: trees.cost(rows, batch))
                 proposals = [tree.best(keep) if tree.size > keep else tree for tree in proposals]
             return proposals
         n = len(running)
@@ -183,14 +222,18 @@ class SpeculationPolicy:
         holds = self.chains.holds(n, width)
         return [p if 1 + p.size <= holds else p.prefix(holds - 1) for p in proposals]
 
-    def observe(self, seq: Running, proposal: DraftTree, accepted: int) -> None:
-        """Row ``seq`` kept ``accepted`` nodes of ``proposal`` (a path down to that depth)."""
+    def observe(self, seq: Running, proposal: DraftTree, accepted: int, tree: bool) -> None:
+        """Row ``seq`` kept ``accepted`` nodes of ``proposal`` (a path down to that depth) in a
+        tree round or not."""
         tag = proposal.tag or self.drafter.name
-        for estimate in (self.shared.estimate if self.shared else None, seq.depth_policy):
-            if estimate is not None:
-                estimate.update(tag, proposal.depth, accepted)
-        if seq.tree_sizer is not None:
-            seq.tree_sizer.update(proposal, accepted)
+        # a tree's depth is planned as a chain's: the tree counts as a chain of its depth too
+        chain = DraftTree.chain(np.zeros(proposal.depth, dtype=np.int64), tag) if tree else proposal
+        if self.shared is not None:
+            self.shared.estimate.observe(tag, chain, accepted)
+        if seq.depth_policy is not None:
+            seq.depth_policy.update(tag, chain, accepted)
+            if tree:
+                seq.depth_policy.update(self.tree_tag, proposal, accepted)
 
 
 def trim_chain(depth: DepthPolicy, chain: DraftTree, planned_tag: str) -> DraftTree:

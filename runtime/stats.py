@@ -27,6 +27,9 @@ class DecodeStats:
     ruled_rows: int = 0  # rows they ruled
     tree_nodes: int = 0  # draft nodes verified in tree rounds (runtime/tree.py)
     verified_tokens: int = 0  # rows the verify passes ran for this sequence (1 + its drafts or tree nodes)
+    priced_rounds: int = 0  # rounds the speculation policy had a price for (runtime/round_prices.py)
+    priced_s: float = 0.0  # their prices, summed
+    priced_measured_s: float = 0.0  # and what they took
     stop_reason: str = ""
 
     def __post_init__(self) -> None:
@@ -45,6 +48,13 @@ class DecodeStats:
         for i in range(proposed):
             self.proposed_at[i] += 1
             self.accepted_at[i] += i < accepted
+
+    def count_price(self, priced: float | None, seconds: float) -> None:
+        """A round the policy priced at ``priced`` seconds (None: no price) took ``seconds``."""
+        if priced is not None:
+            self.priced_rounds += 1
+            self.priced_s += priced
+            self.priced_measured_s += seconds
 
     @property
     def draft_host_s(self) -> float:
@@ -85,6 +95,11 @@ class DecodeStats:
             "rules_s": self.rules_s,
             "tree_nodes": self.tree_nodes,
             "verified_tokens": self.verified_tokens,
+            "priced_rounds": self.priced_rounds,
+            "priced_s": self.priced_s,
+            "priced_measured_s": self.priced_measured_s,
+            "priced_ms_per_round": 1e3 * self.priced_s / self.priced_rounds if self.priced_rounds else None,
+            "measured_ms_per_round": 1e3 * self.priced_measured_s / self.priced_rounds if self.priced_rounds else None,
             "ruled_rows": self.ruled_rows,
             "stop_reason": self.stop_reason,
         }

@@ -238,6 +238,9 @@ class KindSignature:
 
     kind: DrafterKind
     family: DrafterFamily
+    # "module:factory" of its runtime drafter: (Pipeline, DrafterEntry, slots) -> Drafter,
+    # imported when a pipeline first makes one (as Backend.engine)
+    drafter: str
     roles: tuple[Role, ...]  # the roles of its graphs (none: it has no graphs)
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
@@ -248,7 +251,7 @@ class KindSignature:
     @property
     def runs_model(self) -> bool:
         """Does DrafterEntry.model name a ModelEntry with graphs of its own?"""
-        return self.family is not DrafterFamily.LOOKUP
+        return bool(self.roles)
 
     @property
     def block_hidden(self) -> bool:
@@ -277,27 +280,35 @@ _CHAIN_ROLES = (Role.STEP, Role.CATCHUP, Role.PREFILL)
 _CHAIN_INPUTS = (INPUT_IDS, DRAFT_FEATURES, CACHE_LENGTH, PAST)
 _CHAIN_OUTPUTS = (LOGITS, NEXT_TOKENS, PRESENT, HIDDEN_OUT)
 _BLOCK_INPUTS = (INPUT_IDS, CONTEXT_FEATURES, CONTEXT_VALID, CACHE_LENGTH, PAST)
+# the runtime drafter of each family (KindSignature.drafter): EAGLE-3 and MTP draft a chain from
+# the target's hidden states, DFlash and DSpark a block per call
+_LOOKUP_DRAFTER = "specexport.runtime.drafter_factories:ngram"
+_MODEL_DRAFTER = "specexport.runtime.drafter_factories:model"
+_CHAIN_DRAFTER = "specexport.runtime.chain_drafter:make"
+_BLOCK_DRAFTER = "specexport.runtime.block_drafter:make"
 
-# The registry: every drafter kind the recipe accepts and a manifest may name, with its graphs.
+# The registry: every drafter kind the recipe accepts and a manifest may name, with its graphs
+# and its runtime drafter. A new kind is an entry here, its recipe spec (exporter/recipe.py) and
+# its runtime module (plus, for a head that reads the target's taps, exporter/heads/{kind}.py).
 DRAFTER_KINDS: dict[DrafterKind, KindSignature] = {
-    DrafterKind.NGRAM: KindSignature(DrafterKind.NGRAM, DrafterFamily.LOOKUP, roles=()),
+    DrafterKind.NGRAM: KindSignature(DrafterKind.NGRAM, DrafterFamily.LOOKUP, _LOOKUP_DRAFTER, roles=()),
     DrafterKind.MODEL: KindSignature(
-        DrafterKind.MODEL, DrafterFamily.MODEL, roles=_MODEL_ROLES,
+        DrafterKind.MODEL, DrafterFamily.MODEL, _MODEL_DRAFTER, roles=_MODEL_ROLES,
         inputs=_DECODER_INPUTS, outputs=(LOGITS, NEXT_TOKENS, PRESENT)),
     DrafterKind.QUANTIZED_SELF: KindSignature(
-        DrafterKind.QUANTIZED_SELF, DrafterFamily.MODEL, roles=_MODEL_ROLES,
+        DrafterKind.QUANTIZED_SELF, DrafterFamily.MODEL, _MODEL_DRAFTER, roles=_MODEL_ROLES,
         inputs=_DECODER_INPUTS, outputs=(LOGITS, NEXT_TOKENS, PRESENT)),
     DrafterKind.EAGLE3: KindSignature(
-        DrafterKind.EAGLE3, DrafterFamily.CHAIN, roles=_CHAIN_ROLES,
+        DrafterKind.EAGLE3, DrafterFamily.CHAIN, _CHAIN_DRAFTER, roles=_CHAIN_ROLES,
         inputs=_CHAIN_INPUTS, outputs=_CHAIN_OUTPUTS, reads_taps=True),
     DrafterKind.MTP: KindSignature(
-        DrafterKind.MTP, DrafterFamily.CHAIN, roles=_CHAIN_ROLES,
+        DrafterKind.MTP, DrafterFamily.CHAIN, _CHAIN_DRAFTER, roles=_CHAIN_ROLES,
         inputs=_CHAIN_INPUTS, outputs=_CHAIN_OUTPUTS, reads_taps=True),
     DrafterKind.DFLASH: KindSignature(
-        DrafterKind.DFLASH, DrafterFamily.BLOCK, roles=(Role.BLOCK,),
+        DrafterKind.DFLASH, DrafterFamily.BLOCK, _BLOCK_DRAFTER, roles=(Role.BLOCK,),
         inputs=_BLOCK_INPUTS, outputs=(LOGITS, NEXT_TOKENS, PRESENT), reads_taps=True, required_params=("drafts",)),
     DrafterKind.DSPARK: KindSignature(
-        DrafterKind.DSPARK, DrafterFamily.BLOCK, roles=(Role.BLOCK,),
+        DrafterKind.DSPARK, DrafterFamily.BLOCK, _BLOCK_DRAFTER, roles=(Role.BLOCK,),
         inputs=_BLOCK_INPUTS, outputs=(LOGITS, NEXT_TOKENS, PRESENT, BLOCK_HIDDEN), reads_taps=True,
         required_params=("drafts",)),
 }

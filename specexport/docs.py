@@ -315,12 +315,9 @@ def _recipe_models() -> list[tuple[type[BaseModel], str]]:
 
     sources = [(r.GgufSource, "target: {source: gguf, ...}"), (r.HfSource, "target: {source: hf, ...}"),
                (r.TinySource, "target: {source: tiny, ...}")]
-    drafters = [(r.NgramDrafterSpec, "drafters: [{kind: ngram, ...}]"),
-                (r.QuantizedSelfDrafterSpec, "drafters: [{kind: quantized-self, ...}]"),
-                (r.ModelDrafterSpec, "drafters: [{kind: model, ...}]"),
-                (r.Eagle3DrafterSpec, "drafters: [{kind: eagle3, ...}]"), (r.MtpDrafterSpec, "drafters: [{kind: mtp, ...}]"),
-                (r.DFlashDrafterSpec, "drafters: [{kind: dflash, ...}]"),
-                (r.DSparkDrafterSpec, "drafters: [{kind: dspark, ...}]")]
+    # every spec of the recipe's drafter union, in its order: a new kind is documented as it is added
+    drafters = [(spec, f"drafters: [{{kind: {typing.get_args(spec.model_fields['kind'].annotation)[0]}, ...}}]")
+                for spec in typing.get_args(typing.get_args(r.DrafterSpec)[0])]
     sections = [(r.Shapes, "shapes"), (r.DraftPlan, "draft"), (r.TreePlan, "draft.tree"), (r.Quantization, "quantization"),
                 (r.Validation, "validation"),
                 (r.TensorRTSettings, "tensorrt")]

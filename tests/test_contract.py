@@ -187,6 +187,7 @@ def recipe_kinds() -> set[str]:
 
 
 def test_the_kind_registry_covers_every_kind_the_recipe_accepts():
+    import importlib
     import importlib.util
 
     from specexport.exporter.heads import HEAD_MODULES
@@ -200,6 +201,9 @@ def test_the_kind_registry_covers_every_kind_the_recipe_accepts():
         assert bool(sig.roles) == sig.runs_model == (sig.family is not DrafterFamily.LOOKUP)
         assert sig.reads_taps == (sig.family in (DrafterFamily.CHAIN, DrafterFamily.BLOCK))
         assert sig.block_hidden == (kind is DrafterKind.DSPARK)
+        # its runtime drafter: a factory in a runtime module, found from the registry alone
+        module, factory = sig.drafter.split(":")
+        assert module.startswith("specexport.runtime.") and callable(getattr(importlib.import_module(module), factory))
     # an unknown kind: one line listing the registry's kinds
     with pytest.raises(BadInput) as err:
         parse_recipe({"name": "x", "target": {"source": "tiny"}, "drafters": [{"kind": "medusa"}]}, "r.yaml")

@@ -118,8 +118,7 @@ def validate_chain_tree(ctx: HeadContext, reference, name: str, path, batched: d
                                                                length, length, length, [[] for _ in level1])])
         layers = len(cache.view()) // 2
         out = engine.run(feeds, [LOGITS, NEXT_TOKENS, HIDDEN_OUT, *present_names(layers)])
-        for past, present in zip(past_names(layers), present_names(layers)):
-            cache.view()[past][:, :, length : length + rows] = out[present]  # [1, n_kv, T, hd]
+        cache.rows_store.write(out, [(0, length, rows)])  # level 1's K/V at L.. (present.* [1, n_kv, T, hd])
         paths = {i: ([level1[i]], [hidden[-1]], out[HIDDEN_OUT][0, i]) for i in range(rows)}
         _check_rows(reference, states, context, paths, out, range(rows), parity)
         # level 2: children of nodes 0 and 1 alternately, at slot L + rows onwards

@@ -175,6 +175,9 @@ def _record(drafter: str, prompt: dict, repeat: int, result) -> dict:
         "host_s": st.host_s,
         "accepted_at": list(st.accepted_at),
         "proposed_at": list(st.proposed_at),
+        "priced_rounds": st.priced_rounds,
+        "priced_s": st.priced_s,
+        "priced_measured_s": st.priced_measured_s,
     }
 
 

@@ -56,13 +56,15 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['drafter']} | {r['prompt_id']} | {r['tokens']} | {_fmt(r['schema_valid'], '.0%')} | "
                          f"{_fmt(r['mask_ms_per_row'], '.3f')} | {_fmt(r['mask_fraction'], '.1%')} |")
     lines += ["", "## Per prompt", "",
-              "| drafter | prompt | tok/s | speedup | predicted | E[L] | draft/verify/host (drafter's host) |",
-              "|---|---|---|---|---|---|---|"]
+              "| drafter | prompt | tok/s | speedup | predicted | E[L] | draft/verify/host (drafter's host) "
+              "| round ms priced/measured |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in sorted(result["results"], key=lambda r: (r["prompt_id"], r["drafter"])):
         split = "/".join(_fmt(r[k], ".0%") for k in ("draft_fraction", "verify_fraction", "host_fraction"))
         split += f" ({_fmt(r.get('draft_host_fraction'), '.0%')})"
         lines.append(f"| {r['drafter']} | {r['prompt_id']} | {_fmt(r['tokens_per_s'], '.1f')} | "
-                     f"{_fmt(r['speedup'])}× | {_fmt(r['predicted_speedup'])}× | {_fmt(r['acceptance_length'])} | {split} |")
+                     f"{_fmt(r['speedup'])}× | {_fmt(r['predicted_speedup'])}× | {_fmt(r['acceptance_length'])} | {split} "
+                     f"| {_fmt(r.get('priced_ms_per_round'), '.2f')}/{_fmt(r.get('measured_ms_per_round'), '.2f')} |")
     tile = result["tile_point"]
     lines += ["", f"## Verify cost curve (tile rule: 1+D = {tile['tokens']} for G = {tile['group_size']})", "",
               "| tokens | ms | relative to 1 |", "|---|---|---|"]

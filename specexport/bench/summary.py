@@ -84,6 +84,8 @@ def _per_prompt(records: list[dict], baseline: dict[str, dict], costs: dict,
             # greedy E[L] at the fixed full depth (None: not measured, or the run was not adaptive)
             "acceptance_length_fixed": fixed.get((drafter, prompt_id), 1.0 if drafter == "none" else None),
             "predicted_speedup": round(predicted, 3) if predicted else None,
+            # the policy's price of the rounds that ran against what they took (runtime/round_prices.py)
+            **_round_prices(runs),
             "acceptance_by_position": [round(a / p, 3) if p else None for a, p in zip(accepted, proposed)],
             # of decode time: the drafter's engines, the target's, and everything outside them
             # (of which the drafter's own host work is draft_host_fraction)
@@ -95,6 +97,16 @@ def _per_prompt(records: list[dict], baseline: dict[str, dict], costs: dict,
             **(_constrained(runs) if runs[0].get("constrained") else {}),
         })
     return results
+
+
+def _round_prices(runs: list[dict]) -> dict:
+    """ms per round: the adaptive policy's price of the rounds that ran (after its checks
+    against the clock) and what they took (None: no priced rounds)."""
+    rounds = sum(r.get("priced_rounds", 0) for r in runs)
+    if not rounds:
+        return {"priced_ms_per_round": None, "measured_ms_per_round": None}
+    return {"priced_ms_per_round": round(1e3 * sum(r["priced_s"] for r in runs) / rounds, 3),
+            "measured_ms_per_round": round(1e3 * sum(r["priced_measured_s"] for r in runs) / rounds, 3)}
 
 
 def _constrained(runs: list[dict]) -> dict:

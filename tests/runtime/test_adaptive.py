@@ -17,19 +17,24 @@ def verify_cost(tokens):
     return next(COSTS[s] for s in sorted(COSTS) if s >= tokens)
 
 
+def drafts(n: int, tag: str = "") -> DraftTree:
+    """A weightless chain of ``n`` drafts (what the estimate is told a round verified)."""
+    return DraftTree.chain(np.zeros(n, dtype=np.int64), tag)
+
+
 def test_depth_zero_when_drafts_keep_failing():
-    policy = DepthPolicy(verify_cost)
+    policy = DepthPolicy(verify_cost, checked=False)
     for _ in range(30):
-        policy.update("bad", proposed=7, accepted=0)
+        policy.update("bad", drafts(7), 0)
     depths = [policy.best_depth("bad", 7) for _ in range(16)]
     assert depths.count(0) >= 14  # off, but probing now and then
     assert 7 in depths
 
 
 def test_full_depth_when_drafts_are_kept():
-    policy = DepthPolicy(verify_cost)
+    policy = DepthPolicy(verify_cost, checked=False)
     for _ in range(30):
-        policy.update("good", proposed=7, accepted=7)
+        policy.update("good", drafts(7), 7)
     assert policy.best_depth("good", 7) == 7
 
 
@@ -38,14 +43,14 @@ def test_drafting_cost_shortens_the_draft():
     dear = DepthPolicy(verify_cost, round_cost=lambda k: 0.012 * k)
     for policy in (cheap, dear):
         for accepted in [7, 5, 3, 6, 2, 7, 4, 6, 5, 7] * 3:  # about 0.8 per position
-            policy.update("m", proposed=7, accepted=accepted)
+            policy.update("m", drafts(7), accepted)
     assert dear.best_depth("m", 7) < cheap.best_depth("m", 7)
 
 
 def test_trim_keeps_a_prefix_and_its_probabilities():
-    policy = DepthPolicy(verify_cost)
+    policy = DepthPolicy(verify_cost, checked=False)
     for _ in range(40):
-        policy.update("t", proposed=4, accepted=1)
+        policy.update("t", drafts(4), 1)
     draft = DraftTree.chain(np.array([1, 2, 3, 4]), "t", np.full((4, 5), 0.2))
     trimmed = trim_chain(policy, draft, "fallback")
     assert trimmed.size < 4 and trimmed.tokens.tolist() == [1, 2, 3, 4][: trimmed.size]
@@ -57,7 +62,7 @@ def test_adaptive_loop_is_lossless_and_stops_wasting_verifies():
     prompt = [1, 2, 3]
     wrong = FixedDrafter([5, 5, 5, 5, 5, 5, 5])
     fixed_out, fixed = run(markov(table), wrong, prompt, draft_len=7, max_new=60)
-    policy = DepthPolicy(verify_cost)
+    policy = DepthPolicy(verify_cost, checked=False)
     adaptive_out, adaptive = run(markov(table), wrong, prompt, draft_len=7, max_new=60, policy=policy)
     assert adaptive_out == fixed_out == greedy_reference(table, prompt, 60)
     assert adaptive.proposed < fixed.proposed / 3
@@ -65,7 +70,7 @@ def test_adaptive_loop_is_lossless_and_stops_wasting_verifies():
 
 def test_adaptive_loop_keeps_drafting_when_it_pays():
     table = random_table(6, seed=1)
-    policy = DepthPolicy(verify_cost)
+    policy = DepthPolicy(verify_cost, checked=False)
     out, stats = run(markov(table), OracleDrafter(table), [0], draft_len=4, max_new=40, policy=policy)
     assert out == greedy_reference(table, [0], 40)
     # the prior starts short of full depth; accepted drafts soon make every round draft 4

@@ -126,13 +126,15 @@ class RecordingRows:
 class Replay:
     """A depth policy that gives the depths a row had in the batched loop, round by round."""
 
+    prices = None  # it prices nothing
+
     def __init__(self, depths: list[int]):
         self._depths = iter(depths)
 
-    def best_depth(self, name: str, k: int) -> int:
+    def best_depth(self, name: str, k: int, batch: int = 1) -> int:
         return next(self._depths)
 
-    def update(self, tag: str, size: int, accepted: int) -> None:
+    def update(self, tag: str, proposal, accepted: int) -> None:
         pass
 
 

@@ -127,3 +127,13 @@ def test_sampled_model_drafter_keeps_only_the_warped_rows_it_drew_from():
     for q, token, last in zip(draft.probs, draft.tokens.tolist(), previous):
         np.testing.assert_allclose(q.dense(7), warp_reference(table[[last]], sampling)[0], rtol=1e-5, atol=1e-12)
         assert q.prob(token) > 0  # each draft came from its row
+
+
+def test_a_kinds_drafter_is_made_by_the_factory_its_registry_entry_names():
+    from specexport.contract import DrafterEntry
+    from specexport.runtime.drafter_factories import make_drafter
+
+    entry = DrafterEntry("lookup", "ngram", None, {"max_ngram": 5, "min_ngram": 2})
+    drafter = make_drafter(None, entry, slots=1)  # type: ignore[arg-type]  # prompt lookup opens no model
+    assert isinstance(drafter, NgramDrafter)
+    assert (drafter.name, drafter.max_ngram, drafter.min_ngram) == ("lookup", 5, 2)

@@ -86,9 +86,9 @@ class FakeHybridEngine:
         return {n: everything[n] for n in (outputs or everything)}
 
 
-def hybrid_runner(sizes=(1, 4, 8)) -> ModelRunner:
+def hybrid_runner(sizes=(1, 4, 8), keep: int = 64) -> ModelRunner:
     engines = [FakeHybridEngine(t) for t in sizes]
-    cache = open_host_cache(1, 1, 1, S_MAX, 1, state=LAYOUT)
+    cache = open_host_cache(1, 1, 1, S_MAX, 1, state=LAYOUT, keep=keep)
     return ModelRunner("fake", engines, cache, {e.name: e.tokens for e in engines})
 
 
@@ -119,9 +119,7 @@ def test_rewind_selects_the_state_after_the_kept_tokens(keep):
 
 
 def test_rewind_reaches_back_only_over_the_kept_positions():
-    runner = hybrid_runner(sizes=(1,))
-    cache = runner.cache
-    cache.keep = 4
+    runner = hybrid_runner(sizes=(1,), keep=4)
     runner.forward(list(range(1, 11)))
     runner.cache.set_length(7)  # within the last 4
     with pytest.raises(ValueError, match="only the last 4 positions"):

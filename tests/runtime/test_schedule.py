@@ -101,16 +101,18 @@ def test_a_measured_schedule_keeps_the_fastest_depth_per_batch_size():
 
 
 def test_per_sequence_width_follows_acceptance_and_cost():
-    from specexport.runtime.goodput import best_width, expected_lengths, expected_tokens
+    from specexport.runtime.goodput import best_width
 
-    assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 2) == 1.75
-    assert expected_lengths(0.5, 2) == pytest.approx([1.5, 1.75])
+    def lengths(rate, drafts):  # [drafts] E(k) of a row whose drafts are kept at ``rate`` each
+        return 1.0 + np.cumsum(rate ** np.arange(1, drafts + 1))
+
     cost = {1: 1.0, 2: 1.1, 6: 1.4}.__getitem__
-    assert best_width([1, 2, 6], cost, [0.9, 0.9], [5, 5]) == 6  # rows that keep hitting: wide
-    assert best_width([1, 2, 6], cost, [0.05, 0.05], [5, 5]) == 1  # rows that keep missing: no drafts
-    assert best_width([1, 2, 6], cost, [0.9, 0.05, 0.05, 0.05], [0, 1, 1, 1]) in (1, 2)  # no long draft to pay for
+    assert best_width([1, 2, 6], cost, [lengths(0.9, 5)] * 2) == 6  # rows that keep hitting: wide
+    assert best_width([1, 2, 6], cost, [lengths(0.05, 5)] * 2) == 1  # rows that keep missing: no drafts
+    # no long draft to pay for
+    assert best_width([1, 2, 6], cost, [lengths(0.9, 0)] + [lengths(0.05, 1)] * 3) in (1, 2)
     steep = {1: 1.0, 2: 2.0, 6: 6.0}.__getitem__  # a saturated machine: width costs in proportion
-    assert best_width([1, 2, 6], steep, [0.9] * 4, [5] * 4) == 1
+    assert best_width([1, 2, 6], steep, [lengths(0.9, 5)] * 4) == 1
 
 
 def test_per_sequence_depth_is_lossless(batched_engines):

@@ -172,17 +172,21 @@ def test_the_best_n_nodes_keep_their_ancestors():
 def test_the_tree_size_follows_the_costs_and_the_record():
     """Flat costs: every node pays. Steep costs: only heavy nodes. A drafter whose weights
     keep failing is trusted less, so its trees shrink."""
-    from specexport.runtime.tree_size import TreeSizer
+    from specexport.runtime.acceptance_estimate import AcceptanceEstimate
+    from specexport.runtime.tree_size import shared_size
+
+    def size(estimate, tree, cost):
+        return shared_size([(estimate, "t")], [tree], cost)
 
     tree = DraftTree(np.arange(6), np.array([-1, 0, 1, 2, 3, 4]), weights=np.array([0.9, 0.7, 0.5, 0.3, 0.2, 0.1]))
-    assert TreeSizer(lambda rows: 1.0).size(tree) == 6
-    steep = TreeSizer(lambda rows: 1.0 + 0.4 * (rows - 1))
+    assert size(AcceptanceEstimate(), tree, lambda rows: 1.0) == 6
+    steep, estimate = (lambda rows: 1.0 + 0.4 * (rows - 1)), AcceptanceEstimate()
     # tokens per cost for n = 1..4: 1.9/1.4, 2.6/1.8, 3.1/2.2, 3.4/2.6: n = 2 is best
-    assert steep.size(tree) == 2
+    assert size(estimate, tree, steep) == 2
     for _ in range(20):
-        steep.update(tree.best(2), accepted=0)
-    assert steep.scale < 0.2 and steep.size(tree) == 1
-    assert TreeSizer(lambda rows: None).size(tree) == 6  # no costs: the whole tree
+        estimate.observe("t", tree.best(2), accepted=0)
+    assert (estimate.scales("t", 2) < 0.2).all() and size(estimate, tree, steep) == 1
+    assert size(AcceptanceEstimate(), tree, lambda rows: None) == 6  # no costs: the whole tree
 
 
 def test_the_tree_size_is_calibrated_by_depth():
@@ -190,17 +194,19 @@ def test_the_tree_size_is_calibrated_by_depth():
     two nodes every round. Calibrated by depth, the size falls to those two; one scale for all
     depths (the failing control: accepted over predicted in total, a third) would keep all six,
     since a third of a token per node still beats the cost of a row."""
-    from specexport.runtime.tree_size import TreeSizer
+    from specexport.runtime.acceptance_estimate import AcceptanceEstimate
+    from specexport.runtime.tree_size import shared_size
 
     chain = DraftTree(np.arange(6), np.array([-1, 0, 1, 2, 3, 4]), weights=np.ones(6))
-    sizer = TreeSizer(lambda rows: 1.0 + 0.1 * (rows - 1))
-    assert sizer.size(chain) == 6  # no record yet: the weights as they are
+    estimate, cost = AcceptanceEstimate(), (lambda rows: 1.0 + 0.1 * (rows - 1))
+    assert shared_size([(estimate, "t")], [chain], cost) == 6  # no record yet: the weights as they are
     for _ in range(20):
-        sizer.update(chain, accepted=2)
-    scales = sizer.scales(6)
+        estimate.observe("t", chain, accepted=2)
+    scales = estimate.scales("t", 6)
     assert scales[:2] == pytest.approx([1.0, 1.0], abs=0.02) and (scales[2:] < 0.15).all(), scales
-    assert sizer.size(chain) == 2
-    uniform = 1.0 + sizer.scale * np.arange(1, 7)  # [6] tokens with n nodes under one scale
+    assert shared_size([(estimate, "t")], [chain], cost) == 2
+    one_scale = scales.mean()  # accepted over predicted in total: a third
+    uniform = 1.0 + one_scale * np.arange(1, 7)  # [6] tokens with n nodes under one scale
     assert int(np.argmax(uniform / (1.0 + 0.1 * np.arange(1, 7)))) + 1 == 6
 
 

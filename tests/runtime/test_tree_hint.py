@@ -8,12 +8,14 @@ many expected tokens per second. Checked on the head's level-by-level expansion
 import numpy as np
 import pytest
 
+from specexport.runtime.acceptance_estimate import AcceptanceEstimate
 from specexport.runtime.chain_drafter import Expansion
 from specexport.runtime.tree import DraftTree, grow_spine, top_candidates
-from specexport.runtime.tree_size import TreeSizer, shared_size
+from specexport.runtime.tree_size import shared_size, size_ranked
 
 V, TOP_K, NODES, DEPTH = 24, 3, 8, 6
 SEEDS = range(120)
+TAG = "t"  # the trees' tag in the acceptance estimate
 
 
 def path_logits(seed: int, path: tuple[int, ...]) -> np.ndarray:
@@ -53,19 +55,19 @@ def spine(seed: int, hint) -> tuple[DraftTree, int]:
     return tree, len(path)
 
 
-def hint_of(sizer: TreeSizer, cost, draft_cost=None):
-    """The loop's SizeHint for a sequence alone (runtime/loop.py ``_size_hint``): by the pass's
+def hint_of(sizer: AcceptanceEstimate, cost, draft_cost=None):
+    """The loop's SizeHint for a sequence alone (runtime/policy.py ``_size_hint``): by the pass's
     cost, and with ``draft_cost`` the drafter's steps too."""
-    return lambda weights, depths, drafted: sizer.size_ranked(weights, depths, cost, drafted, draft_cost)
+    return lambda weights, depths, drafted: size_ranked(sizer, TAG, weights, depths, cost, drafted, draft_cost)
 
 
 def sizer_and_cost(seed: int):
     """A tree sizer, fresh or calibrated by some rounds, and a pass cost per row count (convex,
     or CPU-like steps)."""
-    sizer = TreeSizer(lambda rows: None)
+    sizer = AcceptanceEstimate()
     verified = DraftTree(np.array([1, 2, 3]), np.array([-1, 0, 1]), "c", np.array([0.8, 0.5, 0.3]))
     for accepted in range(seed % 4):  # rounds that kept fewer or more than the weights predicted
-        sizer.update(verified, accepted)
+        sizer.observe(TAG, verified, accepted)
     costs = [lambda rows: 1.0 + 0.08 * rows, lambda rows: 1.0 + 0.02 * rows ** 2,
              lambda rows: [1.0, 1.0, 1.1, 1.15, 1.2, 1.3, 1.45, 1.5, 1.55, 1.6][min(rows, 9)]]
     return sizer, costs[seed % 3]
@@ -78,8 +80,8 @@ def test_a_tree_grown_with_the_loops_size_verifies_the_same_nodes_in_fewer_steps
         sizer, cost = sizer_and_cost(seed)
         full, full_steps = grow(seed, None)
         hinted, hinted_steps = grow(seed, hint_of(sizer, cost))
-        verified = full.best(shared_size([sizer], [full], cost))  # what the loop verifies of each
-        verified_hinted = hinted.best(shared_size([sizer], [hinted], cost))
+        verified = full.best(shared_size([(sizer, TAG)], [full], cost))  # what the loop verifies of each
+        verified_hinted = hinted.best(shared_size([(sizer, TAG)], [hinted], cost))
         assert verified_hinted.tokens.tolist() == verified.tokens.tolist(), seed
         assert verified_hinted.parents.tolist() == verified.parents.tolist(), seed
         assert hinted_steps <= full_steps, seed
@@ -95,11 +97,11 @@ def drafting(depth: int) -> float:
     return 0.1 + STEP * max(depth - 1, 0)
 
 
-def rate(sizer: TreeSizer, cost, tree: DraftTree, steps: int) -> float:
+def rate(sizer: AcceptanceEstimate, cost, tree: DraftTree, steps: int) -> float:
     """Expected tokens per second of the round the loop makes of a grown tree: its verified
     nodes over the pass and the drafting that was run."""
-    verified = tree.best(shared_size([sizer], [tree], cost))
-    return (1.0 + sizer.expected(verified)[-1]) / (cost(1 + verified.size) + drafting(steps + 1))
+    verified = tree.best(shared_size([(sizer, TAG)], [tree], cost))
+    return (1.0 + sizer.tree_gains(TAG, verified)[-1]) / (cost(1 + verified.size) + drafting(steps + 1))
 
 
 @pytest.mark.parametrize("grow", [expand, spine], ids=["head-expansion", "spine"])
@@ -126,10 +128,10 @@ def test_levels_already_drafted_are_paid_whatever_the_size():
     # a node 3 deep and a heavier one at depth 1, with 2 levels drafted: the steps already run
     # count against the small tree too, so the deep node pays for the one step it still needs
     # (charged to the deep node alone, the small tree looked cheaper and won)
-    sizer, flat = TreeSizer(lambda rows: None), (lambda rows: 1.0)
+    sizer, flat = AcceptanceEstimate(), (lambda rows: 1.0)
     weights, depths = np.array([0.6, 0.25]), np.array([1, 3])
-    assert sizer.size_ranked(weights, depths, flat, 2, lambda depth: 0.1 * depth) == 2
-    assert sizer.size_ranked(weights, depths, flat, 1, lambda depth: 0.1 * depth) == 1
+    assert size_ranked(sizer, TAG, weights, depths, flat, 2, lambda depth: 0.1 * depth) == 2
+    assert size_ranked(sizer, TAG, weights, depths, flat, 1, lambda depth: 0.1 * depth) == 1
 
 
 def test_a_free_drafter_grows_as_the_verify_cost_alone_says():

@@ -1,0 +1,118 @@
+"""How many drafts the target will keep: the one acceptance estimator of adaptive depth, the
+shared width and the tree size.
+
+Every proposal is a tree (a chain is one), and every node comes with a weight: the drafter's
+estimate that the node ends up on the accepted path (a head's joint draft probability, the share
+of n-gram matches through it). A proposal without weights, a chain from a drafter that gives
+none, is weighed by the geometric prior ``prior ** depth``: optimistic, so a new drafter drafts
+until rounds say otherwise. Weights are the drafter's opinion, not the target's, so for each tag
+(the drafter's name, or the n-gram match length for prompt lookup) and each depth d the estimate
+keeps a scale c_d: the nodes accepted at that depth over the weight predicted there in recent
+rounds (exponentially forgotten), with a prior at 1: one unit of weight for a drafter's own
+weights, one round's worth of the geometric prior's for weightless chains (so a chain drafter
+that keeps failing loses its deep drafts as fast as its shallow ones). A node of depth d is then
+expected to be kept with probability c_d · w, capped by its parent's, and a proposal of n nodes
+commits
+
+    E(n) = 1 + sum of its n best calibrated weights
+
+tokens: for a chain of k drafts, E(k) = 1 + p_1 + ... + p_k, the one expected-length formula
+that adaptive depth (runtime/adaptive.py), the batch-wide width (runtime/goodput.py) and the
+tree size (runtime/tree_size.py) read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specexport.runtime.tree import DraftTree
+
+
+@dataclass
+class _DepthSums:
+    """One tag's forgotten sums by depth (index d: depth d + 1)."""
+
+    predicted: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [depth] weight verified there
+    accepted: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [depth] rounds whose path reached it
+    rounds: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [depth] rounds that drafted that deep
+    weighted: bool = False  # the drafter gives weights (else the geometric prior's)
+
+    def scales(self, depth: int) -> np.ndarray:
+        """[depth] accepted over predicted at depths 1..depth, with one average round's
+        predicted weight of prior at 1 (1 where never drafted)."""
+        known = min(depth, len(self.predicted))
+        scales = np.ones(depth)
+        drafted = self.rounds[:known] > 0
+        prior = np.ones(known) if self.weighted else \
+            np.divide(self.predicted[:known], self.rounds[:known], out=np.zeros(known), where=drafted)  # [known]
+        scales[:known][drafted] = ((self.accepted[:known] + prior) / (self.predicted[:known] + prior))[drafted]
+        return scales
+
+
+@dataclass
+class AcceptanceEstimate:
+    decay: float = 0.9  # per round: the last ten rounds or so count
+    prior: float = 0.8  # a weightless node's weight at depth 1 (at depth d: prior ** d)
+    _tags: dict[str, _DepthSums] = field(default_factory=dict)
+
+    def _sums(self, tag: str) -> _DepthSums:
+        if tag not in self._tags:
+            self._tags[tag] = _DepthSums()
+        return self._tags[tag]
+
+    def weights(self, proposal: DraftTree) -> np.ndarray:
+        """[N] the proposal's weights, each capped by its parent's; the prior's without weights."""
+        if proposal.weights is None:
+            return self.prior ** proposal.depths().astype(np.float64) if not proposal.is_chain \
+                else self.prior ** np.arange(1, proposal.size + 1, dtype=np.float64)
+        return proposal.capped_weights()
+
+    def scales(self, tag: str, depth: int) -> np.ndarray:
+        """[depth] the calibration c_d of ``tag``'s weights at depths 1..depth."""
+        return self._sums(tag).scales(depth)
+
+    def chain_lengths(self, tag: str, depth: int) -> np.ndarray:
+        """[depth] E(k), k = 1..depth: tokens a round commits with a weightless chain of ``tag``
+        cut to k drafts (each draft kept at most as often as the one before it). Past the
+        depths drafted so far, the rate per position so far goes on (a chain kept whole at
+        depth 3 is worth trying at 4; one rarely kept at 1 is not at 2)."""
+        sums = self._sums(tag)
+        kept = np.minimum(self.prior ** np.arange(1, depth + 1) * sums.scales(depth), 1.0)  # [depth]
+        known = min(depth, int(np.argmin(np.append(sums.rounds, 0.0) > 0)))  # depths drafted so far
+        if 0 < known < depth:
+            per_position = kept[known - 1] ** (1.0 / known)
+            kept[known:] = kept[known - 1] * per_position ** np.arange(1, depth - known + 1)
+        return 1.0 + np.cumsum(np.minimum.accumulate(kept))
+
+    def chain_length(self, tag: str, depth: int) -> float:
+        """E(depth); 1 for no drafts."""
+        return float(self.chain_lengths(tag, depth)[-1]) if depth > 0 else 1.0
+
+    def ranked_gains(self, tag: str, weights: np.ndarray, depths: np.ndarray) -> np.ndarray:
+        """[N] nodes expected on the accepted path of the n best nodes, n = 1..N, given the best
+        nodes' capped ``weights`` and ``depths`` [N], best first."""
+        return np.cumsum(weights * self.scales(tag, int(depths.max()))[depths - 1])
+
+    def tree_gains(self, tag: str, tree: DraftTree) -> np.ndarray:
+        """[N] ``ranked_gains`` of the tree's n best nodes (``DraftTree.ranked``)."""
+        ranked = tree.ranked()
+        return self.ranked_gains(tag, self.weights(tree)[ranked], tree.depths()[ranked])
+
+    def observe(self, tag: str, proposal: DraftTree, accepted: int) -> None:
+        """A verified proposal, ``accepted`` of whose nodes the target kept (its path reached
+        depths 1..accepted)."""
+        if proposal.size == 0:
+            return
+        sums = self._sums(tag)
+        sums.weighted = proposal.weights is not None
+        depths = np.arange(1, proposal.size + 1) if proposal.is_chain else proposal.depths()  # [N]
+        deepest = max(int(depths[-1] if proposal.is_chain else depths.max()), len(sums.predicted))
+        predicted = np.bincount(depths - 1, weights=self.weights(proposal), minlength=deepest)  # [deepest]
+        reached = (np.arange(deepest) < accepted).astype(np.float64)  # [deepest]
+        drafted = (np.arange(deepest) < depths.max()).astype(np.float64)  # [deepest]
+        pad = deepest - len(sums.predicted)
+        sums.predicted = self.decay * np.pad(sums.predicted, (0, pad)) + predicted
+        sums.accepted = self.decay * np.pad(sums.accepted, (0, pad)) + reached
+        sums.rounds = self.decay * np.pad(sums.rounds, (0, pad)) + drafted

@@ -1,0 +1,105 @@
+"""What a round costs, checked against the clock while decoding.
+
+Adaptive depth chooses a round's depth by its price: the verify graph that runs 1 + k tokens plus
+the drafter's round at depth k (``Drafter.round_cost``), from costs measured at build or by
+``specexport tune``. Those can be wrong here and now: tuned on a busy machine, a drafter whose
+host work the graphs' costs leave out, a server whose load changed. So the loop tells the prices
+what each round took, by its kind (batch size, depth; one drafter per loop). Once ``window``
+rounds of a kind ran, a price off the median of the last ``window`` by more than ``margin``
+(either way) is replaced by that median; it goes back to the price only when the two agree
+within ``settle`` (hysteresis, so a choice does not thrash around the margin). The median of a
+few recent rounds follows a machine that gets busier or quieter within a few rounds, and one
+slow round (a page fault, another process) does not move it.
+
+A drafting kind not yet run is priced as the nearest drafting kind that was measured at that
+batch size says: its price times that kind's measured over priced (a drafter slower than its
+price is slower at every depth). Depth 0, the target alone, is measured by the rounds that
+choose it and by adaptive depth's occasional plain rounds, so drafting is compared with what
+the target alone does now, not with what it did at build.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Kind = tuple[int, int]  # (built batch size, depth: drafts per row, the round's widest)
+
+
+@dataclass
+class _Measured:
+    last: deque[float]  # seconds of the last rounds of this kind
+    rounds: int = 0
+    replaced: bool = False  # the measurement stands in for the price
+
+    @property
+    def seconds(self) -> float:
+        return float(np.median(self.last))
+
+
+@dataclass
+class RoundPrices:
+    priced: Callable[[int, int], float | None]  # (batch, depth) -> seconds from the engines' costs
+    margin: float = 1.25  # replace a price off the clock by more than this factor
+    settle: float = 1.1  # and return to it within this one
+    window: int = 3  # rounds of a kind whose median is its measurement
+    _kinds: dict[Kind, _Measured] = field(default_factory=dict)
+
+    def seconds(self, batch: int, depth: int) -> float | None:
+        """The price of a round of this kind: the measured time where the price was off, else
+        the price, scaled for an unmeasured drafting kind (None: neither is known)."""
+        measured = self._kinds.get((batch, depth))
+        if measured is not None and measured.replaced:
+            return measured.seconds
+        priced = self.priced(batch, depth)
+        if priced is None or depth == 0 or measured is not None and measured.rounds >= self.window:
+            return priced
+        return priced * self._drafting_ratio(batch, depth)
+
+    def _drafting_ratio(self, batch: int, depth: int) -> float:
+        """Measured over priced of the nearest drafting kind at ``batch`` whose price was
+        replaced (1: none)."""
+        replaced = [(abs(k - depth), k) for (b, k), m in self._kinds.items() if b == batch and k > 0 and m.replaced]
+        if not replaced:
+            return 1.0
+        nearest = min(replaced)[1]
+        priced = self.priced(batch, nearest)
+        return self._kinds[(batch, nearest)].seconds / priced if priced else 1.0
+
+    @property
+    def checked(self) -> bool:
+        """Whether a measurement can replace a price (an infinite margin: the prices are fixed)."""
+        return self.margin != float("inf")
+
+    def rounds(self, batch: int, depth: int) -> int:
+        """Rounds of this kind measured so far."""
+        measured = self._kinds.get((batch, depth))
+        return 0 if measured is None else measured.rounds
+
+    def observe(self, batch: int, depth: int, seconds: float) -> None:
+        """A round of this kind took ``seconds`` of wall time."""
+        measured = self._kinds.setdefault((batch, depth), _Measured(deque(maxlen=self.window)))
+        measured.last.append(seconds)
+        measured.rounds += 1
+        priced = self.priced(batch, depth)
+        if not priced or measured.rounds < self.window:
+            return
+        ratio = measured.seconds / priced
+        off = max(ratio, 1.0 / ratio)
+        if off > self.margin:
+            measured.replaced = True
+        elif off <= self.settle:
+            measured.replaced = False
+
+    def table(self) -> list[dict]:
+        """Every kind that ran: its price, the measured time, rounds, and which is in use."""
+        return [{"batch": batch, "depth": depth, "priced_ms": _ms(self.priced(batch, depth)),
+                 "measured_ms": measured.seconds * 1e3, "rounds": measured.rounds, "replaced": measured.replaced}
+                for (batch, depth), measured in sorted(self._kinds.items())]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3

@@ -1,0 +1,120 @@
+"""Round prices checked against the clock (runtime/round_prices.py), and adaptive depth's floor:
+a drafter slower than its price stops drafting, and starts again when it pays."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from specexport.runtime.adaptive import DepthPolicy
+from specexport.runtime.loop import BatchLoop, Request, RoundReport
+from specexport.runtime.round_prices import RoundPrices
+from tests.runtime.fakes import MarkovRunner, OracleDrafter, markov, random_table
+
+
+def flat(batch: int, depth: int) -> float:
+    return 0.010  # every kind priced at 10 ms
+
+
+def test_a_price_the_clock_disagrees_with_is_replaced_after_a_window_of_rounds():
+    prices = RoundPrices(flat)
+    for seconds in (0.030, 0.030):
+        prices.observe(1, 2, seconds)
+    assert prices.seconds(1, 2) == pytest.approx(0.010)  # two rounds: not yet a window
+    prices.observe(1, 2, 0.030)
+    assert prices.seconds(1, 2) == pytest.approx(0.030)
+
+
+def test_one_slow_round_does_not_move_a_price():
+    prices = RoundPrices(flat)
+    for seconds in (0.010, 0.050, 0.011, 0.010):
+        prices.observe(1, 1, seconds)
+    assert prices.seconds(1, 1) == pytest.approx(0.010)
+
+
+def test_hysteresis_keeps_a_replaced_price_until_the_clock_agrees_closely():
+    prices = RoundPrices(flat)  # margin 1.25, settle 1.1
+    for _ in range(3):
+        prices.observe(1, 3, 0.020)
+    for _ in range(3):  # 1.2x: inside the margin, outside settle: the measurement stays
+        prices.observe(1, 3, 0.012)
+    assert prices.seconds(1, 3) == pytest.approx(0.012)
+    for _ in range(3):  # 1.05x: back to the price
+        prices.observe(1, 3, 0.0105)
+    assert prices.seconds(1, 3) == pytest.approx(0.010)
+
+
+def test_an_unmeasured_drafting_depth_is_scaled_as_the_nearest_measured_one():
+    prices = RoundPrices(flat)
+    for _ in range(3):
+        prices.observe(1, 4, 0.040)
+    assert prices.seconds(1, 3) == pytest.approx(0.040)  # a drafter slower than priced is slow at any depth
+    assert prices.seconds(1, 0) == pytest.approx(0.010)  # the target alone is not the drafter
+    assert prices.seconds(2, 3) == pytest.approx(0.010)  # another batch size: its own measurements
+
+
+def test_fixed_prices_ignore_the_clock():
+    prices = RoundPrices(flat, margin=float("inf"))
+    for _ in range(5):
+        prices.observe(1, 2, 0.100)
+    assert not prices.checked and prices.seconds(1, 2) == pytest.approx(0.010)
+
+
+class SleepyRunner(MarkovRunner):
+    """A target whose every call takes ``delay`` seconds, whatever its token count."""
+
+    delay = 0.004
+
+    def forward(self, tokens, want_logits=False, inputs=None, want=()):
+        if len(tokens):
+            time.sleep(self.delay)
+        return super().forward(tokens, want_logits, inputs, want)
+
+
+class SleepyOracle(OracleDrafter):
+    """Drafts the target's own continuation (every draft is kept), taking ``delay`` seconds a
+    drafting round: its price (round_cost) says 0."""
+
+    delay = 0.0
+
+    def chain(self, context, k):
+        if k > 0:
+            time.sleep(self.delay)
+        return super().chain(context, k)
+
+
+def drafted_by_round(delay_then: float, rounds: int, drafter: SleepyOracle, loop: BatchLoop,
+                     reports: list[RoundReport]) -> list[int]:
+    """The drafts each of the next ``rounds`` rounds verified, the drafter taking ``delay_then``."""
+    drafter.delay = delay_then
+    start = len(reports)
+    while len(reports) < start + rounds:
+        loop.step()
+    return [report.proposed[0] for report in reports[start:]]
+
+
+def test_depth_goes_to_zero_when_drafting_is_slower_than_priced_and_back_when_it_pays():
+    """The target costs 4 ms a call at any width and is priced so; the drafter is priced free.
+    Slow (40 ms a drafting round): 5 tokens in 44 ms lose to 1 token in 4 ms, so within 3 rounds
+    of the first (the window that replaces a price) the row stops drafting, save a probe every 8
+    rounds. Fast again: two probes (the window's median) bring the price back and the row drafts
+    again within 24 rounds. The control: with fixed prices the slow drafter drafts every round."""
+    table = random_table(8, seed=3)
+    for checked in (True, False):
+        drafter = SleepyOracle(table)
+        policy = DepthPolicy(lambda tokens: SleepyRunner.delay, lambda k: 0.0, checked=checked)
+        reports: list[RoundReport] = []
+        loop = BatchLoop(markov(table, 1024, SleepyRunner), drafter, draft_len=4, eos_ids=frozenset(),
+                         on_round=reports.append, adaptive=lambda policy=policy: policy)
+        loop.submit(0, Request(np.array([1, 2]), 900))
+        slow = drafted_by_round(0.040, 40, drafter, loop, reports)
+        if not checked:
+            assert all(drafts == 4 for drafts in slow), slow  # the failing control: the price is believed
+            continue
+        assert slow[:3] == [4, 4, 4] and slow[3] == 0, slow
+        assert sum(drafts > 0 for drafts in slow[3:]) <= len(slow[3:]) // 8 + 1, slow  # probes only
+        fast = drafted_by_round(0.0, 40, drafter, loop, reports)
+        back = next(i for i in range(len(fast) - 3) if all(d > 0 for d in fast[i : i + 4]))
+        assert back <= 24 and all(drafts > 0 for drafts in fast[back:]), fast
