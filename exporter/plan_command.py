@@ -31,6 +31,9 @@ def plan_recipe(path: Path) -> dict:
             "verify": plan.tokens_per_verify,
             "prefill": recipe.shapes.prefill_chunk,
         },
+        # ort-gqa: an entry of the one graph at every verify size (a round verifies what it drafted)
+        "verify_sizes": (list(range(2, plan.tokens_per_verify + 1)) if recipe.attention == "ort-gqa"
+                         else [plan.tokens_per_verify]),
         "shapes": recipe.shapes.model_dump(),
     }
 
@@ -46,7 +49,10 @@ def render_plan(result: dict) -> None:
     table.add_row("draft length D", str(result["draft_len"]))
     table.add_row("tokens per verify (1+D)", str(result["tokens_per_verify"]))
     table.add_row("tile rows used G·(1+D)", f"{result['tile_rows_used']} of {tile} × {result['tiles']}")
-    table.add_row("graphs (tokens)", ", ".join(f"{k} {v}" for k, v in result["graphs"].items()))
+    sizes = result.get("verify_sizes", [])
+    verify = f"{sizes[0]}..{sizes[-1]}" if len(sizes) > 1 else None
+    table.add_row("graphs (tokens)", ", ".join(f"{k} {verify if k == 'verify' and verify else v}"
+                                               for k, v in result["graphs"].items()))
     table.add_row("reason", result["reason"])
     table.add_row("depth by batch size", depth_by_batch_text(result))
     table.add_row("token tree", tree_text(result))

@@ -6,8 +6,9 @@ then 1 + accepted rows after each verify); they wait as pending rows until the s
 again. A round:
 
 - catch-up: one call feeds every drafting row its pending rows, each at its own cache length
-  (one row: its runner, chunked by cost; more: the batched catch-up graph, T = 1+D, the rows
-  it cannot take first alone through the slot's runner); the last row's output is the first draft;
+  (one row: its runner, chunked by cost; more: the smallest batched catch-up graph holding them,
+  T <= 1+D, the rows it cannot take first alone through the slot's runner); the last row's
+  output is the first draft;
 - steps: draft j+1 of every row that wants it comes from one step-graph call fed draft j and
   the head's own hidden of the row before, at cache length committed + j. A row that drafts
   fewer sits out the later calls. Step rows lie past the committed rows and are overwritten by
@@ -86,20 +87,24 @@ class ChainDrafter(ChainsAndTrees):
         return self.catchup.seconds + self.step.seconds + sum(c.seconds for c in self._tree_calls.values())
 
     def round_cost(self, k: int, costs: PartCosts | None = None) -> float:
-        """One catch-up call of the round's committed rows (the catch-up graph), then k-1
-        steps. Skipping (k = 0) is charged the catch-up too. That is a price, not engine time: a
-        skipped round's rows join the next catch-up call at no cost up to its size. But priced
-        at zero a skip looked cheap, and adaptive depth skipped where drafting paid (a skip also
-        stops the acceptance estimate until the next probe): 2-3% fewer tokens/s with SmolLM2's
-        EAGLE-3 head than this price or k steps (docs/results.md)."""
+        """The catch-up call a round at depth k leads to (its accepted drafts and the bonus token:
+        at most 1+k rows, on the smallest catch-up entry holding them, as the runner picks), then
+        k-1 steps. Priced at 1+k, exact when every draft is accepted; a directory built with one
+        catch-up entry (1+D) prices that one, which is what it runs. Skipping (k = 0) is charged
+        the one row's catch-up too. That is a price, not engine time: a skipped round's rows join
+        the next catch-up call. But priced at zero a skip looked cheap, and adaptive depth
+        skipped where drafting paid (a skip also stops the acceptance estimate until the next
+        probe): 2-3% fewer tokens/s with SmolLM2's EAGLE-3 head than this price or k steps
+        (docs/results.md)."""
         costs = costs or self.cost_ms
         step = costs.get("step", {}).get(1, 0.0)
         catchup = costs.get("catchup", {})
-        return (min(catchup.values()) if catchup else step) / 1e3 + max(k - 1, 0) * step / 1e3
+        return (holding_cost(catchup, 1 + k) if catchup else step) / 1e3 + max(k - 1, 0) * step / 1e3
 
     def cost_graphs(self) -> dict[str, tuple[object, list[int]]]:
         catchup = self.catchup.runners[0]
-        return {"catchup": (catchup, catchup.decoding_sizes[:1]), "step": (self.step.runners[0], [1])}
+        round_sizes = sorted(t for t in self.cost_ms.get("catchup", {}) if t in catchup.decoding_sizes)
+        return {"catchup": (catchup, round_sizes or catchup.decoding_sizes[:1]), "step": (self.step.runners[0], [1])}
 
     def join(self, slot: int, prompt: np.ndarray, target_out: TargetOut) -> None:
         self._committed[slot] = 0
@@ -278,6 +283,13 @@ class ChainDrafter(ChainsAndTrees):
             return int(out[NEXT_TOKENS][r, at])
         probs.append(row.q(out[LOGITS][r, at], drafted))  # over target ids (-inf outside the draft vocabulary)
         return int(probs[-1].draw(row.rng))
+
+
+def holding_cost(ms: dict[int, float], rows: int) -> float:
+    """ms of the cheapest entry of ``ms`` (tokens -> ms) holding ``rows`` rows, else of the
+    largest (a longer input runs in pieces): the entry the runner picks by cost."""
+    holding = [cost for tokens, cost in ms.items() if tokens >= rows]
+    return min(holding) if holding else ms[max(ms)]
 
 
 @dataclass(frozen=True)

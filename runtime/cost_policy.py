@@ -9,7 +9,7 @@ from specexport.contract import EngineEntry, Manifest, Role
 from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.costs import TunedCosts
 from specexport.runtime.drafters import Drafter
-from specexport.runtime.runner import ModelRunner, monotone_costs
+from specexport.runtime.runner import ModelRunner
 
 
 class EngineCosts:
@@ -38,12 +38,13 @@ class EngineCosts:
         return self.tuned.label if self.tuned is not None else "build"
 
     def depth_policy(self, drafter: Drafter, target: ModelRunner) -> DepthPolicy:
-        """A fresh adaptive-depth policy: the target's verify costs and the drafter's own round cost."""
-        verify = monotone_costs({e.tokens: self.ms(e)
-                                 for e in self.manifest.engines_of("target", self.backend_of("target"))})
+        """A fresh adaptive-depth policy: the target's verify costs and the drafter's own round
+        cost. A verify of 1+k tokens is priced at what the target's runner runs for it (its
+        decoding entries by the same costs, ModelRunner.planned_ms), never at a probe's figure
+        nor at a larger entry than the one it picks."""
 
         def verify_cost(tokens: int) -> float | None:
-            ms = verify.get(target.engine_size(tokens))
+            ms = target.planned_ms(tokens)
             return ms / 1e3 if ms else None
 
         return DepthPolicy(verify_cost, drafter.round_cost, checked=self.check_prices)

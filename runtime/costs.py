@@ -3,7 +3,8 @@
 The build measures each graph's cost (``EngineEntry.cost_ms``) on the build machine; the
 runner's choice of engine sizes and the adaptive depth read those costs. ``specexport tune
 ENGINE_DIR`` measures them again here, every model's graphs (probes included, so the verify
-cost curve too) in one interleaved schedule (runner.time_interleaved: medians), and writes
+cost curve too) in one interleaved schedule (runner.time_rounds: medians, after a check that
+the rounds agree, runtime/timing_noise.py), and writes
 ``costs.json`` beside the manifest (or in the per-user cache: runtime/sidecar.py) with the
 machine it was measured on. ``load`` prefers them; a file measured for another manifest is
 ignored with a warning.
@@ -23,7 +24,8 @@ from specexport.backends import BACKENDS
 from specexport.contract import MANIFEST, EngineEntry, Manifest, sha256_of
 from specexport.errors import BadInput
 from specexport.runtime import sidecar
-from specexport.runtime.runner import time_interleaved
+from specexport.runtime.runner import time_rounds
+from specexport.runtime.timing_noise import check_noise, labelled, medians
 
 COSTS = "costs.json"
 TREES = "target trees"  # the schedule's name for the target's tree verify graphs
@@ -80,9 +82,10 @@ def machine(threads: int | None) -> dict:
     }
 
 
-def tune(pipe, rounds: int = 9) -> dict:
+def tune(pipe, rounds: int = 9, accept_noise: bool = False) -> dict:
     """Time every graph of every model the pipeline can run, interleaved; write costs.json and
-    return what was written (with ``written_to``)."""
+    return what was written (with ``written_to``). Rounds of one graph that spread more than
+    timing_noise.NOISE_LIMIT raise NoisyTimings and write nothing, unless ``accept_noise``."""
     runners = {}
     for model in pipe.manifest.models:
         try:
@@ -95,7 +98,13 @@ def tune(pipe, rounds: int = 9) -> dict:
     trees = pipe.tree_verifier(pipe.batched_target())
     if trees is not None:
         runners[TREES] = (trees, sorted(trees.engines))
-    times = time_interleaved(runners, rounds)
+    samples = time_rounds(runners, rounds)
+
+    def label(model: str, key) -> str:  # the engine's name (a tree graph: its (batch, rows))
+        return f"target tree {key}" if model == TREES else runners[model][0].engine_at(key)
+
+    noisy = check_noise(labelled(samples, label), rounds, accept_noise)  # before anything is written
+    times = medians(samples)
     measured: dict[str, dict[str, float]] = {}
     for model in (m for m in runners if m != TREES):
         backend = pipe.backend_of(model)
@@ -121,6 +130,8 @@ def tune(pipe, rounds: int = 9) -> dict:
         "measured": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(pipe.options.threads),
         "rounds": rounds,
+        # entries written although their rounds spread past the limit (--accept-noise)
+        "noisy": {e.what: round(e.spread, 3) for e in noisy},
         "engines": engines,
         # the verify cost curve, for reading: the target's time per pass against its tokens
         "curve": [{"tokens": t, "ms": round(s * 1e3, 3), "relative": round(s / target[min(target)], 3)}

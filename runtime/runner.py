@@ -59,6 +59,8 @@ class ModelRunner(TimedCalls):
         self._engines = [(t, e) for t, e in everything if roles is None or Role(roles[e.name]).decoding]
         if not self._engines:
             raise ValueError(f"model {name} has no engines to decode with")
+        # tokens -> ms of the cheapest pieces running them (None: no costs), the plan's own figures
+        self._planned_ms: list[float] | None = None
         self._first_piece = self._plan_pieces(monotone_costs(cost_ms or {}), cache.max_seq_len)
         # engines that update the cache in place (attention: ort-gqa) get it bound as their
         # present outputs and return only tokens (and logits); the others return the new K/V
@@ -97,6 +99,14 @@ class ModelRunner(TimedCalls):
         whatever the cache holds now."""
         return self._plan(tokens)[0]
 
+    def planned_ms(self, tokens: int) -> float | None:
+        """ms of running ``tokens`` tokens as ``forward`` plans them (the engines it picks, by
+        the costs it picks them by), None without costs: what adaptive depth prices a verify of
+        ``tokens`` at, so that it never prices an entry other than the one that runs."""
+        if self._planned_ms is None or tokens < 1:
+            return None
+        return self._planned_ms[min(tokens, len(self._planned_ms) - 1)]
+
     def time_engines(self, sizes: Sequence[int], rounds: int, want_logits: bool = False) -> dict[int, float]:
         """Median seconds of one run of each engine, the sizes taken in turn round after round
         (so a drift of the machine hits them all alike), over a half-full cache. The cache is
@@ -128,6 +138,7 @@ class ModelRunner(TimedCalls):
         first = [sizes[0]] * (longest + 1)
         for r in range(1, longest + 1):  # a tie goes to the smaller graph (less padding)
             total[r], first[r] = min((cost_ms[t] + total[max(r - t, 0)], t) for t in sizes)
+        self._planned_ms = total
         return first
 
     def _plan(self, remaining: int) -> tuple[int, Engine]:
@@ -215,11 +226,20 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
 
 def time_interleaved(runners: Mapping[str, tuple[ModelRunner, Sequence[int]]], rounds: int,
                      want_logits: bool = False) -> dict[str, dict[int, float]]:
-    """Median seconds of one run of every (model, size), all of them taken in turn round after
+    """Median seconds of one run of every (model, size), taken as ``time_rounds`` takes them:
+    name -> size -> seconds. Build, tune and bench time through this (tune and calibration
+    through ``time_rounds``, to check the rounds' spread first)."""
+    samples = time_rounds(runners, rounds, want_logits)
+    return {name: {size: float(np.median(v)) for size, v in by_size.items()} for name, by_size in samples.items()}
+
+
+def time_rounds(runners: Mapping[str, tuple[ModelRunner, Sequence[int]]], rounds: int,
+                want_logits: bool = False) -> dict[str, dict[int, list[float]]]:
+    """Seconds of each round's run of every (model, size), all of them taken in turn round after
     round (round 0 warms up and opens lazy engines; each round starts one graph later), so a
-    drift of the machine hits every model's graphs alike: name -> size -> seconds. Build, tune
-    and bench time through this."""
-    times = {name: {size: [] for size in sizes} for name, (_, sizes) in runners.items()}
+    drift of the machine hits every model's graphs alike: name -> size -> [seconds] a round."""
+    times: dict[str, dict[int, list[float]]] = {name: {size: [] for size in sizes}
+                                                for name, (_, sizes) in runners.items()}
     schedule = [(name, runner, size) for name, (runner, sizes) in runners.items() for size in sizes]
     for round_ in range(rounds + 1):
         # each round starts one graph later, so no graph is always timed first (after the
@@ -231,4 +251,4 @@ def time_interleaved(runners: Mapping[str, tuple[ModelRunner, Sequence[int]]], r
                 times[name][size].append(seconds)
     for runner, sizes in runners.values():
         runner.end_timing(sizes)
-    return {name: {size: float(np.median(v)) for size, v in by_size.items()} for name, by_size in times.items()}
+    return times

@@ -8,6 +8,7 @@ import io
 import os
 import sys
 from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,41 @@ def copy_engines(src: Path, dst: Path) -> Path:
     import shutil
 
     return Path(shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".*.partial-*", ".*.old-*")))
+
+
+def one_verify_copy(src: Path, dst: Path) -> Path:
+    """A copy of an ort-gqa directory as built before verify entries at every size: the
+    target's largest verify entry alone at each batch size (an old manifest; the same files)."""
+    from specexport.contract import Manifest, Role, write_manifest
+
+    copy_engines(src, dst)
+    manifest = Manifest.load(dst)
+    largest = {}
+    for e in manifest.engines:
+        if e.model == "target" and e.role == Role.VERIFY:
+            largest[(e.backend, e.batch)] = max(largest.get((e.backend, e.batch), 0), e.tokens)
+    kept = [e for e in manifest.engines if not (e.model == "target" and e.role == Role.VERIFY
+                                                and e.tokens < largest[(e.backend, e.batch)])]
+    write_manifest(dst, replace(manifest, engines=kept))
+    return dst
+
+
+def tuned_copy(src: Path, dst: Path, ms_of) -> Path:
+    """A copy of an engine directory whose tuned costs (costs.json) are ``ms_of(entry)`` for
+    every engine: costs a test chooses, so the runner's plan does not depend on timing noise."""
+    import json
+
+    from specexport.contract import Manifest
+    from specexport.runtime.costs import COSTS
+
+    copy_engines(src, dst)
+    code, _, err = run_cli("tune", dst, "--rounds", "1")  # one round: never too noisy to write
+    assert code == 0, err
+    costs = json.loads((dst / COSTS).read_text())
+    for entry in Manifest.load(dst).engines:
+        costs["engines"].setdefault(entry.backend, {})[entry.name] = ms_of(entry)
+    (dst / COSTS).write_text(json.dumps(costs))
+    return dst
 
 
 def run_cli(*args: str) -> tuple[int, str, str]:

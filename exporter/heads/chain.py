@@ -458,8 +458,20 @@ def target_states(ctx: HeadContext, ids: np.ndarray) -> TargetStates:
 # -- build: export, validate, register ------------------------------------------------------
 
 
+def round_catchup_sizes(ctx: HeadContext) -> dict[int, Role]:
+    """The catch-up entries of a round: after an accept of n drafts the head catches up 1+n
+    rows, so one entry per size 2..1+D (one row runs the 2-row entry: size 1 is the step's
+    name), each an entry of the one catch-up file; with only 1+D, every round caught up 1+D
+    rows whatever it accepted. As the target's verify sizes: for ort-gqa recipes (onnxruntime
+    only); standard ones may go to TensorRT, which compiles a plan per entry: 1+D alone."""
+    largest = ctx.plan.tokens_per_verify
+    if ctx.recipe.attention != "ort-gqa":
+        return {largest: Role.CATCHUP}
+    return dict.fromkeys(range(2, max(largest, 2) + 1), Role.CATCHUP)
+
+
 def catchup_sizes(ctx: HeadContext) -> dict[int, Role]:
-    sizes = {ctx.plan.tokens_per_verify: Role.CATCHUP}
+    sizes = round_catchup_sizes(ctx)
     sizes.setdefault(ctx.prefill_chunk, Role.PREFILL)
     return sizes
 
@@ -486,11 +498,11 @@ class ChainHead:
         batched: dict[str, tuple[int, int, bool]] = {}  # batched engine name -> (batch, tokens, step?)
         paths = {}
         store = ctx.weights()
-        # with batch sizes above 1 the batch is symbolic too: the batched loop's catch-up (1+D)
+        # with batch sizes above 1 the batch is symbolic too: the batched loop's catch-up (2..1+D)
         # and step graphs at each batch size are entries over the same two files
         batch = None if ctx.batches else ctx.batch
         try:
-            # the catch-up sizes (1+D, the prefill chunk): one graph, its row count symbolic;
+            # the catch-up sizes (2..1+D, the prefill chunk): one graph, its row count symbolic;
             # the step (one row, the head's own hidden as features): a graph of its own
             for step, sizes in ((False, catchup_sizes(ctx)), (True, {1: Role.STEP})):
                 module = ChainGraph(spec, ctx.target_taps, ctx.max_seq_len, step).eval()
@@ -503,7 +515,7 @@ class ChainHead:
                 saved = ctx.save_shared_graph(proto, stem, sizes, store)
                 for tokens, (name, path) in zip(sizes, saved.items()):
                     graphs[name], paths[name] = (tokens, step), path
-                rounds = {1: Role.STEP} if step else {ctx.plan.tokens_per_verify: Role.CATCHUP}
+                rounds = {1: Role.STEP} if step else round_catchup_sizes(ctx)
                 for name, (b, tokens) in ctx.save_batched(proto, next(iter(saved.values())), rounds, store).items():
                     batched[name], paths[name] = (b, tokens, step), next(iter(saved.values()))
             tree = None
@@ -596,7 +608,7 @@ def validate_chain(ctx: HeadContext, reference: Reference, spec: ChainSpec, grap
 
         validate_chain_tree(ctx, reference, *tree, cache)
     # every graph timed in the builder's one schedule (one size per graph: catch-up sizes are
-    # 1+D and the prefill chunk, the step 1; a chunk of 1 leaves the step untimed)
+    # 2..1+D and the prefill chunk, the step 1; a chunk of 1 leaves the step untimed)
     timed = {graphs[n][0]: engines[n] for n in graphs if not graphs[n][1]}
     for n in graphs:
         if graphs[n][1] and 1 not in timed:

@@ -83,7 +83,11 @@ def choose(rows: list[dict], tolerance: float = 0.01) -> dict:
     return next(row for row in rows if row["geomean_adaptive"] >= best * (1 - tolerance))
 
 
-def calibrate(recipe_path: Path, prompts_path: Path, max_new_tokens: int, threads: int, reporter) -> dict:
+def calibrate(recipe_path: Path, prompts_path: Path, max_new_tokens: int, threads: int, reporter,
+              cost_rounds: int = 9, accept_noise: bool = False) -> dict:
+    """Steps 1-4 of the module docstring; writes <recipe>.calibration.json last. ``cost_rounds``: the
+    timed rounds of every measurement; rounds spreading more than timing_noise.NOISE_LIMIT raise
+    NoisyTimings (nothing written) unless ``accept_noise``."""
     from specexport.bench.harness import load_prompts, measure_costs
     from specexport.exporter.builder import build_recipe
     from specexport.exporter.plan import plan_draft_len
@@ -103,7 +107,7 @@ def calibrate(recipe_path: Path, prompts_path: Path, max_new_tokens: int, thread
     pipe = load(out, threads=threads)
     prompts = load_prompts(prompts_path)
     with reporter.step("calibrate", "verify cost curve and the drafters' rounds") as step:
-        costs = measure_costs(pipe, list(pipe.manifest.drafters), 9, False, depth)
+        costs = measure_costs(pipe, list(pipe.manifest.drafters), cost_rounds, False, depth, accept_noise)
         curve = {point["tokens"]: point["ms"] / 1e3 for point in costs["curve"]}
         step.detail = ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in sorted(curve.items()))
     draft_ms = costs["draft_ms"]
@@ -145,7 +149,8 @@ def calibrate(recipe_path: Path, prompts_path: Path, max_new_tokens: int, thread
         # c_i per drafter/category (single sequence, full depth): E(k) = 1 + sum of the first k
         "acceptance": {f"{d}/{c}": [round(float(v), 4) for v in cum] for (d, c), cum in sorted(profiles.items())},
     }
-    choice.update(calibrate_schedule(pipe, profiles, best["draft_len"], reporter))
+    choice.update(calibrate_schedule(pipe, profiles, best["draft_len"], reporter, cost_rounds, accept_noise))
+    choice["noisy"] = {**costs["noisy"], **choice.pop("schedule_noisy", {})}  # written anyway (--accept-noise)
     path = recipe_path.with_name(f"{recipe_path.stem}.calibration.json")
     atomic.write_text(path, json.dumps(choice, indent=1) + "\n")  # a build may read it any time
     choice["written_to"] = str(path)
@@ -206,23 +211,34 @@ def _batched_model(pipe, model: str, batches: list[int], widths: list[int]):
     return batched
 
 
-def _time_calls(batched, keys: list[tuple[int, int]], rounds: int) -> dict[tuple[int, int], float]:
-    """Median seconds of each (B, T) call, all rows full, interleaved (runner.time_interleaved)."""
-    from specexport.runtime.runner import time_interleaved
+def _time_calls(batched, keys: list[tuple[int, int]], rounds: int, accept_noise: bool = False,
+                noisy: dict[str, float] | None = None) -> dict[tuple[int, int], float]:
+    """Median seconds of each (B, T) call, all rows full, interleaved (runner.time_rounds), after
+    the noise check (timing_noise.check_noise: raises NoisyTimings unless ``accept_noise``; the
+    noisy ones accepted go into ``noisy``, label -> spread)."""
+    from specexport.runtime.runner import time_rounds
+    from specexport.runtime.timing_noise import check_noise, labelled, medians
 
-    return time_interleaved({batched.name: (batched, keys)}, rounds)[batched.name]
+    samples = time_rounds({batched.name: (batched, keys)}, rounds)
+    label = labelled(samples, lambda name, key: f"{name} B={key[0]} T={key[1]}")
+    found = check_noise(label, rounds, accept_noise)
+    if noisy is not None:
+        noisy.update({e.what: round(e.spread, 3) for e in found})
+    return medians(samples)[batched.name]
 
 
-def measure_surface(pipe, batches: list[int], depth: int, rounds: int = 5) -> dict[tuple[int, int], float]:
+def measure_surface(pipe, batches: list[int], depth: int, rounds: int = 5, accept_noise: bool = False,
+                    noisy: dict[str, float] | None = None) -> dict[tuple[int, int], float]:
     """t(B, T) in seconds: the target's batched verify call at each of ``batches`` and every
-    width T = 1 .. 1 + ``depth``, interleaved."""
+    width T = 1 .. 1 + ``depth``, interleaved (``_time_calls``' noise check)."""
     widths = list(range(1, depth + 2))
     return _time_calls(_batched_model(pipe, "target", batches, widths), [(b, t) for b in batches for t in widths],
-                       rounds)
+                       rounds, accept_noise, noisy)
 
 
-def measure_draft_rounds(pipe, drafters: list[str], batches: list[int], depth: int,
-                         rounds: int = 5) -> dict[str, dict[int, list[float]]]:
+def measure_draft_rounds(pipe, drafters: list[str], batches: list[int], depth: int, rounds: int = 5,
+                         accept_noise: bool = False, noisy: dict[str, float] | None = None
+                         ) -> dict[str, dict[int, list[float]]]:
     """Seconds of each drafter's round of k = 0..``depth`` drafts at every batch size, from its
     own cost model (Drafter.round_cost) over its batched step measured at B, for the drafters
     with a model that run batched; drafters without engines cost nothing."""
@@ -236,7 +252,7 @@ def measure_draft_rounds(pipe, drafters: list[str], batches: list[int], depth: i
             continue  # a head's batched graphs are not measured here yet
         if entry.model not in timed:
             timed[entry.model] = _time_calls(_batched_model(pipe, entry.model, batches, [1]),
-                                             [(b, 1) for b in batches], rounds)
+                                             [(b, 1) for b in batches], rounds, accept_noise, noisy)
         drafter = pipe.drafter(name)
         costs[name] = {b: [drafter.round_cost(k, {"step": {1: timed[entry.model][(b, 1)] * 1e3}})
                            for k in range(depth + 1)] for b in batches}
@@ -294,9 +310,10 @@ def schedule_steps(table: list[dict]) -> list[list[int]]:
     return steps or [[1, 0]]
 
 
-def calibrate_schedule(pipe, profiles: dict, depth: int, reporter, rounds: int = 5) -> dict:
+def calibrate_schedule(pipe, profiles: dict, depth: int, reporter, rounds: int = 5, accept_noise: bool = False) -> dict:
     """Measure t(B, T) (and the draft models' batched steps) over the batch sizes built, and
-    choose K(B) up to ``depth``; {} with a ``schedule_skipped`` reason when nothing is batched."""
+    choose K(B) up to ``depth``; {} with a ``schedule_skipped`` reason when nothing is batched.
+    Scattered rounds raise NoisyTimings unless ``accept_noise`` (then in ``schedule_noisy``)."""
     from specexport.runtime.input_checks import HEAD_KINDS, batched_refusal
 
     manifest = pipe.manifest
@@ -310,10 +327,11 @@ def calibrate_schedule(pipe, profiles: dict, depth: int, reporter, rounds: int =
     runnable = {b: {d for d in drafters if batched_refusal(manifest, d, b) is None
                     and getattr(manifest.drafters.get(d), "kind", None) not in HEAD_KINDS} for b in batches}
     with reporter.step("calibrate", f"batched verify cost t(B, T), B = {batches}, T = 1..{depth + 1}") as step:
-        surface = measure_surface(pipe, batches, depth, rounds)
+        noisy: dict[str, float] = {}
+        surface = measure_surface(pipe, batches, depth, rounds, accept_noise, noisy)
         step.detail = ", ".join(f"B={b}: {surface[(b, 1)] * 1e3:.1f}-{surface[(b, depth + 1)] * 1e3:.1f} ms"
                                 for b in batches)
-    draft_rounds = measure_draft_rounds(pipe, drafters, batches, depth, rounds)
+    draft_rounds = measure_draft_rounds(pipe, drafters, batches, depth, rounds, accept_noise, noisy)
     table = schedule_table(surface, profiles, draft_rounds, depth, batches, runnable)
     return {
         "schedule": schedule_steps(table),
@@ -323,6 +341,7 @@ def calibrate_schedule(pipe, profiles: dict, depth: int, reporter, rounds: int =
                             for b in batches},
         "draft_round_ms_by_batch": {d: {str(b): [round(s * 1e3, 4) for s in by_k] for b, by_k in by_b.items()}
                                     for d, by_b in draft_rounds.items()},
+        "schedule_noisy": noisy,
     }
 
 

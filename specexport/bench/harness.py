@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specexport.errors import BadInput
-from specexport.runtime.runner import time_interleaved
+from specexport.runtime.runner import time_rounds
+from specexport.runtime.timing_noise import check_noise, labelled, medians
 
 
 @dataclass
@@ -91,7 +92,8 @@ def cost_curve(pipe, repeats: int) -> list[dict]:
     return _curve(pipe.target.time_engines(pipe.target.sizes, repeats))
 
 
-def measure_costs(pipe, drafters: list[str], repeats: int, want_logits: bool, draft_len: int) -> dict:
+def measure_costs(pipe, drafters: list[str], repeats: int, want_logits: bool, draft_len: int,
+                  accept_noise: bool = True) -> dict:
     """What the prediction is made of, measured apart from the decode runs: the target's pass
     at every engine size (the cost curve) and the graphs each drafter's round cost reads
     (``Drafter.cost_graphs``), all taken in turn round after round (runner.time_interleaved),
@@ -101,7 +103,10 @@ def measure_costs(pipe, drafters: list[str], repeats: int, want_logits: bool, dr
     for name in drafters:
         for part, (runner, sizes) in pipe.drafter(name).cost_graphs().items():
             timed[f"{name}/{part}"] = (runner, sizes)
-    median = time_interleaved(timed, repeats, want_logits)
+    samples = time_rounds(timed, repeats, want_logits)
+    # calibration refuses scattered rounds (NoisyTimings) before it writes; the bench reports them
+    noisy = check_noise(labelled(samples, lambda name, size: f"{name} t{size}"), repeats, accept_noise)
+    median = medians(samples)
     target = median["target"]
     parts = {name: {part: {t: s * 1e3 for t, s in median[f"{name}/{part}"].items()}
                     for part in pipe.drafter(name).cost_graphs()} for name in drafters}
@@ -117,6 +122,7 @@ def measure_costs(pipe, drafters: list[str], repeats: int, want_logits: bool, dr
                                   for part, by_tokens in by_part.items()} for name, by_part in parts.items() if by_part},
         "repeats": repeats,
         "logits": want_logits,
+        "noisy": {e.what: round(e.spread, 3) for e in noisy},  # rounds spread past timing_noise.NOISE_LIMIT
     }
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from specexport.cli.output import print_json
+from specexport.cli.output import noise_reported, print_json
 
 
 @click.command()
@@ -26,7 +26,13 @@ from specexport.cli.output import print_json
               help="With --calibrate: tokens per prompt.")
 @click.option("--threads", type=click.IntRange(1), default=2, show_default=True,
               help="With --calibrate: onnxruntime intra-op threads.")
-def plan(recipe: Path, as_json: bool, calibrate: bool, prompts: Path, max_new_tokens: int, threads: int) -> None:
+@click.option("--rounds", type=click.IntRange(1), default=9, show_default=True,
+              help="With --calibrate: timed rounds of every cost measurement (medians kept).")
+@click.option("--accept-noise", is_flag=True,
+              help="With --calibrate: write the calibration even where a graph's rounds spread more than the "
+                   "noise limit (runtime/timing_noise.py); without it such a run writes nothing and fails.")
+def plan(recipe: Path, as_json: bool, calibrate: bool, prompts: Path, max_new_tokens: int, threads: int,
+         rounds: int, accept_noise: bool) -> None:
     """Show G, the tile arithmetic and the draft length a RECIPE builds for (or, given an
     engine directory, its plan and the engine costs the runtime uses: tuned or the build's)."""
     if (recipe / "manifest.json").is_file():  # an engine directory: the runtime's view, no exporter
@@ -49,7 +55,9 @@ def plan(recipe: Path, as_json: bool, calibrate: bool, prompts: Path, max_new_to
         from specexport.bench.render import print_calibration
         from specexport.progress import Reporter
 
-        choice = run_calibration(recipe, prompts, max_new_tokens, threads, Reporter(quiet=as_json))
+        with noise_reported():
+            choice = run_calibration(recipe, prompts, max_new_tokens, threads, Reporter(quiet=as_json), rounds,
+                                     accept_noise)
         if as_json:
             print_json(choice)
         else:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 
@@ -10,6 +12,19 @@ import click
 def print_json(data) -> None:
     """``data`` as indented JSON on stdout (paths and other objects as their str)."""
     click.echo(json.dumps(data, indent=2, default=str))
+
+
+@contextmanager
+def noise_reported() -> Iterator[None]:
+    """Timings too noisy to write (runtime/timing_noise.NoisyTimings): which entries and by how
+    much on stderr, then the error goes on to the CLI's one-line message."""
+    from specexport.runtime.timing_noise import NoisyTimings
+
+    try:
+        yield
+    except NoisyTimings as err:
+        click.echo(err.report(), err=True)
+        raise
 
 
 def render_costs(result: dict) -> None:

@@ -13,7 +13,7 @@ import click
 
 from specexport.backends import BACKENDS, DEFAULT_BACKEND
 from specexport.cli.controls import output_options
-from specexport.cli.output import print_json
+from specexport.cli.output import noise_reported, print_json
 
 
 @click.command()
@@ -137,7 +137,11 @@ def _generate_batch(engine_dir: Path, prompts_file: Path, max_batch: int | None,
 @click.option("--backend", type=click.Choice(list(BACKENDS)), default=None,
               help=f"Engines to time (default: {DEFAULT_BACKEND} when the directory has them).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
-def tune(engine_dir: Path, rounds: int, threads: int | None, backend: str | None, as_json: bool) -> None:
+@click.option("--accept-noise", is_flag=True,
+              help="Write the costs even where a graph's rounds spread more than the noise limit "
+                   "(runtime/timing_noise.py); without it such a run writes nothing and fails.")
+def tune(engine_dir: Path, rounds: int, threads: int | None, backend: str | None, as_json: bool,
+         accept_noise: bool) -> None:
     """Measure every graph's cost on this machine; the runtime then prefers them (costs.json)."""
     from specexport.cli.output import render_costs
     from specexport.runtime import load
@@ -145,7 +149,8 @@ def tune(engine_dir: Path, rounds: int, threads: int | None, backend: str | None
     from specexport.runtime.costs import tune as run_tune
 
     pipe = load(engine_dir, threads=threads, backend=backend, tuned_costs=False)
-    data = run_tune(pipe, rounds)
+    with noise_reported():
+        data = run_tune(pipe, rounds, accept_noise)
     if as_json:
         print_json(data)
         return

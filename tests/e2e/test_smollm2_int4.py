@@ -13,7 +13,7 @@ import onnx
 import pytest
 
 from specexport.runtime import load
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, one_verify_copy
 
 pytestmark = pytest.mark.slow
 
@@ -72,10 +72,12 @@ def test_the_eagle3_head_drafts_well_on_the_int4_target(pipe):
     assert 1 + accepted / rounds > 1.4, accepted / rounds
 
 
-def test_a_padded_verify_computes_what_one_token_calls_compute(pipe):
+def test_a_padded_verify_computes_what_one_token_calls_compute(int4_engines, tmp_path):
     """Tokens through a larger graph (a padding row) give the logits of as many one-token
     calls bit for bit: the one-token graph pads itself to two rows (exporter/row_pad.py), so the
-    decode and verify paths are the same kernels."""
+    decode and verify paths are the same kernels. Padded: a batched row shorter than the
+    round's widest, or a directory with one verify entry (its copy here)."""
+    pipe = load(one_verify_copy(int4_engines, tmp_path / "old"), threads=2)
     runner = pipe.target
     verify = max(t for t in runner.decoding_sizes if t <= 1 + pipe.manifest.plan["draft_len"])
     tokens = [578, 2744, 9071, 314][: verify - 1]  # one short of the verify graph: a padding row

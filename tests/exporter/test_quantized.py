@@ -15,7 +15,15 @@ from onnx import numpy_helper
 from specexport.contract import CACHE_LENGTH, INPUT_IDS, LOGITS, VALID_TOKENS
 from specexport.runtime import load
 from specexport.runtime.acceptance import Sampling
-from tests.conftest import NEAR_COPY, PROMPTS, TINY_SHAPE, check_one_line, run_cli, tiny_recipe
+from tests.conftest import (
+    NEAR_COPY,
+    PROMPTS,
+    TINY_SHAPE,
+    check_one_line,
+    one_verify_copy,
+    run_cli,
+    tiny_recipe,
+)
 from tests.lossless import (
     assert_sampled_as_target,
     exact_sequence_probs,
@@ -179,11 +187,12 @@ def test_int4_with_standard_attention_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_padded_verify_computes_what_one_token_calls_compute(int4_dir):
+def test_a_padded_verify_computes_what_one_token_calls_compute(int4_dir, tmp_path):
     """Three tokens through a larger graph (padding rows) give the logits of three one-token
     calls bit for bit: the one-token graph pads itself to two rows (exporter/row_pad.py), so the
-    decode and verify paths are the same kernels."""
-    pipe = load(int4_dir)
+    decode and verify paths are the same kernels. Padded: a batched row shorter than the
+    round's widest, or a directory with one verify entry (its copy here)."""
+    pipe = load(one_verify_copy(int4_dir, tmp_path / "old"))
     runner = pipe.target
     assert runner.engine_size(3) == 5, "the test needs the verify graph to run three tokens padded"
     runner.cache.set_length(0)

@@ -96,3 +96,21 @@ def test_an_int8_head_reads_quantized_weights(pipe):
     fp32 = (pipe.manifest.root / pipe.manifest.models["copy-eagle3"].weights).stat().st_size
     int8 = (pipe.manifest.root / entry.weights).stat().st_size
     assert int8 < 0.5 * fp32, (int8, fp32)
+
+
+def test_a_catch_up_runs_the_entry_of_its_rows(root, pipe, tmp_path):
+    """ort-gqa: after an accept of n drafts a chain head catches up 1+n rows, on an entry of
+    every size 2..1+D of its one catch-up graph, and the runner runs the one of 1+n rows (one
+    row: 2). Costs chosen (tuned_copy), so the plan does not depend on timing noise."""
+    from specexport.contract import Manifest
+    from specexport.runtime import load
+    from tests.conftest import tuned_copy
+
+    manifest = Manifest.load(root / "out")
+    for head in HEADS:
+        catchup = [e for e in manifest.engines_of(head, "onnxruntime") if e.role == "catchup"]
+        assert [e.tokens for e in catchup] == list(range(2, DEPTH + 2)) and len({e.path for e in catchup}) == 1
+    tuned = load(tuned_copy(root / "out", tmp_path / "engines", lambda e: 1.0 + 0.25 * e.tokens))
+    for head in HEADS:
+        runner = tuned.drafter(head).catchup.runners[0]
+        assert [runner.engine_size(rows) for rows in range(1, DEPTH + 2)] == [2, *range(2, DEPTH + 2)]

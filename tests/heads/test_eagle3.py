@@ -198,16 +198,35 @@ def test_the_cli_exits_2_on_a_malformed_head(tmp_path):
 
 
 def test_the_bench_costs_a_round_as_one_catch_up_and_a_step_per_further_draft(pipe):
-    """The bench's prediction charges what a chain round runs: the catch-up call (which gives
-    the first draft), then one step graph per further draft; a skipped round is priced at the
-    catch-up too (ChainDrafter.round_cost)."""
+    """The bench's prediction charges what a chain round runs: the catch-up call its accepted
+    drafts and bonus token lead to (at most 1+k rows, on the cheapest catch-up entry holding
+    them), then one step graph per further draft; a skipped round is priced at the one row's
+    catch-up (ChainDrafter.round_cost)."""
     from specexport.bench.harness import measure_costs
 
     names = [n for n in pipe.drafter_names if n != "none"]
-    costs = measure_costs(pipe, names, repeats=3, want_logits=False, draft_len=pipe.manifest.draft_len)
+    depth = pipe.manifest.draft_len
+    costs = measure_costs(pipe, names, repeats=3, want_logits=False, draft_len=depth)
     for name in names:
         draft = costs["draft_ms"][name]  # k = 0..D
         parts = costs["draft_parts_ms"][name]
-        step, catchup = parts["step"]["1"], min(parts["catchup"].values())
-        assert draft[0] == draft[1] == pytest.approx(catchup, abs=2e-3) and step > 0 and catchup > 0
-        assert all(b - a == pytest.approx(step, abs=2e-3) for a, b in zip(draft[1:], draft[2:]))
+        step = parts["step"]["1"]
+        catchup = {int(t): ms for t, ms in parts["catchup"].items()}
+        built = [e.tokens for e in pipe.manifest.engines_of(name, "onnxruntime") if e.role == "catchup"]
+        assert sorted(catchup) == built and max(built) == depth + 1  # every round's catch-up size timed
+        assert step > 0 and all(ms > 0 for ms in catchup.values())
+        for k, ms in enumerate(draft):
+            held = min(c for t, c in catchup.items() if t >= 1 + k)
+            assert ms == pytest.approx(held + max(k - 1, 0) * step, abs=2e-3), (name, k)
+
+
+def test_a_chain_round_is_priced_at_the_catch_up_entry_holding_its_rows(pipe):
+    """Costs rising with the rows: a round at depth k is the catch-up of 1+k rows (2 at least)
+    plus k-1 steps, not the cheapest catch-up entry whatever the rows."""
+    depth = pipe.manifest.draft_len
+    catchup = {t: 1.0 + t for t in range(2, depth + 2)}  # ms
+    costs = {"catchup": catchup, "step": {1: 0.5}}
+    drafter = pipe.drafter("e-safe")
+    for k in range(depth + 1):
+        expected = catchup[max(1 + k, 2)] + max(k - 1, 0) * 0.5
+        assert drafter.round_cost(k, costs) == pytest.approx(expected / 1e3), k

@@ -13,7 +13,7 @@ import yaml
 
 from specexport.bench.harness import cost_curve
 from specexport.runtime import load
-from tests.conftest import TINY_SHAPE, tiny_recipe
+from tests.conftest import TINY_SHAPE, tiny_recipe, tuned_copy
 from tests.runtime.fakes import MarkovRunner, random_table
 
 DRAFTERS = ("none", "ngram", "quantized-self", "draft-model")
@@ -50,6 +50,21 @@ def test_a_probe_larger_than_the_prefill_chunk_is_not_used_for_prefill(probe_dir
     assert pipe.target.is_open(24)
     again = pipe.generate(prompt_ids=list(range(3, 23)), max_new_tokens=6)
     assert again.token_ids == baseline.token_ids
+
+
+def test_adaptive_depth_never_prices_a_verify_at_a_probes_cost(probe_dir, tmp_path):
+    """A probe measured cheap (noise, or a graph the machine likes) is no verify price: the
+    probe never runs in a round. Standard graphs: a round at depth 1 runs the nearest static
+    entry holding 2 tokens (3), and is priced at it."""
+    costs = {"decode": 3.0, "verify": 5.0, "prefill": 20.0, "probe": 0.5}  # a verify: less than 2 decodes
+    tuned = tuned_copy(probe_dir, tmp_path / "engines", lambda entry: costs[entry.role.value])
+    pipe = load(tuned)
+    verify = {e.tokens for e in pipe.manifest.engines_of("target", "onnxruntime") if e.role == "verify"}
+    assert verify == {3} and pipe.target.engine_size(2) == 3
+    policy = pipe.costs.depth_policy(pipe.drafter("ngram"), pipe.target)
+    assert policy.verify_cost(1) == pytest.approx(costs["decode"] / 1e3)
+    for tokens in (2, 3):
+        assert policy.verify_cost(tokens) == pytest.approx(costs["verify"] / 1e3), tokens
 
 
 @pytest.mark.parametrize("attention", ["standard", "ort-gqa"])
