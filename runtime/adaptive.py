@@ -13,8 +13,12 @@ catch-up), from costs measured at build or by ``specexport tune``, and replaced 
 measurement where the two disagree. k = 0 (plain decoding) wins when drafts are too often wrong
 for what they cost, or when drafting is slower than the prices said: the floor that keeps
 speculation from being much slower than the target alone. Every ``probe_every`` rounds that
-chose 0 for a tag, the full draft is verified anyway so the estimate can recover; every
-``plain_every`` rounds that drafted, one plain round measures what the target alone costs now.
+chose 0 for a tag, the full draft is verified anyway so the estimate can recover, the gap
+doubling after each probe that did not bring drafting back (up to ``max_probe_gap``: a drafter
+that must catch up on what it skipped pays for every probe, so one that keeps losing is asked
+ever more rarely); every
+``plain_every`` rounds that drafted while drafting wins by less than ``close``, one plain round
+measures what the target alone costs now (a clear win needs no such check, and pays for none).
 A policy lives for one generation; the prices it reads are shared by the loop's sequences.
 """
 
@@ -33,13 +37,16 @@ class DepthPolicy:
     # depth -> seconds of the drafter's round (Drafter.round_cost); at 0 what skipping costs it
     round_cost: Callable[[int], float] = lambda k: 0.0
     probe_every: int = 8
+    max_probe_gap: int = 32
     # a plain round after this many drafting rounds, while depth 0's measurement is young (then
     # eight times as seldom): what the target alone costs now
-    plain_every: int = 8
+    plain_every: int = 4
+    close: float = 1.5  # drafting's expected rate within this factor of plain decoding's: check it
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     prices: RoundPrices | None = None  # None: priced from the costs above, checked by this sequence alone
     checked: bool = True  # check the prices against the clock (False: fixed, a seeded run's choices repeat)
     _skipped: dict[str, int] = field(default_factory=dict)  # per tag: rounds in a row that chose depth 0
+    _gap: dict[str, int] = field(default_factory=dict)  # per tag: rounds of 0 before the next probe
     _drafted: int = 0  # rounds that drafted since the last plain one
 
     def __post_init__(self) -> None:
@@ -71,25 +78,28 @@ class DepthPolicy:
             rate = expected[k - 1] / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        return best_k if sunk else self._explore(tag, best_k, limit, batch)
+        return best_k if sunk else self._explore(tag, best_k, limit, batch, best_rate * base < self.close)
 
-    def _explore(self, tag: str, best_k: int, limit: int, batch: int) -> int:
+    def _explore(self, tag: str, best_k: int, limit: int, batch: int, close: bool = True) -> int:
         """The chosen depth, or now and then a probe: the full draft after ``probe_every``
         rounds of 0, a plain round after ``plain_every`` rounds that drafted."""
         if best_k == 0:
             self._drafted = 0
             self._skipped[tag] = self._skipped.get(tag, 0) + 1
-            if self._skipped[tag] >= self.probe_every:
+            gap = self._gap.get(tag, self.probe_every)
+            if self._skipped[tag] >= gap:
                 self._skipped[tag] = 0
+                self._gap[tag] = min(2 * gap, self.max_probe_gap)  # if this probe does not pay either
                 return limit
             return 0
         self._skipped[tag] = 0
+        self._gap.pop(tag, None)  # drafting pays again: probe soon if it stops
         self._drafted += 1
         assert self.prices is not None
         if not self.prices.checked:
             return best_k
         young = self.prices.rounds(batch, 0) < self.prices.window
-        if self._drafted >= self.plain_every * (1 if young else 8):
+        if close and self._drafted >= self.plain_every * (1 if young else 8):
             self._drafted = 0
             return 0
         return best_k

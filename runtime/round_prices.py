@@ -43,8 +43,11 @@ class _Measured:
 @dataclass
 class RoundPrices:
     priced: Callable[[int, int], float | None]  # (batch, depth) -> seconds from the engines' costs
-    margin: float = 1.25  # replace a price off the clock by more than this factor
-    settle: float = 1.1  # and return to it within this one
+    # replace a price off the clock by more than this factor (the floor compares rates a few
+    # percent apart: a build's costs timed over a half-full cache overprice a short context's
+    # rounds by 20-30% on ort-gqa graphs), and return to it within the other
+    margin: float = 1.1
+    settle: float = 1.05
     window: int = 3  # rounds of a kind whose median is its measurement
     _kinds: dict[Kind, _Measured] = field(default_factory=dict)
 

@@ -29,6 +29,9 @@ def test_depth_zero_when_drafts_keep_failing():
     depths = [policy.best_depth("bad", 7) for _ in range(16)]
     assert depths.count(0) >= 14  # off, but probing now and then
     assert 7 in depths
+    later = [policy.best_depth("bad", 7) for _ in range(120)]
+    probes = [i for i, depth in enumerate(later) if depth == 7]
+    assert np.diff(probes).tolist()[-2:] == [32, 32], probes  # ever rarer, up to every 32 rounds
 
 
 def test_full_depth_when_drafts_are_kept():

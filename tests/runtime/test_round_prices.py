@@ -35,14 +35,14 @@ def test_one_slow_round_does_not_move_a_price():
 
 
 def test_hysteresis_keeps_a_replaced_price_until_the_clock_agrees_closely():
-    prices = RoundPrices(flat)  # margin 1.25, settle 1.1
+    prices = RoundPrices(flat)  # margin 1.1, settle 1.05
     for _ in range(3):
         prices.observe(1, 3, 0.020)
-    for _ in range(3):  # 1.2x: inside the margin, outside settle: the measurement stays
-        prices.observe(1, 3, 0.012)
-    assert prices.seconds(1, 3) == pytest.approx(0.012)
-    for _ in range(3):  # 1.05x: back to the price
-        prices.observe(1, 3, 0.0105)
+    for _ in range(3):  # 1.08x: inside the margin, outside settle: the measurement stays
+        prices.observe(1, 3, 0.0108)
+    assert prices.seconds(1, 3) == pytest.approx(0.0108)
+    for _ in range(3):  # 1.03x: back to the price
+        prices.observe(1, 3, 0.0103)
     assert prices.seconds(1, 3) == pytest.approx(0.010)
 
 
@@ -98,9 +98,9 @@ def drafted_by_round(delay_then: float, rounds: int, drafter: SleepyOracle, loop
 def test_depth_goes_to_zero_when_drafting_is_slower_than_priced_and_back_when_it_pays():
     """The target costs 4 ms a call at any width and is priced so; the drafter is priced free.
     Slow (40 ms a drafting round): 5 tokens in 44 ms lose to 1 token in 4 ms, so within 3 rounds
-    of the first (the window that replaces a price) the row stops drafting, save a probe every 8
-    rounds. Fast again: two probes (the window's median) bring the price back and the row drafts
-    again within 24 rounds. The control: with fixed prices the slow drafter drafts every round."""
+    of the first (the window that replaces a price) the row stops drafting, save probes 8, 16,
+    then 32 rounds apart. Fast again: two probes (the window's median) bring the price back and
+    the row drafts again within 70 rounds (the probe gap at most 32). The control: with fixed prices the slow drafter drafts every round."""
     table = random_table(8, seed=3)
     for checked in (True, False):
         drafter = SleepyOracle(table)
@@ -114,7 +114,7 @@ def test_depth_goes_to_zero_when_drafting_is_slower_than_priced_and_back_when_it
             assert all(drafts == 4 for drafts in slow), slow  # the failing control: the price is believed
             continue
         assert slow[:3] == [4, 4, 4] and slow[3] == 0, slow
-        assert sum(drafts > 0 for drafts in slow[3:]) <= len(slow[3:]) // 8 + 1, slow  # probes only
-        fast = drafted_by_round(0.0, 40, drafter, loop, reports)
+        assert sum(drafts > 0 for drafts in slow[3:]) <= 3, slow  # probes only, ever rarer
+        fast = drafted_by_round(0.0, 90, drafter, loop, reports)
         back = next(i for i in range(len(fast) - 3) if all(d > 0 for d in fast[i : i + 4]))
-        assert back <= 24 and all(drafts > 0 for drafts in fast[back:]), fast
+        assert back <= 70 and all(drafts > 0 for drafts in fast[back:]), fast
