@@ -25,6 +25,10 @@ from specexport.cli.output import noise_reported, print_json
 @click.option("--draft-len", type=int, default=None, help="Draft tokens per round at most (default: the plan's D).")
 @click.option("--adaptive/--fixed-depth", default=True, show_default=True,
               help="Choose each round's depth from measured costs and acceptance, or always draft --draft-len.")
+@click.option("--fixed-prices", is_flag=True,
+              help="Adaptive depth prices rounds from the engines' costs only, never from the clock (a seeded "
+                   "sampled run then repeats its depth choices, and so its draws; default: prices checked "
+                   "against the clock while decoding).")
 @click.option("--tree-nodes", type=click.IntRange(0), default=None,
               help="Draft up to N nodes per round as a token tree where the drafter builds trees (0: chains; "
                    "default: the recipe's draft.tree.max_nodes for the drafters in draft.tree.drafters, else 0). "
@@ -53,7 +57,7 @@ from specexport.cli.output import noise_reported, print_json
               help="With --prompts-file: sequences decoded together at most (default: the largest batch built).")
 @output_options
 def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, chat: bool, drafter: str,
-             draft_len: int | None, adaptive: bool, tree_nodes: int | None, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+             draft_len: int | None, adaptive: bool, fixed_prices: bool, tree_nodes: int | None, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
              seed: int | None, stop: tuple[str, ...], threads: int | None, backend: str | None, device: str,
              host_kv: bool, stream: bool, as_json: bool, prompts_file: Path | None, max_batch: int | None,
              controls, min_p: float) -> None:
@@ -68,7 +72,7 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
             chat=chat, drafter=drafter, draft_len=draft_len, adaptive=adaptive, max_new_tokens=max_new_tokens,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop, controls=controls,
             tree_nodes=tree_nodes),
-            dict(threads=threads, backend=backend, device=device))
+            dict(threads=threads, backend=backend, device=device, check_prices=not fixed_prices))
         return
     if prompt_file is not None:
         if prompt is not None:
@@ -77,7 +81,8 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
             prompt = prompt_file.read_text()
         except OSError as err:
             raise BadInput(f"{prompt_file}: cannot read the prompt file ({err.strerror})") from None
-    pipe = load(engine_dir, threads=threads, backend=backend, device=device, device_kv=not host_kv)
+    pipe = load(engine_dir, threads=threads, backend=backend, device=device, device_kv=not host_kv,
+                check_prices=not fixed_prices)
     pieces = pipe.stream(prompt, chat=chat, drafter=drafter, draft_len=draft_len, adaptive=adaptive,
                          max_new_tokens=max_new_tokens, tree_nodes=tree_nodes,
                          temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop,

@@ -72,6 +72,10 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None, tree_n
 @click.option("--per-sequence", is_flag=True, help="Each round's width from the rows' own acceptance and costs.")
 @click.option("--adaptive/--fixed-depth", default=True, show_default=True,
               help="Each request's own adaptive depth under the schedule, as `generate` chooses it alone.")
+@click.option("--fixed-prices", is_flag=True,
+              help="Adaptive depth prices rounds from the engines' costs only, never from the clock (a seeded "
+                   "sampled run then repeats its depth choices, and so its draws; default: prices checked "
+                   "against the clock while decoding).")
 @click.option("--tree-nodes", type=click.IntRange(min=0), default=None,
               help="Draft nodes per round as a token tree, for drafters that build trees (at B > 1 at most the "
                    "schedule's depth per row; 0: chains; default: the recipe's draft.tree for its drafters).")
@@ -86,7 +90,7 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None, tree_n
                    "messages are encoded as text, so content cannot forge a turn).")
 def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int | None, max_waiting: int,
           threads: int | None, api_key: str | None, served_model_name: str, no_schedule: bool, per_sequence: bool,
-          adaptive: bool, use_ray: bool, replicas: int, autoscale: str | None, ray_address: str | None, log_level: str,
+          adaptive: bool, fixed_prices: bool, use_ray: bool, replicas: int, autoscale: str | None, ray_address: str | None, log_level: str,
           special_tokens_in_content: bool, tree_nodes: int | None) -> None:
     """Serve ENGINE_DIR over OpenAI's API: /v1/completions, /v1/chat/completions (streamed or
     not), /v1/models, /health and /metrics (Prometheus). One engine thread batches every
@@ -101,7 +105,8 @@ def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int |
     from specexport.serve.config import ServeConfig
 
     config = ServeConfig(str(engine_dir.resolve()), served_model_name, drafter, max_batch, max_waiting, threads,
-                         api_key, not no_schedule, per_sequence, adaptive, special_tokens_in_content, tree_nodes)
+                         api_key, not no_schedule, per_sequence, adaptive, special_tokens_in_content, tree_nodes,
+                         check_prices=not fixed_prices)
     if use_ray:
         if importlib.util.find_spec("ray") is None:
             raise missing_extra("ray", "ray")

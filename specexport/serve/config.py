@@ -24,6 +24,7 @@ class ServeConfig:
     # content is encoded as text, so a user cannot write a system turn)
     special_tokens_in_content: bool = False
     tree_nodes: int | None = None  # draft nodes per row as a token tree (0: chains; default: the recipe's)
+    check_prices: bool = True  # adaptive depth checks its round prices against the clock (False: seeded runs repeat)
 
     @property
     def served_name(self) -> str:
