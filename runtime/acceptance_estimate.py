@@ -50,12 +50,34 @@ class _DepthSums:
         scales[:known][drafted] = ((self.accepted[:known] + prior) / (self.predicted[:known] + prior))[drafted]
         return scales
 
+    def add(self, predicted: np.ndarray, accepted: int, decay: float) -> None:
+        """One round: ``predicted`` [depth] the weight it verified at depths 1..depth, of which
+        the target kept the path down to ``accepted``. In place, the sums growing only when the
+        round went deeper than any before it."""
+        depth = len(predicted)
+        if depth > len(self.predicted):
+            grow = (0, depth - len(self.predicted))
+            self.predicted, self.accepted, self.rounds = (np.pad(a, grow) for a in
+                                                          (self.predicted, self.accepted, self.rounds))
+        for sums in (self.predicted, self.accepted, self.rounds):
+            sums *= decay
+        self.predicted[:depth] += predicted
+        self.accepted[: min(accepted, depth)] += 1.0
+        self.rounds[:depth] += 1.0
+
 
 @dataclass
 class AcceptanceEstimate:
     decay: float = 0.9  # per round: the last ten rounds or so count
     prior: float = 0.8  # a weightless node's weight at depth 1 (at depth d: prior ** d)
     _tags: dict[str, _DepthSums] = field(default_factory=dict)
+    _powers: dict[int, np.ndarray] = field(default_factory=dict)  # depth -> [depth] prior ** (1..depth)
+
+    def _prior_weights(self, depth: int) -> np.ndarray:
+        """[depth] a weightless chain's weights, made once per depth."""
+        if depth not in self._powers:
+            self._powers[depth] = self.prior ** np.arange(1, depth + 1, dtype=np.float64)
+        return self._powers[depth]
 
     def _sums(self, tag: str) -> _DepthSums:
         if tag not in self._tags:
@@ -65,8 +87,8 @@ class AcceptanceEstimate:
     def weights(self, proposal: DraftTree) -> np.ndarray:
         """[N] the proposal's weights, each capped by its parent's; the prior's without weights."""
         if proposal.weights is None:
-            return self.prior ** proposal.depths().astype(np.float64) if not proposal.is_chain \
-                else self.prior ** np.arange(1, proposal.size + 1, dtype=np.float64)
+            return self._prior_weights(proposal.size) if proposal.is_chain \
+                else self.prior ** proposal.depths().astype(np.float64)
         return proposal.capped_weights()
 
     def scales(self, tag: str, depth: int) -> np.ndarray:
@@ -79,16 +101,12 @@ class AcceptanceEstimate:
         depths drafted so far, the rate per position so far goes on (a chain kept whole at
         depth 3 is worth trying at 4; one rarely kept at 1 is not at 2)."""
         sums = self._sums(tag)
-        kept = np.minimum(self.prior ** np.arange(1, depth + 1) * sums.scales(depth), 1.0)  # [depth]
+        kept = np.minimum(self._prior_weights(depth) * sums.scales(depth), 1.0)  # [depth]
         known = min(depth, int(np.argmin(np.append(sums.rounds, 0.0) > 0)))  # depths drafted so far
         if 0 < known < depth:
             per_position = kept[known - 1] ** (1.0 / known)
             kept[known:] = kept[known - 1] * per_position ** np.arange(1, depth - known + 1)
         return 1.0 + np.cumsum(np.minimum.accumulate(kept))
-
-    def chain_length(self, tag: str, depth: int) -> float:
-        """E(depth); 1 for no drafts."""
-        return float(self.chain_lengths(tag, depth)[-1]) if depth > 0 else 1.0
 
     def ranked_gains(self, tag: str, weights: np.ndarray, depths: np.ndarray) -> np.ndarray:
         """[N] nodes expected on the accepted path of the n best nodes, n = 1..N, given the best
@@ -105,14 +123,19 @@ class AcceptanceEstimate:
         depths 1..accepted)."""
         if proposal.size == 0:
             return
+        if proposal.is_chain and proposal.weights is None:
+            self.observe_chain(tag, proposal.size, accepted)
+            return
+        predicted = np.bincount(proposal.depths() - 1, weights=self.weights(proposal))  # [depth]
         sums = self._sums(tag)
         sums.weighted = proposal.weights is not None
-        depths = np.arange(1, proposal.size + 1) if proposal.is_chain else proposal.depths()  # [N]
-        deepest = max(int(depths[-1] if proposal.is_chain else depths.max()), len(sums.predicted))
-        predicted = np.bincount(depths - 1, weights=self.weights(proposal), minlength=deepest)  # [deepest]
-        reached = (np.arange(deepest) < accepted).astype(np.float64)  # [deepest]
-        drafted = (np.arange(deepest) < depths.max()).astype(np.float64)  # [deepest]
-        pad = deepest - len(sums.predicted)
-        sums.predicted = self.decay * np.pad(sums.predicted, (0, pad)) + predicted
-        sums.accepted = self.decay * np.pad(sums.accepted, (0, pad)) + reached
-        sums.rounds = self.decay * np.pad(sums.rounds, (0, pad)) + drafted
+        sums.add(predicted, accepted, self.decay)
+
+    def observe_chain(self, tag: str, depth: int, accepted: int) -> None:
+        """A verified weightless chain of ``depth`` drafts, ``accepted`` of them kept (a tree
+        round counts so for the depth its tree was planned with)."""
+        if depth == 0:
+            return
+        sums = self._sums(tag)
+        sums.weighted = False
+        sums.add(self._prior_weights(depth), accepted, self.decay)

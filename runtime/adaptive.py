@@ -103,7 +103,3 @@ class DepthPolicy:
             self._drafted = 0
             return 0
         return best_k
-
-    def update(self, tag: str, proposal, accepted: int) -> None:
-        """A verified proposal of ``tag`` and the nodes of it the target kept."""
-        self.estimate.observe(tag, proposal, accepted)

@@ -13,7 +13,7 @@ One interface over what decides the amount of speculation, asked at three points
   (runtime/tree_size.py);
 - ``observe``, after acceptance: what each row kept, for its acceptance estimate
   (runtime/acceptance_estimate.py: one estimator for depth, width and tree size) and the shared
-  width's pooled one; and ``observe_round``, what the round took, for the round prices.
+  width's pooled one; and ``price_round``, what the round took, for the round prices.
 
 A round is priced from the engines' costs (tuned, built, or timed on first ask) and the price
 is checked against the clock by the kind of round (runtime/round_prices.py): a price off by
@@ -27,8 +27,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from specexport.contract import DraftSchedule
 from specexport.runtime.acceptance_estimate import AcceptanceEstimate
@@ -127,7 +125,7 @@ class SpeculationPolicy:
         if own is None:  # a policy that prices nothing (a test's replay)
             return
         if self.prices is None:  # the first sequence's settings, priced at every batch size
-            self.prices = replace(own, priced=self._priced(seq.depth_policy))
+            self.prices = replace(own, priced=self._priced(seq.depth_policy), _kinds={})
         seq.depth_policy.prices = self.prices
 
     def _priced(self, depth: DepthPolicy) -> Callable[[int, int], float | None]:
@@ -227,13 +225,15 @@ class SpeculationPolicy:
         tree round or not."""
         tag = proposal.tag or self.drafter.name
         # a tree's depth is planned as a chain's: the tree counts as a chain of its depth too
-        chain = DraftTree.chain(np.zeros(proposal.depth, dtype=np.int64), tag) if tree else proposal
-        if self.shared is not None:
-            self.shared.estimate.observe(tag, chain, accepted)
-        if seq.depth_policy is not None:
-            seq.depth_policy.update(tag, chain, accepted)
+        estimates = [e for e in (self.shared.estimate if self.shared is not None else None,
+                                 seq.depth_policy.estimate if seq.depth_policy is not None else None) if e is not None]
+        for estimate in estimates:
             if tree:
-                seq.depth_policy.update(self.tree_tag, proposal, accepted)
+                estimate.observe_chain(tag, proposal.depth, accepted)
+            else:
+                estimate.observe(tag, proposal, accepted)
+        if tree and seq.depth_policy is not None:
+            seq.depth_policy.estimate.observe(self.tree_tag, proposal, accepted)
 
 
 def trim_chain(depth: DepthPolicy, chain: DraftTree, planned_tag: str) -> DraftTree:

@@ -96,13 +96,3 @@ class RoundPrices:
             measured.replaced = True
         elif off <= self.settle:
             measured.replaced = False
-
-    def table(self) -> list[dict]:
-        """Every kind that ran: its price, the measured time, rounds, and which is in use."""
-        return [{"batch": batch, "depth": depth, "priced_ms": _ms(self.priced(batch, depth)),
-                 "measured_ms": measured.seconds * 1e3, "rounds": measured.rounds, "replaced": measured.replaced}
-                for (batch, depth), measured in sorted(self._kinds.items())]
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1e3

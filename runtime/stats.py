@@ -96,8 +96,6 @@ class DecodeStats:
             "tree_nodes": self.tree_nodes,
             "verified_tokens": self.verified_tokens,
             "priced_rounds": self.priced_rounds,
-            "priced_s": self.priced_s,
-            "priced_measured_s": self.priced_measured_s,
             "priced_ms_per_round": 1e3 * self.priced_s / self.priced_rounds if self.priced_rounds else None,
             "measured_ms_per_round": 1e3 * self.priced_measured_s / self.priced_rounds if self.priced_rounds else None,
             "ruled_rows": self.ruled_rows,

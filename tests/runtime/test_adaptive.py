@@ -25,7 +25,7 @@ def drafts(n: int, tag: str = "") -> DraftTree:
 def test_depth_zero_when_drafts_keep_failing():
     policy = DepthPolicy(verify_cost, checked=False)
     for _ in range(30):
-        policy.update("bad", drafts(7), 0)
+        policy.estimate.observe("bad", drafts(7), 0)
     depths = [policy.best_depth("bad", 7) for _ in range(16)]
     assert depths.count(0) >= 14  # off, but probing now and then
     assert 7 in depths
@@ -37,7 +37,7 @@ def test_depth_zero_when_drafts_keep_failing():
 def test_full_depth_when_drafts_are_kept():
     policy = DepthPolicy(verify_cost, checked=False)
     for _ in range(30):
-        policy.update("good", drafts(7), 7)
+        policy.estimate.observe("good", drafts(7), 7)
     assert policy.best_depth("good", 7) == 7
 
 
@@ -46,14 +46,14 @@ def test_drafting_cost_shortens_the_draft():
     dear = DepthPolicy(verify_cost, round_cost=lambda k: 0.012 * k)
     for policy in (cheap, dear):
         for accepted in [7, 5, 3, 6, 2, 7, 4, 6, 5, 7] * 3:  # about 0.8 per position
-            policy.update("m", drafts(7), accepted)
+            policy.estimate.observe("m", drafts(7), accepted)
     assert dear.best_depth("m", 7) < cheap.best_depth("m", 7)
 
 
 def test_trim_keeps_a_prefix_and_its_probabilities():
     policy = DepthPolicy(verify_cost, checked=False)
     for _ in range(40):
-        policy.update("t", drafts(4), 1)
+        policy.estimate.observe("t", drafts(4), 1)
     draft = DraftTree.chain(np.array([1, 2, 3, 4]), "t", np.full((4, 5), 0.2))
     trimmed = trim_chain(policy, draft, "fallback")
     assert trimmed.size < 4 and trimmed.tokens.tolist() == [1, 2, 3, 4][: trimmed.size]

@@ -129,13 +129,13 @@ class Replay:
     prices = None  # it prices nothing
 
     def __init__(self, depths: list[int]):
+        from specexport.runtime.acceptance_estimate import AcceptanceEstimate
+
         self._depths = iter(depths)
+        self.estimate = AcceptanceEstimate()  # told every round, read by nothing here
 
     def best_depth(self, name: str, k: int, batch: int = 1) -> int:
         return next(self._depths)
-
-    def update(self, tag: str, proposal, accepted: int) -> None:
-        pass
 
 
 def _alone(pipe, drafter: str, prompt: list[int], budget: int, depths: list[int]) -> tuple[list[int], list[tuple]]:
