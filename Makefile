@@ -39,13 +39,15 @@ $(STAMP): pyproject.toml
 # recipe, the model, the exporter's code or the toolchain changed.
 engines: $(STAMP)
 	$(BIN)/specexport build recipes/smollm2-135m.yaml -o $(ENGINES) --threads $(THREADS)
-	# costs measured here, quietly (about 15 s): adaptive depth and the prefill plan read them
-	$(BIN)/specexport tune $(ENGINES) --threads $(THREADS) --rounds 5
+	# costs measured here, quietly (about 15 s): adaptive depth and the prefill plan read them.
+	# Exit 3: too noisy to trust (a busy machine), nothing written: the build's costs stay, and
+	# the decode loop checks its prices against the clock anyway
+	$(BIN)/specexport tune $(ENGINES) --threads $(THREADS) --rounds 5 || [ $$? -eq 3 ]
 
 # The default model at int4 (recipes/smollm2-135m-int4.yaml): what CPU and edge users deploy.
 engines-int4: $(STAMP)
 	$(BIN)/specexport build recipes/smollm2-135m-int4.yaml -o $(INT4_ENGINES) --threads $(THREADS)
-	$(BIN)/specexport tune $(INT4_ENGINES) --threads $(THREADS) --rounds 5
+	$(BIN)/specexport tune $(INT4_ENGINES) --threads $(THREADS) --rounds 5 || [ $$? -eq 3 ]
 
 demo: engines engines-int4
 	$(BIN)/specexport plan recipes/smollm2-135m.yaml

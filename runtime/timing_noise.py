@@ -66,7 +66,11 @@ def medians(samples: Samples) -> dict[str, dict[Hashable, float]]:
 
 
 class NoisyTimings(SpecexportError):
-    """Timings too scattered to write: the message is one line; ``entries`` says which and by how much."""
+    """Timings too scattered to write: the message is one line; ``entries`` says which and by how much.
+    Its own exit code (3), so a script (the Makefile's ``engines``) can go on with the build's
+    costs on a busy machine and still stop on any other failure."""
+
+    exit_code = 3
 
     def __init__(self, entries: list[NoisyEntry], rounds: int, limit: float = NOISE_LIMIT):
         self.entries, self.limit = entries, limit

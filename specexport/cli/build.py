@@ -30,7 +30,7 @@ from specexport.cli.output import noise_reported, print_json
               help="With --calibrate: timed rounds of every cost measurement (medians kept).")
 @click.option("--accept-noise", is_flag=True,
               help="With --calibrate: write the calibration even where a graph's rounds spread more than the "
-                   "noise limit (runtime/timing_noise.py); without it such a run writes nothing and fails.")
+                   "noise limit (runtime/timing_noise.py); without it such a run writes nothing and exits 3.")
 def plan(recipe: Path, as_json: bool, calibrate: bool, prompts: Path, max_new_tokens: int, threads: int,
          rounds: int, accept_noise: bool) -> None:
     """Show G, the tile arithmetic and the draft length a RECIPE builds for (or, given an

@@ -144,7 +144,7 @@ def _generate_batch(engine_dir: Path, prompts_file: Path, max_batch: int | None,
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
 @click.option("--accept-noise", is_flag=True,
               help="Write the costs even where a graph's rounds spread more than the noise limit "
-                   "(runtime/timing_noise.py); without it such a run writes nothing and fails.")
+                   "(runtime/timing_noise.py); without it such a run writes nothing and exits 3.")
 def tune(engine_dir: Path, rounds: int, threads: int | None, backend: str | None, as_json: bool,
          accept_noise: bool) -> None:
     """Measure every graph's cost on this machine; the runtime then prefers them (costs.json)."""

@@ -176,7 +176,7 @@ def test_a_noisy_calibration_writes_nothing_and_names_the_entries(tmp_path, monk
     prompts = short_prompts(tmp_path / "prompts.jsonl", 2)
     code, _, err = run_cli("plan", recipe, "--calibrate", "--prompts", prompts, "--max-new-tokens", "8",
                            "--rounds", "4")
-    assert code == 1 and "Traceback" not in err
+    assert code == 3 and "Traceback" not in err
     errors = [line for line in err.splitlines() if line.startswith("specexport: error:")]
     assert len(errors) == 1 and err.strip().splitlines()[-1] == errors[0]
     assert "--rounds (now 4)" in errors[0] and "--accept-noise" in errors[0]

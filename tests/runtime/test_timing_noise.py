@@ -51,7 +51,7 @@ def test_tune_refuses_noisy_rounds_and_writes_nothing(engines, monkeypatch):
     fake_timer(monkeypatch, noisy=True)
     before = sorted(p.name for p in engines.iterdir())
     code, out, err = run_cli("tune", engines, "--rounds", "4")
-    assert code == 1 and "Traceback" not in err
+    assert code == 3 and "Traceback" not in err
     lines = err.strip().splitlines()
     assert lines[-1].startswith("specexport: error:") and sum(line.startswith("specexport: error:") for line in lines) == 1
     assert "--rounds" in lines[-1] and "--accept-noise" in lines[-1] and "quieter machine" in lines[-1]
