@@ -13,13 +13,16 @@ catch-up), from costs measured at build or by ``specexport tune``, and replaced 
 measurement where the two disagree. k = 0 (plain decoding) wins when drafts are too often wrong
 for what they cost, or when drafting is slower than the prices said: the floor that keeps
 speculation from being much slower than the target alone. Every ``probe_every`` rounds that
-chose 0 for a tag, the full draft is verified anyway so the estimate can recover, the gap
-doubling after each probe that did not bring drafting back (up to ``max_probe_gap``: a drafter
-that must catch up on what it skipped pays for every probe, so one that keeps losing is asked
-ever more rarely); every
-``plain_every`` rounds that drafted while drafting wins by less than ``close``, one plain round
-measures what the target alone costs now (a clear win needs no such check, and pays for none).
-A policy lives for one generation; the prices it reads are shared by the loop's sequences.
+chose 0 for a tag, a draft is verified anyway so the estimate can recover, the gap doubling after
+each probe that did not bring drafting back (up to ``max_probe_gap``). A probe is as deep as
+costs at most ``probe_budget`` plain rounds more than a plain round (at least one draft): a
+drafter cheap to run is probed at full depth, a draft model whose every step costs half a target
+step one or two drafts deep, for it pays for a probe with its catch-up of everything it skipped
+as well. That catch-up also makes a probe's time no price of its kind of round, so a probe of a
+drafter whose skipping costs something is not measured (``probed``). Every ``plain_every``
+rounds that drafted while drafting wins by less than ``close``, one plain round measures what
+the target alone costs now (a clear win needs no such check, and pays for none). A policy lives
+for one generation; the prices it reads are shared by the loop's sequences.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class DepthPolicy:
     round_cost: Callable[[int], float] = lambda k: 0.0
     probe_every: int = 8
     max_probe_gap: int = 32
+    probe_budget: float = 1.0  # a probe costs at most this many plain rounds more than a plain round
     # a plain round after this many drafting rounds, while depth 0's measurement is young (then
     # eight times as seldom): what the target alone costs now
     plain_every: int = 4
@@ -48,6 +52,7 @@ class DepthPolicy:
     _skipped: dict[str, int] = field(default_factory=dict)  # per tag: rounds in a row that chose depth 0
     _gap: dict[str, int] = field(default_factory=dict)  # per tag: rounds of 0 before the next probe
     _drafted: int = 0  # rounds that drafted since the last plain one
+    probed: bool = False  # the last depth chosen was a probe's
 
     def __post_init__(self) -> None:
         if self.prices is None:
@@ -62,6 +67,7 @@ class DepthPolicy:
     def best_depth(self, tag: str, limit: int, batch: int = 1, sunk: bool = False) -> int:
         """The depth <= limit with the best expected tokens per second in a round at ``batch``.
         ``sunk``: the drafts already exist, so only the verify cost counts."""
+        self.probed = self.probed and sunk  # a probe's chain trimmed (sunk) is still the probe's
         if limit <= 0:
             return 0
         assert self.prices is not None
@@ -78,11 +84,16 @@ class DepthPolicy:
             rate = expected[k - 1] / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        return best_k if sunk else self._explore(tag, best_k, limit, batch, best_rate * base < self.close)
+        if sunk:
+            return best_k
 
-    def _explore(self, tag: str, best_k: int, limit: int, batch: int, close: bool = True) -> int:
-        """The chosen depth, or now and then a probe: the full draft after ``probe_every``
-        rounds of 0, a plain round after ``plain_every`` rounds that drafted."""
+        def probe() -> int:
+            return max([1] + [k for k in range(1, limit + 1) if price(k) <= (1 + self.probe_budget) * base])
+        return self._explore(tag, best_k, probe, batch, best_rate * base < self.close)
+
+    def _explore(self, tag: str, best_k: int, probe: Callable[[], int], batch: int, close: bool = True) -> int:
+        """The chosen depth, or now and then a probe (of depth ``probe()``) after ``probe_every``
+        rounds of 0, or a plain round after ``plain_every`` rounds that drafted."""
         if best_k == 0:
             self._drafted = 0
             self._skipped[tag] = self._skipped.get(tag, 0) + 1
@@ -90,7 +101,8 @@ class DepthPolicy:
             if self._skipped[tag] >= gap:
                 self._skipped[tag] = 0
                 self._gap[tag] = min(2 * gap, self.max_probe_gap)  # if this probe does not pay either
-                return limit
+                self.probed = True
+                return probe()
             return 0
         self._skipped[tag] = 0
         self._gap.pop(tag, None)  # drafting pays again: probe soon if it stops

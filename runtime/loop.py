@@ -174,7 +174,7 @@ class BatchLoop:
             report.accepted.append(seq.stats.accepted - counted[1])
             seq.stats.verify_s += verified.seconds
         seconds = time.perf_counter() - start
-        priced = policy.price_round(verified.batch, max(p.size for p in proposals), seconds) if not plan.trees else None
+        priced = policy.price_round(running, verified.batch, max(p.size for p in proposals), seconds) if not plan.trees else None
         for seq in running:
             seq.stats.total_s += seconds
             seq.stats.count_price(priced, seconds)

@@ -140,13 +140,18 @@ class SpeculationPolicy:
             return depth.priced(1, k)
         return priced
 
-    def price_round(self, batch: int, depth: int, seconds: float) -> float | None:
+    def price_round(self, running: Sequence[Running], batch: int, depth: int, seconds: float) -> float | None:
         """A chain round of ``depth`` drafts (its widest row) at built batch ``batch`` took
-        ``seconds``: its price before it was checked against them (None: unpriced)."""
+        ``seconds``: its price before it was checked against them (None: unpriced). A round that
+        probes a drafter whose skipping costs it a catch-up is no measure of its kind: it also
+        caught up on every round it skipped."""
         if self.prices is None:
             return None
         priced = self.prices.seconds(batch, depth)
-        self.prices.observe(batch, depth, seconds)
+        caught_up = self.drafter.round_cost(0) > 0 and any(
+            seq.depth_policy is not None and seq.depth_policy.probed for seq in running)
+        if not caught_up:
+            self.prices.observe(batch, depth, seconds)
         return priced
 
     def plan(self, running: Sequence[Running]) -> RoundPlan:

@@ -12,10 +12,15 @@ few recent rounds follows a machine that gets busier or quieter within a few rou
 slow round (a page fault, another process) does not move it.
 
 A drafting kind not yet run is priced as the nearest drafting kind that was measured at that
-batch size says: its price times that kind's measured over priced (a drafter slower than its
-price is slower at every depth). Depth 0, the target alone, is measured by the rounds that
-choose it and by adaptive depth's occasional plain rounds, so drafting is compared with what
-the target alone does now, not with what it did at build.
+batch size says: its price times that kind's measured over priced where that price was
+replaced, else the price as it is (a drafter slower than its price is slower at every depth, and
+one measured right at a depth is right at the next). Depth 0, the target alone, is measured by
+the rounds that choose it and by adaptive depth's occasional plain rounds, so drafting is
+compared with what the target alone does now, not with what it did at build.
+
+A replaced price that no round has refreshed for ``expire`` rounds (of any kind) is forgotten: a
+kind priced out of use is never run, so without that, a machine that got quieter since (or a
+measurement taken in a bad moment) would keep its rounds out of use for good.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class _Measured:
     last: deque[float]  # seconds of the last rounds of this kind
     rounds: int = 0
     replaced: bool = False  # the measurement stands in for the price
+    at: int = 0  # the prices' round count when this kind was last measured
 
     @property
     def seconds(self) -> float:
@@ -49,7 +55,9 @@ class RoundPrices:
     margin: float = 1.1
     settle: float = 1.05
     window: int = 3  # rounds of a kind whose median is its measurement
+    expire: int = 128  # rounds after which a replaced price no round refreshed is forgotten
     _kinds: dict[Kind, _Measured] = field(default_factory=dict)
+    _clock: int = 0  # rounds observed, of every kind
 
     def seconds(self, batch: int, depth: int) -> float | None:
         """The price of a round of this kind: the measured time where the price was off, else
@@ -63,14 +71,15 @@ class RoundPrices:
         return priced * self._drafting_ratio(batch, depth)
 
     def _drafting_ratio(self, batch: int, depth: int) -> float:
-        """Measured over priced of the nearest drafting kind at ``batch`` whose price was
-        replaced (1: none)."""
-        replaced = [(abs(k - depth), k) for (b, k), m in self._kinds.items() if b == batch and k > 0 and m.replaced]
-        if not replaced:
+        """Measured over priced of the nearest drafting kind at ``batch`` measured a window's
+        worth, where its price was replaced (1: priced right, or none measured)."""
+        measured = [(abs(k - depth), k) for (b, k), m in self._kinds.items()
+                    if b == batch and k > 0 and m.rounds >= self.window]
+        if not measured:
             return 1.0
-        nearest = min(replaced)[1]
-        priced = self.priced(batch, nearest)
-        return self._kinds[(batch, nearest)].seconds / priced if priced else 1.0
+        nearest = self._kinds[(batch, min(measured)[1])]
+        priced = self.priced(batch, min(measured)[1])
+        return nearest.seconds / priced if priced and nearest.replaced else 1.0
 
     @property
     def checked(self) -> bool:
@@ -87,6 +96,10 @@ class RoundPrices:
         measured = self._kinds.setdefault((batch, depth), _Measured(deque(maxlen=self.window)))
         measured.last.append(seconds)
         measured.rounds += 1
+        self._clock += 1
+        measured.at = self._clock
+        for kind in [kind for kind, m in self._kinds.items() if m.replaced and self._clock - m.at > self.expire]:
+            del self._kinds[kind]  # stale: priced again, so a round can measure it anew
         priced = self.priced(batch, depth)
         if not priced or measured.rounds < self.window:
             return

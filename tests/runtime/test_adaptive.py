@@ -34,6 +34,22 @@ def test_depth_zero_when_drafts_keep_failing():
     assert np.diff(probes).tolist()[-2:] == [32, 32], probes  # ever rarer, up to every 32 rounds
 
 
+def test_a_probe_drafts_only_as_deep_as_one_plain_round_more_pays_for():
+    """A drafter whose steps cost 12 ms each, next to a 20 ms plain round: a probe of 2 drafts
+    would cost 49.6 ms, more than two plain rounds, so probes draft 1; a free drafter's probe
+    drafts the full depth (8 tokens cost 30 ms)."""
+    for step, probe_depth in ((0.012, 1), (0.0, 7)):
+        policy = DepthPolicy(verify_cost, round_cost=lambda k, step=step: step * k, checked=False)
+        for _ in range(30):
+            policy.estimate.observe("bad", drafts(7), 0)
+        depths = [policy.best_depth("bad", 7) for _ in range(9)]
+        assert depths == [0] * 7 + [probe_depth, 0] and not policy.probed, depths
+    flags = []
+    for _ in range(16):
+        flags.append((policy.best_depth("bad", 7), policy.probed))
+    assert [depth for depth, probed in flags if probed] == [7], flags  # the probe says it is one
+
+
 def test_full_depth_when_drafts_are_kept():
     policy = DepthPolicy(verify_cost, checked=False)
     for _ in range(30):

@@ -55,6 +55,31 @@ def test_an_unmeasured_drafting_depth_is_scaled_as_the_nearest_measured_one():
     assert prices.seconds(2, 3) == pytest.approx(0.010)  # another batch size: its own measurements
 
 
+def test_a_depth_measured_right_is_not_scaled_by_a_farther_slow_one():
+    prices = RoundPrices(flat)
+    for _ in range(3):
+        prices.observe(1, 4, 0.040)  # replaced: 4x its price
+        prices.observe(1, 1, 0.010)  # priced right
+    assert prices.seconds(1, 2) == pytest.approx(0.010)  # nearest measured: depth 1
+    assert prices.seconds(1, 3) == pytest.approx(0.040)  # nearest measured: depth 4
+
+
+def test_a_replaced_price_no_round_refreshes_expires():
+    """A kind priced out of use is never run again: its measurement is forgotten after
+    ``expire`` rounds of other kinds, so a round can measure it anew."""
+    prices = RoundPrices(flat, expire=10)
+    for _ in range(3):
+        prices.observe(1, 4, 0.040)
+    for _ in range(10):
+        prices.observe(1, 0, 0.010)
+    assert prices.seconds(1, 4) == pytest.approx(0.040)  # 10 rounds since: still the measurement
+    prices.observe(1, 0, 0.010)
+    assert prices.seconds(1, 4) == pytest.approx(0.010) and prices.rounds(1, 4) == 0  # 11: priced again
+    for _ in range(20):  # a measurement refreshed by its own rounds never expires
+        prices.observe(1, 2, 0.030)
+    assert prices.seconds(1, 2) == pytest.approx(0.030)
+
+
 def test_fixed_prices_ignore_the_clock():
     prices = RoundPrices(flat, margin=float("inf"))
     for _ in range(5):
@@ -118,3 +143,33 @@ def test_depth_goes_to_zero_when_drafting_is_slower_than_priced_and_back_when_it
         fast = drafted_by_round(0.0, 90, drafter, loop, reports)
         back = next(i for i in range(len(fast) - 3) if all(d > 0 for d in fast[i : i + 4]))
         assert back <= 70 and all(drafts > 0 for drafts in fast[back:]), fast
+
+
+class CatchingUpOracle(SleepyOracle):
+    """A SleepyOracle whose skipped rounds cost it a catch-up later (a draft model's)."""
+
+    def round_cost(self, k, costs=None):
+        return 0.0 if k > 0 else 1e-4
+
+
+def test_a_probe_that_catches_up_is_not_measured_and_is_shallow():
+    """A slow drafter at depth 0 is probed now and then. Its skipping costs a catch-up, so a
+    probe costs more than its kind of round: probes are not measured, and they draft only as
+    deep as costs at most one plain round more than a plain round (here 1 draft: the replaced
+    price of 4 drafts, 44 ms, scales every depth). The control: a drafter whose skipping is free
+    has its probes measured."""
+    table = random_table(8, seed=3)
+    for drafter in (CatchingUpOracle(table), SleepyOracle(table)):
+        policy = DepthPolicy(lambda tokens: SleepyRunner.delay, drafter.round_cost)
+        reports: list[RoundReport] = []
+        loop = BatchLoop(markov(table, 1024, SleepyRunner), drafter, draft_len=4, eos_ids=frozenset(),
+                         on_round=reports.append, adaptive=lambda policy=policy: policy)
+        loop.submit(0, Request(np.array([1, 2]), 900))
+        slow = drafted_by_round(0.040, 40, drafter, loop, reports)
+        probes = [d for d in slow[3:] if d > 0]
+        assert slow[:3] == [4, 4, 4] and probes and set(probes) == {1}, slow
+        measured = policy.prices.rounds(1, 1)
+        if isinstance(drafter, CatchingUpOracle):
+            assert measured == 0, measured
+        else:
+            assert measured == len(probes), (measured, probes)
