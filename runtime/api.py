@@ -41,6 +41,7 @@ from specexport.runtime.memory import memory
 from specexport.runtime.model import Model, SlotCaches, open_caches, open_model, slots_refusal
 from specexport.runtime.rules import Controls, SequenceRules
 from specexport.runtime.runner import ModelRunner
+from specexport.runtime.spec_metrics import speculative_decoding
 from specexport.runtime.stats import DecodeStats
 from specexport.runtime.text import TextCodec
 from specexport.runtime.tree_verifier_factory import open_tree_verifier
@@ -61,6 +62,10 @@ class Generation:
     load_to_first_token_s: float | None = None  # from load() to the first token: the pipeline's first generation only
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked for (Controls.logprobs)
 
+    def speculative_decoding(self, detailed: bool = False) -> dict:
+        """This request's speculation stats in vLLM's per-request shape (runtime/spec_metrics.py)."""
+        return speculative_decoding([self.stats], detailed)
+
     def to_dict(self) -> dict:
         logprobs = None if self.logprobs is None else [
             {"token": e.token, "logprob": round(e.logprob, 6), "top": [[t, round(lp, 6)] for t, lp in e.top]}
@@ -77,6 +82,7 @@ class Generation:
             "load_to_first_token_s": _rounded(self.load_to_first_token_s),
             "memory": memory(),  # the process's resident memory now and at its peak
             "stats": self.stats.to_dict(),
+            "speculative_decoding": self.speculative_decoding(),
             **({"logprobs": logprobs} if logprobs is not None else {}),
         }
 
@@ -292,9 +298,11 @@ class Pipeline:
 
     def batch_request(self, ids: Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
                       top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-                      stop: Sequence[str] = (), controls: Controls | None = None) -> tuple[Request, TextTracker]:
+                      stop: Sequence[str] = (), controls: Controls | None = None,
+                      max_depth: int | None = None) -> tuple[Request, TextTracker]:
         """A request for the loop and the text tracker that finds its stop strings (the request's
-        stop check feeds it each token). ``controls``: its penalties, grammar and logprobs."""
+        stop check feeds it each token). ``controls``: its penalties, grammar and logprobs;
+        ``max_depth``: at most this many drafts a round for this request (0: none; None: the loop's)."""
         if max_new_tokens < 1:
             raise BadInput(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
         prompt = np.asarray(self.prompt_ids(ids=ids), dtype=np.int64)
@@ -307,7 +315,7 @@ class Pipeline:
             rules = SequenceRules(controls.penalties, prompt, self.text.eos_ids, grammar)
         tracker = TextTracker(self.text.stream(), stop)
         request = Request(prompt, max_new_tokens, sampling, np.random.default_rng(seed), tracker.add, rules,
-                          None if controls.logprobs is None else Logprobs(controls.logprobs))
+                          None if controls.logprobs is None else Logprobs(controls.logprobs), max_depth)
         return request, tracker
 
     def generate_batch(self, prompts: Sequence[str | dict | Sequence[int]], *, chat: bool = False,

@@ -48,6 +48,7 @@ class Request:
     watch: Callable[[int], bool] | None = None
     rules: SequenceRules | None = None  # penalties, biases, grammar: applied to every row the target scores
     logprobs: Logprobs | None = None  # filled with each emitted token's log probabilities
+    max_depth: int | None = None  # drafts a round at most for this request (0: the target alone; None: the loop's)
 
     @property
     def needs_logits(self) -> bool:
@@ -268,7 +269,7 @@ def _start(target: Model, drafter: Drafter, slot: int, key: Hashable, request: R
     prompt = np.asarray(request.prompt, dtype=np.int64)
     context = np.zeros(target.max_seq_len + 1, dtype=np.int64)
     context[: len(prompt)] = prompt
-    stats = DecodeStats(draft_len=draft_len)
+    stats = DecodeStats(draft_len=draft_len if request.max_depth is None else min(draft_len, request.max_depth))
     start = time.perf_counter()
     runner = target.runners[slot]
     if shared is not None and target.caches.store is not None:

@@ -177,10 +177,10 @@ class SpeculationPolicy:
         return RoundPlan(plan.cap, plan.depths, self.chains)
 
     def _depths(self, running: Sequence[Running], cap: int) -> list[int]:
-        """Each row's depth: the round's, within its cache and its token budget, then as its own
-        adaptive depth chooses."""
+        """Each row's depth: the round's, within its request's own cap (``Request.max_depth``,
+        its stats' draft_len), its cache and its token budget, then as its own adaptive depth chooses."""
         max_seq_len, batch = self.target.max_seq_len, self.target.batch_for(len(running))
-        ks = [min(cap, max_seq_len - seq.length, seq.request.max_new_tokens - seq.stats.tokens - 1)
+        ks = [min(cap, seq.stats.draft_len, max_seq_len - seq.length, seq.request.max_new_tokens - seq.stats.tokens - 1)
               for seq in running]
         return [seq.depth_policy.best_depth(self.drafter.name, k, batch) if seq.depth_policy is not None else k
                 for seq, k in zip(running, ks)]

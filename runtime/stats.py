@@ -17,6 +17,8 @@ class DecodeStats:
     proposed: int = 0  # draft tokens offered to the target
     accepted: int = 0  # draft tokens the target kept
     accepted_at: list[int] = field(default_factory=list)  # [D] rounds that kept draft position i
+    round_drafts: list[int] = field(default_factory=list)  # [rounds] drafts each round offered (a tree: its depth)
+    round_accepted: list[int] = field(default_factory=list)  # [rounds] of them kept
     proposed_at: list[int] = field(default_factory=list)  # [D] rounds that offered position i
     prefill_s: float = 0.0
     draft_s: float = 0.0  # drafter wall time in rounds (its engines and its host work)
@@ -37,14 +39,16 @@ class DecodeStats:
         self.proposed_at = [0] * self.draft_len
 
     def count_round(self, proposed: int, accepted: int, emitted: int) -> None:
-        """One verify round that offered ``proposed`` drafts, kept ``accepted`` and emitted
-        ``emitted`` tokens (accepted + 1, or fewer when a stop cut it)."""
+        """One verify round that offered ``proposed`` drafts (a tree: its depth), kept ``accepted``
+        and emitted ``emitted`` tokens (accepted + 1, or fewer when a stop cut it)."""
         if emitted <= accepted:  # a stop inside the accepted drafts: the round ends there
             proposed = accepted = emitted
         self.rounds += 1
         self.tokens += emitted
         self.proposed += proposed
         self.accepted += accepted
+        self.round_drafts.append(proposed)
+        self.round_accepted.append(accepted)
         for i in range(proposed):
             self.proposed_at[i] += 1
             self.accepted_at[i] += i < accepted

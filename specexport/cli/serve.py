@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from specexport.errors import BadInput, missing_extra
+from specexport.runtime.spec_metrics import LEVELS
 
 
 def _autoscale(value: str | None) -> tuple[int, int] | None:
@@ -79,6 +80,10 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None, tree_n
 @click.option("--tree-nodes", type=click.IntRange(min=0), default=None,
               help="Draft nodes per round as a token tree, for drafters that build trees (at B > 1 at most the "
                    "schedule's depth per row; 0: chains; default: the recipe's draft.tree for its drafters).")
+@click.option("--per-request-spec-decode-metrics", "spec_metrics", type=click.Choice(LEVELS),
+              default=None, help="Add vLLM's metrics.speculative_decoding object to every response (the final chunk "
+                                 "when streamed): acceptance length and rate, histogram, steps, draft and accepted "
+                                 "tokens; detailed adds them per round.")
 @click.option("--ray", "use_ray", is_flag=True, help="Serve through Ray Serve: one engine loop per replica.")
 @click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True, help="With --ray.")
 @click.option("--autoscale", default=None, help="With --ray: MIN:MAX replicas, scaled by ongoing requests.")
@@ -91,7 +96,7 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None, tree_n
 def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int | None, max_waiting: int,
           threads: int | None, api_key: str | None, served_model_name: str, no_schedule: bool, per_sequence: bool,
           adaptive: bool, fixed_prices: bool, use_ray: bool, replicas: int, autoscale: str | None, ray_address: str | None, log_level: str,
-          special_tokens_in_content: bool, tree_nodes: int | None) -> None:
+          special_tokens_in_content: bool, tree_nodes: int | None, spec_metrics: str | None) -> None:
     """Serve ENGINE_DIR over OpenAI's API: /v1/completions, /v1/chat/completions (streamed or
     not), /v1/models, /health and /metrics (Prometheus). One engine thread batches every
     request; depth follows the plan's draft.schedule, and each request's adaptive depth under it.
@@ -106,7 +111,7 @@ def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int |
 
     config = ServeConfig(str(engine_dir.resolve()), served_model_name, drafter, max_batch, max_waiting, threads,
                          api_key, not no_schedule, per_sequence, adaptive, special_tokens_in_content, tree_nodes,
-                         check_prices=not fixed_prices)
+                         check_prices=not fixed_prices, spec_metrics=spec_metrics)
     if use_ray:
         if importlib.util.find_spec("ray") is None:
             raise missing_extra("ray", "ray")

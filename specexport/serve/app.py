@@ -30,6 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specexport.errors import SpecexportError
 from specexport.runtime.logprobs import TokenLogprob
 from specexport.runtime.rules import Controls
+from specexport.runtime.spec_metrics import speculative_decoding
+from specexport.runtime.stats import DecodeStats
 from specexport.serve.config import ServeConfig
 from specexport.serve.engine_loop import EngineThread, Event, Job, Params, QueueFull
 from specexport.serve.metrics import ServerMetrics
@@ -272,7 +274,7 @@ async def _respond(request: Request, state: ServerState, engine: EngineThread, b
         except SpecexportError as err:
             raise ApiError(400, str(err), param=controls.grammar.field) from None
     params = Params(max_tokens, body.temperature, body.top_p, max(body.top_k, 0), body.seed, tuple(body.stops),
-                    body.min_p, controls)
+                    body.min_p, controls, _max_depth(state, body.speculation))
     job_id = engine.next_id("chatcmpl" if chat else "cmpl")
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     # choice i samples with seed + i: n choices of one seeded request are n different draws
@@ -286,7 +288,7 @@ async def _respond(request: Request, state: ServerState, engine: EngineThread, b
     except QueueFull as err:
         raise ApiError(429, str(err), kind="rate_limit_error", code="queue_full") from None
     chunks = _Chunks(job_id, state.config.served_name, chat, body.return_token_ids, state.pipe.text.token_text,
-                     controls.logprobs)
+                     controls.logprobs, state.config.spec_metrics)
     headers = {"x-served-by": _SERVED_BY}
     if body.stream:
         return StreamingResponse(_stream(engine, jobs, chunks, len(ids), body.include_usage, body.continuous_usage),
@@ -310,6 +312,25 @@ async def _respond(request: Request, state: ServerState, engine: EngineThread, b
     return JSONResponse(chunks.whole(choices, usage), headers=headers)
 
 
+def _max_depth(state: ServerState, speculation) -> int | None:
+    """The request's depth cap from its ``speculation`` field (None: the server's), or a 400
+    naming the field: a drafter the server does not run, a depth past the engines' draft length."""
+    if speculation is None:
+        return None
+    served = state.config.drafter
+    if speculation.drafter not in (None, "none", served):
+        raise ApiError(400, f"speculation.drafter: this server drafts with '{served}' (or 'none' for the target "
+                            f"alone), not '{speculation.drafter}'; start one with --drafter {speculation.drafter}",
+                       param="speculation.drafter")
+    draft_len = state.pipe.manifest.draft_len
+    if speculation.max_depth is not None and speculation.max_depth > draft_len:
+        raise ApiError(400, f"speculation.max_depth: at most {draft_len}, the engines' draft length "
+                            f"(got {speculation.max_depth})", param="speculation.max_depth")
+    if speculation.drafter == "none" or served == "none":
+        return 0
+    return speculation.max_depth
+
+
 def _controls(state: ServerState, body) -> Controls:
     """The request's penalties, grammar and logprobs, or a 400 naming the field."""
     try:
@@ -329,13 +350,14 @@ class _Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     reason: str | None = None
     done: bool = False
+    stats: DecodeStats | None = None
 
     def add(self, event: Event) -> None:
         self.text.append(event.text)
         self.tokens += event.token_ids
         self.logprobs += event.logprobs
         if event.done:
-            self.reason, self.done = event.finish_reason, True
+            self.reason, self.done, self.stats = event.finish_reason, True, event.stats
 
 
 async def _stream(engine: EngineThread, jobs: list[Job], chunks: _Chunks, prompt_tokens: int,
@@ -344,6 +366,7 @@ async def _stream(engine: EngineThread, jobs: list[Job], chunks: _Chunks, prompt
     events = jobs[0].events
     running = set(range(len(jobs)))
     tokens = 0
+    stats: list[DecodeStats] = []
     try:
         if chunks.chat:
             for job in jobs:
@@ -355,16 +378,19 @@ async def _stream(engine: EngineThread, jobs: list[Job], chunks: _Chunks, prompt
                 break
             if event.done:
                 running.discard(event.index)
+                stats += [event.stats] if event.stats is not None else []
             tokens += len(event.token_ids)
             if event.text or event.token_ids or event.done:
                 piece = chunks.piece(event.index, event.text, event.finish_reason if event.done else None,
                                      event.token_ids, event.logprobs)
                 if continuous_usage:
                     piece["usage"] = _usage(prompt_tokens, tokens)
+                if not running and not include_usage:  # the last chunk: the request's speculation stats
+                    piece.update(chunks.metrics(stats))
                 yield _sse(piece)
         if not running:
             if include_usage:
-                yield _sse(chunks.usage(_usage(prompt_tokens, tokens)))
+                yield _sse({**chunks.usage(_usage(prompt_tokens, tokens)), **chunks.metrics(stats)})
             yield "data: [DONE]\n\n"
     finally:
         for job in jobs:  # a choice still running: the client went away, free its slot at the next round
@@ -385,9 +411,9 @@ class _Chunks:
     extension: each choice also carries its token ids)."""
 
     def __init__(self, job_id: str, model: str, chat: bool, token_ids: bool, token_text: Callable[[int], str],
-                 logprobs: int | None):
+                 logprobs: int | None, spec_metrics: str | None = None):
         self.id, self.model, self.chat, self.token_ids = job_id, model, chat, token_ids
-        self.token_text, self.logprobs = token_text, logprobs
+        self.token_text, self.logprobs, self.spec_metrics = token_text, logprobs, spec_metrics
         self.created = int(time.time())
         self._offset: dict[int, int] = {}  # choice -> characters of text before its next token (completions)
 
@@ -424,7 +450,15 @@ class _Chunks:
             if self.token_ids:
                 choice["token_ids"] = c.tokens
             out.append(choice)
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out, "usage": usage}
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out, "usage": usage,
+                **self.metrics([c.stats for c in choices if c.stats is not None])}
+
+    def metrics(self, stats: list[DecodeStats]) -> dict:
+        """vLLM's top-level ``metrics`` object with the request's speculation stats (summed over
+        its choices), where the server was started with --per-request-spec-decode-metrics."""
+        if self.spec_metrics is None:
+            return {}
+        return {"metrics": {"speculative_decoding": speculative_decoding(stats, self.spec_metrics == "detailed")}}
 
     def _logprobs(self, index: int, entries: list[TokenLogprob], role: bool = False) -> dict | None:
         """OpenAI's logprobs object for these tokens (None when the request did not ask)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from specexport.runtime.logprobs import TokenLogprob
 from specexport.runtime.loop import BatchLoop, Finished, RoundReport
 from specexport.runtime.rules import Controls
+from specexport.runtime.stats import DecodeStats
 from specexport.serve.metrics import ServerMetrics
 from specexport.serve.protocol import finish_reason
 
@@ -42,6 +43,7 @@ class Params:
     stop: tuple[str, ...] = ()
     min_p: float = 0.0
     controls: Controls = field(default_factory=Controls)  # penalties, grammar, logprobs
+    max_depth: int | None = None  # drafts a round at most (0: the target alone; None: the server's)
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Event:
     finish_reason: str | None = None
     done: bool = False
     error: str | None = None
+    stats: DecodeStats | None = None  # at the end: what its decode counted
 
 
 @dataclass
@@ -183,7 +186,7 @@ class EngineThread:
             request, job.tracker = self.pipe.batch_request(job.prompt_ids, max_new_tokens=p.max_tokens,
                                                            temperature=p.temperature, top_k=p.top_k,
                                                            top_p=p.top_p, min_p=p.min_p, seed=p.seed, stop=p.stop,
-                                                           controls=p.controls)
+                                                           controls=p.controls, max_depth=p.max_depth)
             job.request = request
         except Exception as err:  # noqa: BLE001 - checked before submit; a surprise fails only this job
             self._release(job, Event(done=True, error=str(err)))
@@ -230,7 +233,7 @@ class EngineThread:
         else:  # cancelled: no one is left to answer
             self.metrics.cancelled.inc()
         self._release(job, Event(text=job.tracker.rest(), token_ids=job.held, logprobs=job.new_logprobs(),
-                                 finish_reason=reason, done=True))
+                                 finish_reason=reason, done=True, stats=finished.stats))
 
     def _release(self, job: Job, event: Event) -> None:
         job.post(event)

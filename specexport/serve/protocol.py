@@ -97,6 +97,14 @@ class StructuredOutputs(_Body):
     json_object: bool | None = None
 
 
+class Speculation(_Body):
+    """How this request speculates (both optional): ``drafter``, the server's drafter or "none"
+    (the target alone); ``max_depth``, at most this many drafts a round (0: none)."""
+
+    drafter: str | None = None
+    max_depth: int | None = Field(None, ge=0)
+
+
 class _Sampled(_Body):
     """What both endpoints share: sampling, stops, streaming, and every field either endpoint
     may carry that NOT_YET refuses unless neutral."""
@@ -129,6 +137,7 @@ class _Sampled(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    speculation: Speculation | None = None  # this request's drafter and depth cap (the others keep theirs)
     # not done: refused unless neutral (NOT_YET)
     ignore_eos: Any = None
     stop_token_ids: Any = None
