@@ -19,9 +19,11 @@ from specexport.backends import BACKENDS, DEFAULT_BACKEND, TENSORRT
 from specexport.contract import Manifest, Role
 from specexport.errors import BadInput
 from specexport.runtime.acceptance import Sampling
+from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.cost_policy import EngineCosts
 from specexport.runtime.costs import TunedCosts, load_tuned
 from specexport.runtime.drafter_factories import make_drafter
+from specexport.runtime.drafter_set import DrafterSet
 from specexport.runtime.drafters import Drafter, NoDrafter
 from specexport.runtime.engine import EngineOptions, SharedGraphs
 from specexport.runtime.grammar import Grammars
@@ -274,9 +276,9 @@ class Pipeline:
         """The target over one slot per sequence the loop may run (default: the largest batch size built)."""
         return self.model("target", slots=max(target_batches(self.manifest, max_batch)))
 
-    def batch_loop(self, *, drafter: str = "none", draft_len: int | None = None, max_batch: int | None = None,
-                   schedule: bool = True, per_sequence: bool = False, adaptive: bool = True, on_token=None,
-                   on_round=None, tree_nodes: int | None = None) -> BatchLoop:
+    def batch_loop(self, *, drafter: str | Sequence[str] = "none", draft_len: int | None = None,
+                   max_batch: int | None = None, schedule: bool = True, per_sequence: bool = False,
+                   adaptive: bool = True, on_token=None, on_round=None, tree_nodes: int | None = None) -> BatchLoop:
         """A continuous-batching loop (runtime/loop.BatchLoop) over the target's slots: submit
         requests made by ``batch_request`` and step it. Rounds draft at most the manifest's depth
         for the number of running sequences (the plan's schedule, unless ``schedule`` is False)
@@ -284,11 +286,19 @@ class Pipeline:
         request alone in the batch decodes exactly as ``generate``); ``per_sequence``: then each
         round's batch-wide verify width from every row's acceptance and the measured batch
         costs. Every drafter kind runs batched where the directory has its graphs at each batch
-        size (``batched_refusal`` says why not)."""
+        size (``batched_refusal`` says why not). Several ``drafter`` names: a DrafterSet
+        (runtime/drafter_set.py), each request drafting with the one its ``Request.drafter``
+        names (default the first); its rounds draft chains unless every one builds trees."""
         target = self.batched_target(max_batch)
-        chosen = self.drafter(drafter, target.slots)
-        policy = (lambda: self.costs.depth_policy(chosen, self.target)) if adaptive and chosen.name != "none" else None
-        nodes = self.tree_nodes(tree_nodes, chosen.name)
+        names = [drafter] if isinstance(drafter, str) else list(dict.fromkeys(drafter))
+        members = {name: self.drafter(name, target.slots) for name in names}
+        chosen: Drafter = members[names[0]] if len(names) == 1 else DrafterSet(members, target.slots)
+
+        def depth_policy(member: Drafter = chosen) -> DepthPolicy:  # a set's: given the sequence's member
+            return self.costs.depth_policy(member, self.target)
+
+        policy = depth_policy if adaptive and chosen.name != "none" else None
+        nodes = min(self.tree_nodes(tree_nodes, name) for name in names)
         return BatchLoop(target, chosen, draft_len=check_draft_len(self.manifest, draft_len),
                          eos_ids=self.text.eos_ids, on_token=on_token,
                          schedule=self.manifest.draft_schedule if schedule else None,
@@ -299,10 +309,11 @@ class Pipeline:
     def batch_request(self, ids: Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
                       top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                       stop: Sequence[str] = (), controls: Controls | None = None,
-                      max_depth: int | None = None) -> tuple[Request, TextTracker]:
+                      max_depth: int | None = None, drafter: str | None = None) -> tuple[Request, TextTracker]:
         """A request for the loop and the text tracker that finds its stop strings (the request's
         stop check feeds it each token). ``controls``: its penalties, grammar and logprobs;
-        ``max_depth``: at most this many drafts a round for this request (0: none; None: the loop's)."""
+        ``max_depth``: at most this many drafts a round for this request (0: none; None: the loop's);
+        ``drafter``: in a loop of several drafters, the one drafting for it (None: the first)."""
         if max_new_tokens < 1:
             raise BadInput(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
         prompt = np.asarray(self.prompt_ids(ids=ids), dtype=np.int64)
@@ -315,7 +326,7 @@ class Pipeline:
             rules = SequenceRules(controls.penalties, prompt, self.text.eos_ids, grammar)
         tracker = TextTracker(self.text.stream(), stop)
         request = Request(prompt, max_new_tokens, sampling, np.random.default_rng(seed), tracker.add, rules,
-                          None if controls.logprobs is None else Logprobs(controls.logprobs), max_depth)
+                          None if controls.logprobs is None else Logprobs(controls.logprobs), max_depth, drafter)
         return request, tracker
 
     def generate_batch(self, prompts: Sequence[str | dict | Sequence[int]], *, chat: bool = False,

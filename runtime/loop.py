@@ -26,6 +26,7 @@ import numpy as np
 from specexport.contract import LOGITS, DraftSchedule
 from specexport.runtime.acceptance import Sampling, accept
 from specexport.runtime.adaptive import DepthPolicy
+from specexport.runtime.drafter_set import DrafterSet
 from specexport.runtime.drafters import Drafter, DraftRow
 from specexport.runtime.logprobs import Logprobs
 from specexport.runtime.model import Model
@@ -49,6 +50,7 @@ class Request:
     rules: SequenceRules | None = None  # penalties, biases, grammar: applied to every row the target scores
     logprobs: Logprobs | None = None  # filled with each emitted token's log probabilities
     max_depth: int | None = None  # drafts a round at most for this request (0: the target alone; None: the loop's)
+    drafter: str | None = None  # a loop over a DrafterSet: the member drafting for it (None: the set's default)
 
     @property
     def needs_logits(self) -> bool:
@@ -70,6 +72,7 @@ class Running:
     length: int  # committed tokens; the cache holds length - 1 of them
     stats: DecodeStats
     depth_policy: DepthPolicy | None = None  # this sequence's own adaptive depth and acceptance estimate
+    drafter: str = ""  # the name of the drafter drafting for it (a DrafterSet's member)
 
 
 @dataclass
@@ -175,7 +178,7 @@ class BatchLoop:
             report.accepted.append(seq.stats.accepted - counted[1])
             seq.stats.verify_s += verified.seconds
         seconds = time.perf_counter() - start
-        priced = policy.price_round(running, verified.batch, max(p.size for p in proposals), seconds) if not plan.trees else None
+        priced = policy.price_round(running, proposals, verified.batch, seconds) if not plan.trees else None
         for seq in running:
             seq.stats.total_s += seconds
             seq.stats.count_price(priced, seconds)
@@ -279,9 +282,13 @@ def _start(target: Model, drafter: Drafter, slot: int, key: Hashable, request: R
     else:
         runner.cache.set_length(0)
         extras = runner.forward(prompt[:-1], want=drafter.needs).extras  # the last prompt token opens round one
+    drafting = drafter.name
+    if isinstance(drafter, DrafterSet):  # the request's member drafts for the slot
+        drafter.assign(slot, request.drafter)
+        drafting = drafter.of(slot).name
     drafter.join(slot, prompt, extras)
     stats.prefill_s = time.perf_counter() - start
-    return Running(key, request, context, len(prompt), stats), _Prefill(prompt, slot, extras)
+    return Running(key, request, context, len(prompt), stats, drafter=drafting), _Prefill(prompt, slot, extras)
 
 
 def _draft_row(seq: Running, tree_size: SizeHint | None = None) -> DraftRow:

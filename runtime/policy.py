@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from specexport.contract import DraftSchedule
 from specexport.runtime.acceptance_estimate import AcceptanceEstimate
 from specexport.runtime.adaptive import DepthPolicy
+from specexport.runtime.drafter_set import DrafterSet
 from specexport.runtime.drafters import DraftBudget, Drafter
 from specexport.runtime.goodput import best_width
 from specexport.runtime.model import Model
@@ -77,12 +78,13 @@ class SharedWidth:
     probe_every: int = 8
     skipped: int = 0
 
-    def choose(self, target: Model, proposals: Sequence[DraftTree], width: int, default_tag: str) -> int:
+    def choose(self, target: Model, proposals: Sequence[DraftTree], width: int, tags: Sequence[str]) -> int:
+        """``tags``: each proposal's acceptance tag."""
         rows = len(proposals)
         batch = target.batch_for(rows)
         built = target.widths(rows)
         holding = [w for w in built if w >= width][:1] or built[-1:]  # the narrowest holding every draft
-        lengths = [self.estimate.chain_lengths(p.tag or default_tag, p.size) for p in proposals]
+        lengths = [self.estimate.chain_lengths(tag, p.size) for p, tag in zip(proposals, tags)]
         chosen = best_width([w for w in built if w < width] + holding, lambda w: target.costs[(batch, w)], lengths)
         self.skipped = self.skipped + 1 if chosen == 1 else 0
         if self.skipped >= self.probe_every:
@@ -95,7 +97,7 @@ class SpeculationPolicy:
     (the module docstring says when each is asked)."""
 
     def __init__(self, target: Model, drafter: Drafter, *, draft_len: int, schedule: DraftSchedule | None = None,
-                 per_sequence: bool = False, adaptive: Callable[[], DepthPolicy] | None = None,
+                 per_sequence: bool = False, adaptive: Callable[..., DepthPolicy] | None = None,
                  trees: TreeVerifier | None = None, tree_nodes: int = 0, tree_top_k: int = 4):
         if per_sequence and not target.costs:
             target.measure_costs()
@@ -108,27 +110,31 @@ class SpeculationPolicy:
         # as `generate` does (the same depths, so the same draws when sampled)
         self.adaptive = adaptive
         # what a round costs, by batch size and depth, checked against the clock: shared by
-        # every sequence (made with the first one's adaptive depth)
-        self.prices: RoundPrices | None = None
-        self.tree_tag = f"{drafter.name}/tree"  # trees' acceptance, apart from chains'
+        # every sequence of a drafter (made with the first one's adaptive depth)
+        self.prices: dict[str, RoundPrices] = {}
         # token trees where the drafter builds them: each row verifies a tree of up to
         # tree_nodes drafts (at B > 1 at most the round's depth) when its batch size has a tree graph
         self.trees = trees if tree_nodes > 0 and drafter.builds_trees else None
         self.tree_nodes, self.tree_top_k = tree_nodes, tree_top_k
 
+    def drafter_of(self, seq: Running) -> Drafter:
+        """The drafter drafting for ``seq``: the loop's, or its request's member of a set."""
+        return self.drafter.members[seq.drafter] if isinstance(self.drafter, DrafterSet) else self.drafter
+
     def start(self, seq: Running) -> None:
-        """A sequence joined: its own adaptive depth, over the loop's round prices."""
+        """A sequence joined: its own adaptive depth, over its drafter's round prices."""
         if self.adaptive is None:
             return
-        seq.depth_policy = self.adaptive()
+        drafter = self.drafter_of(seq)
+        seq.depth_policy = self.adaptive(drafter) if isinstance(self.drafter, DrafterSet) else self.adaptive()
         own = seq.depth_policy.prices
         if own is None:  # a policy that prices nothing (a test's replay)
             return
-        if self.prices is None:  # the first sequence's settings, priced at every batch size
-            self.prices = replace(own, priced=self._priced(seq.depth_policy), _kinds={})
-        seq.depth_policy.prices = self.prices
+        if drafter.name not in self.prices:  # the first sequence's settings, priced at every batch size
+            self.prices[drafter.name] = replace(own, priced=self._priced(seq.depth_policy, drafter), _kinds={})
+        seq.depth_policy.prices = self.prices[drafter.name]
 
-    def _priced(self, depth: DepthPolicy) -> Callable[[int, int], float | None]:
+    def _priced(self, depth: DepthPolicy, drafter: Drafter) -> Callable[[int, int], float | None]:
         """(batch, depth) -> a round's price: at a built batch size B > 1 the batched verify
         graph that runs (its measured cost, where measured) and the drafter's round."""
         def priced(batch: int, k: int) -> float | None:
@@ -136,22 +142,32 @@ class SpeculationPolicy:
                 built = [t for t in self.target.widths(batch) if t >= 1 + k]
                 seconds = self.target.costs.get((batch, built[0])) if built else None
                 if seconds:
-                    return seconds + self.drafter.round_cost(k)
+                    return seconds + drafter.round_cost(k)
             return depth.priced(1, k)
         return priced
 
-    def price_round(self, running: Sequence[Running], batch: int, depth: int, seconds: float) -> float | None:
-        """A chain round of ``depth`` drafts (its widest row) at built batch ``batch`` took
-        ``seconds``: its price before it was checked against them (None: unpriced). A round that
-        probes a drafter whose skipping costs it a catch-up is no measure of its kind: it also
-        caught up on every round it skipped."""
-        if self.prices is None:
+    def price_round(self, running: Sequence[Running], proposals: Sequence[DraftTree], batch: int,
+                    seconds: float) -> float | None:
+        """A chain round of these ``proposals`` at built batch ``batch`` took ``seconds``: its
+        price before it was checked against them (None: unpriced), by its widest row. A round
+        whose rows drafted with different drafters (a set's) is no measure of either drafter's
+        rounds, and a round that probes a drafter whose skipping costs it a catch-up is none of
+        its kind (it also caught up on every round it skipped): neither is measured. A round
+        without drafts measures the target alone for every drafter in it."""
+        depth = max(p.size for p in proposals)
+        drafting = {self.drafter_of(seq).name for seq, p in zip(running, proposals) if p.size}
+        names = drafting or {self.drafter_of(seq).name for seq in running}
+        prices = [self.prices[name] for name in names if name in self.prices]
+        if not prices:
             return None
-        priced = self.prices.seconds(batch, depth)
-        caught_up = self.drafter.round_cost(0) > 0 and any(
-            seq.depth_policy is not None and seq.depth_policy.probed for seq in running)
+        priced = prices[0].seconds(batch, depth)
+        if len(drafting) > 1:
+            return priced
+        caught_up = any(seq.depth_policy is not None and seq.depth_policy.probed
+                        and self.drafter_of(seq).round_cost(0) > 0 for seq in running)
         if not caught_up:
-            self.prices.observe(batch, depth, seconds)
+            for price in prices:
+                price.observe(batch, depth, seconds)
         return priced
 
     def plan(self, running: Sequence[Running]) -> RoundPlan:
@@ -182,8 +198,8 @@ class SpeculationPolicy:
         max_seq_len, batch = self.target.max_seq_len, self.target.batch_for(len(running))
         ks = [min(cap, seq.stats.draft_len, max_seq_len - seq.length, seq.request.max_new_tokens - seq.stats.tokens - 1)
               for seq in running]
-        return [seq.depth_policy.best_depth(self.drafter.name, k, batch) if seq.depth_policy is not None else k
-                for seq, k in zip(running, ks)]
+        return [seq.depth_policy.best_depth(self.drafter_of(seq).name, k, batch) if seq.depth_policy is not None
+                else k for seq, k in zip(running, ks)]
 
     def _size_hint(self, seq: Running) -> SizeHint | None:
         """The size an adaptive sequence verifying alone will cut its tree to, counting the
@@ -191,13 +207,14 @@ class SpeculationPolicy:
         rows share one size, which may give a row more nodes than its own tree would choose."""
         if seq.depth_policy is None or self.trees is None:
             return None
-        estimate, tag = seq.depth_policy.estimate, self.tree_tag
-        cost, round_cost = self.trees.cost, self.drafter.round_cost
+        drafter = self.drafter_of(seq)
+        estimate, tag = seq.depth_policy.estimate, tree_tag(drafter)
+        cost, round_cost = self.trees.cost, drafter.round_cost
         return lambda weights, depths, drafted: size_ranked(estimate, tag, weights, depths, cost, drafted, round_cost)
 
     def trim(self, seq: Running, chain: DraftTree) -> DraftTree:
         """A chain that exists, cut to the prefix the row's adaptive depth keeps."""
-        return chain if seq.depth_policy is None else trim_chain(seq.depth_policy, chain, self.drafter.name)
+        return chain if seq.depth_policy is None else trim_chain(seq.depth_policy, chain, self.drafter_of(seq).name)
 
     def fit(self, running: Sequence[Running], proposals: list[DraftTree], plan: RoundPlan) -> list[DraftTree]:
         """The proposals cut to what the round's pass should hold."""
@@ -208,7 +225,7 @@ class SpeculationPolicy:
                 batch = trees.batch_for(len(running))
                 # a fixed-depth row's weights are taken as they are: a fresh estimate
                 estimates = [(seq.depth_policy.estimate if seq.depth_policy is not None else AcceptanceEstimate(),
-                              self.tree_tag) for seq in running]
+                              tree_tag(self.drafter_of(seq))) for seq in running]
                 keep = shared_size(estimates, proposals, lambda rows: trees.cost(rows, batch))
                 proposals = [tree.best(keep) if tree.size > keep else tree for tree in proposals]
             return proposals
@@ -221,14 +238,16 @@ class SpeculationPolicy:
             room = max(t for t in self.target.widths(n) if t <= room)
         width = min(1 + max(p.size for p in proposals), room)
         if self.shared is not None and width > 1:  # the width with the most expected tokens per second of verify
-            width = self.shared.choose(self.target, proposals, width, self.drafter.name)
+            tags = [p.tag or self.drafter_of(seq).name for seq, p in zip(running, proposals)]
+            width = self.shared.choose(self.target, proposals, width, tags)
         holds = self.chains.holds(n, width)
         return [p if 1 + p.size <= holds else p.prefix(holds - 1) for p in proposals]
 
     def observe(self, seq: Running, proposal: DraftTree, accepted: int, tree: bool) -> None:
         """Row ``seq`` kept ``accepted`` nodes of ``proposal`` (a path down to that depth) in a
         tree round or not."""
-        tag = proposal.tag or self.drafter.name
+        drafter = self.drafter_of(seq)
+        tag = proposal.tag or drafter.name
         # a tree's depth is planned as a chain's: the tree counts as a chain of its depth too
         estimates = [e for e in (self.shared.estimate if self.shared is not None else None,
                                  seq.depth_policy.estimate if seq.depth_policy is not None else None) if e is not None]
@@ -238,7 +257,12 @@ class SpeculationPolicy:
             else:
                 estimate.observe(tag, proposal, accepted)
         if tree and seq.depth_policy is not None:
-            seq.depth_policy.estimate.observe(self.tree_tag, proposal, accepted)
+            seq.depth_policy.estimate.observe(tree_tag(drafter), proposal, accepted)
+
+
+def tree_tag(drafter: Drafter) -> str:
+    """The acceptance tag of a drafter's trees (apart from its chains')."""
+    return f"{drafter.name}/tree"
 
 
 def trim_chain(depth: DepthPolicy, chain: DraftTree, planned_tag: str) -> DraftTree:

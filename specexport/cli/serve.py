@@ -49,7 +49,8 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None, tree_n
     target = batched_refusal(manifest, "none", max_batch)
     if target is not None:
         raise BadInput(f"{engine_dir}: {target}")
-    check_drafter(manifest, drafter, max_batch, "--drafter")
+    for name in _names("--drafter", drafter):
+        check_drafter(manifest, name, max_batch, "--drafter")
     check_tree_nodes(manifest, tree_nodes)
     return drafter
 
@@ -60,7 +61,8 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None, tree_n
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to bind.")
 @click.option("--drafter", default="ngram", show_default=True,
               help="none, or any drafter the directory has (ngram, quantized-self, a draft model, or a head: "
-                   "eagle3, mtp, dflash, dspark); every one runs batched.")
+                   "eagle3, mtp, dflash, dspark); every one runs batched. Several, comma-separated: each request "
+                   "drafts with the one its speculation.drafter field names (default the first).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=None,
               help="Sequences per round (default: the largest batch size built).")
 @click.option("--max-waiting", type=click.IntRange(min=0), default=64, show_default=True,

@@ -72,7 +72,7 @@ class ServerState:
     def _load(self) -> None:
         try:
             pipe = self.loader(self.config)
-            loop = pipe.batch_loop(drafter=self.config.drafter, max_batch=self.config.max_batch,
+            loop = pipe.batch_loop(drafter=self.config.drafters, max_batch=self.config.max_batch,
                                    schedule=self.config.schedule, per_sequence=self.config.per_sequence,
                                    adaptive=self.config.adaptive, tree_nodes=self.config.tree_nodes)
             self.metrics = ServerMetrics(self.config.served_name, pipe.manifest.draft_len)
@@ -274,7 +274,7 @@ async def _respond(request: Request, state: ServerState, engine: EngineThread, b
         except SpecexportError as err:
             raise ApiError(400, str(err), param=controls.grammar.field) from None
     params = Params(max_tokens, body.temperature, body.top_p, max(body.top_k, 0), body.seed, tuple(body.stops),
-                    body.min_p, controls, _max_depth(state, body.speculation))
+                    body.min_p, controls, *_speculation(state, body.speculation))
     job_id = engine.next_id("chatcmpl" if chat else "cmpl")
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     # choice i samples with seed + i: n choices of one seeded request are n different draws
@@ -312,23 +312,24 @@ async def _respond(request: Request, state: ServerState, engine: EngineThread, b
     return JSONResponse(chunks.whole(choices, usage), headers=headers)
 
 
-def _max_depth(state: ServerState, speculation) -> int | None:
-    """The request's depth cap from its ``speculation`` field (None: the server's), or a 400
-    naming the field: a drafter the server does not run, a depth past the engines' draft length."""
+def _speculation(state: ServerState, speculation) -> tuple[str | None, int | None]:
+    """The request's drafter and depth cap from its ``speculation`` field (None: the server's),
+    or a 400 naming the field: a drafter the server does not run, a depth past the engines' draft
+    length."""
     if speculation is None:
-        return None
-    served = state.config.drafter
-    if speculation.drafter not in (None, "none", served):
-        raise ApiError(400, f"speculation.drafter: this server drafts with '{served}' (or 'none' for the target "
-                            f"alone), not '{speculation.drafter}'; start one with --drafter {speculation.drafter}",
-                       param="speculation.drafter")
+        return None, None
+    served = state.config.drafters
+    if speculation.drafter not in (None, "none", *served):
+        raise ApiError(400, f"speculation.drafter: this server drafts with {', '.join(served)} (or 'none' for the "
+                            f"target alone), not '{speculation.drafter}'; start one with --drafter "
+                            f"{','.join([*served, speculation.drafter])}", param="speculation.drafter")
     draft_len = state.pipe.manifest.draft_len
     if speculation.max_depth is not None and speculation.max_depth > draft_len:
         raise ApiError(400, f"speculation.max_depth: at most {draft_len}, the engines' draft length "
                             f"(got {speculation.max_depth})", param="speculation.max_depth")
-    if speculation.drafter == "none" or served == "none":
-        return 0
-    return speculation.max_depth
+    if speculation.drafter == "none" or served == ["none"]:
+        return None, 0
+    return speculation.drafter, speculation.max_depth
 
 
 def _controls(state: ServerState, body) -> Controls:

@@ -12,7 +12,9 @@ from specexport.errors import BadInput
 class ServeConfig:
     engine_dir: str
     model_name: str = ""  # the name clients ask for; default: the engine directory's name
-    drafter: str = "ngram"  # none or any drafter of the directory (all run in the batched loop)
+    # none or any drafter of the directory (all run in the batched loop); several, comma-separated:
+    # each request drafts with the one its speculation.drafter names (default the first)
+    drafter: str = "ngram"
     max_batch: int | None = None  # sequences per round (default: the largest batch size built)
     max_waiting: int = 64  # requests queued beyond the running ones; more get 429
     threads: int | None = None
@@ -28,6 +30,11 @@ class ServeConfig:
     # vLLM's --per-request-spec-decode-metrics: "summary" or "detailed" adds metrics.speculative_decoding
     # to every response (runtime/spec_metrics.py); None: responses as OpenAI's
     spec_metrics: str | None = None
+
+    @property
+    def drafters(self) -> list[str]:
+        """The drafters the server runs, the default first."""
+        return list(dict.fromkeys(name.strip() for name in self.drafter.split(",") if name.strip()))
 
     @property
     def served_name(self) -> str:

@@ -43,6 +43,7 @@ class Params:
     stop: tuple[str, ...] = ()
     min_p: float = 0.0
     controls: Controls = field(default_factory=Controls)  # penalties, grammar, logprobs
+    drafter: str | None = None  # which of the server's drafters drafts for it (None: the first)
     max_depth: int | None = None  # drafts a round at most (0: the target alone; None: the server's)
 
 
@@ -186,7 +187,8 @@ class EngineThread:
             request, job.tracker = self.pipe.batch_request(job.prompt_ids, max_new_tokens=p.max_tokens,
                                                            temperature=p.temperature, top_k=p.top_k,
                                                            top_p=p.top_p, min_p=p.min_p, seed=p.seed, stop=p.stop,
-                                                           controls=p.controls, max_depth=p.max_depth)
+                                                           controls=p.controls, max_depth=p.max_depth,
+                                                           drafter=p.drafter)
             job.request = request
         except Exception as err:  # noqa: BLE001 - checked before submit; a surprise fails only this job
             self._release(job, Event(done=True, error=str(err)))

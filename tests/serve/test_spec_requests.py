@@ -123,3 +123,25 @@ def test_generate_results_carry_the_same_object(batched_engines):
         assert spec["num_draft_tokens"] == result.stats.proposed > 0
         assert spec["num_spec_steps"] == result.stats.rounds
         assert spec["mean_acceptance_length"] == pytest.approx(1 + result.stats.accepted / result.stats.rounds)
+
+
+def test_a_server_of_two_drafters_drafts_with_the_one_each_request_names(batched_engines):
+    """--drafter quantized-self,ngram: a request naming ngram gets prompt lookup's drafts, one
+    naming nothing the first drafter's (their per-round drafts differ), and each gets its solo
+    tokens; a drafter the server does not run is a 400."""
+    from specexport.runtime import load
+
+    pipe = load(batched_engines, threads=2)
+    solo = {name: pipe.generate(PROMPT, drafter=name, max_new_tokens=24, adaptive=False)
+            for name in ("quantized-self", "ngram")}
+    config = ServeConfig(str(batched_engines), MODEL, drafter="quantized-self,ngram", threads=2, adaptive=False,
+                         spec_metrics="detailed")
+    with running(create_app(config)) as url:
+        by_name = {"ngram": complete(url, speculation={"drafter": "ngram"}).json(),
+                   "quantized-self": complete(url).json()}
+        refused = complete(url, speculation={"drafter": "draft-model"})
+    for name, reply in by_name.items():
+        assert reply["choices"][0]["token_ids"] == solo[name].token_ids
+        assert reply["metrics"]["speculative_decoding"]["per_step_draft_tokens"] == solo[name].stats.round_drafts
+    assert solo["ngram"].stats.round_drafts != solo["quantized-self"].stats.round_drafts  # the control differs
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "speculation.drafter"
