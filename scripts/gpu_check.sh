@@ -146,8 +146,13 @@ install() {
   local tools=$OUT/build-tools
   if ! "$vpy" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)"; then
     local st; st=$(ls "$OUT"/carry/setuptools-*.whl 2>/dev/null | head -1)
-    [ -n "$st" ] || { echo "setuptools older than 77 and none carried (scripts/gpu_wheels.sh carries one)"; exit 2; }
-    "$vpy" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$tools" "$st"
+    if [ -n "$st" ]; then
+      "$vpy" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$tools" "$st"
+    else  # a venv's own bundled setuptools (python 3.11) shadows PYTHON's newer one: that one's folder
+      tools=$("$PY" -c "import importlib.metadata as m; print(next((d.locate_file('') for d in m.distributions()
+          if (d.metadata['Name'] or '').lower() == 'setuptools' and int(d.version.split('.')[0]) >= 77), ''))")
+      [ -n "$tools" ] || { echo "setuptools older than 77 and none carried (scripts/gpu_wheels.sh carries one)"; exit 2; }
+    fi
   fi
   PYTHONPATH="$tools${PYTHONPATH:+:$PYTHONPATH}" "${pip[@]}" --no-build-isolation -e "$REPO"
   (cd / && "$vpy" -c "
