@@ -21,7 +21,7 @@
 #
 # Environment: ORT_GPU_WHEEL (= --wheel; else the one in GPU_CARRY), GPU_CARRY (default .gpu-carry:
 # wheels/*.whl, NAME.part-* pieces joined here), GPU_CHECK_OUT (= --out), PYTHON, THREADS, NEW_TOKENS, REPEATS, TOTAL_S,
-# RECIPE, CPU_CURVE, DRY_RUN=1 (= --dry-run).
+# RECIPE, CPU_CURVE, BUILD_S and BENCH_S (those steps' limits), DRY_RUN=1 (= --dry-run).
 set -uo pipefail  # not -e: a failed step is recorded and the report still written
 
 cd "$(dirname "$0")/.."
@@ -185,10 +185,10 @@ step env 60 "$PY" scripts/gpu_check.py env --out "$OUT" --device "$DEVICE" || tr
 GGUF=$(ls "$OUT"/carry/*.gguf 2>/dev/null | head -1)
 step recipe 30 "$PY" scripts/gpu_check.py recipe --base "$RECIPE" --out "$OUT/gpu.yaml" $DRY_FLAG \
   ${GGUF:+--gguf "$GGUF"} || exit
-step build 240 "$PY" -m specexport build "$OUT/gpu.yaml" -o "$OUT/engines" --threads "$THREADS" || exit
+step build "${BUILD_S:-240}" "$PY" -m specexport build "$OUT/gpu.yaml" -o "$OUT/engines" --threads "$THREADS" || exit
 # gpu-marked tests (reported; the bench runs whatever they say). pytest's exit 5: none selected.
 step pytest 90 bash -c "'$PY' -m pytest -q -m gpu -p no:cacheprovider tests; rc=\$?; [ \$rc -eq 5 ] && exit 0; exit \$rc" || true
 step prompts 30 "$PY" scripts/gpu_check.py prompts --src bench/prompts/dev.jsonl --out "$OUT/prompts.jsonl" || exit
-step bench 300 "$PY" -m specexport bench "$OUT/engines" --device "$DEVICE" --prompts "$OUT/prompts.jsonl" \
+step bench "${BENCH_S:-300}" "$PY" -m specexport bench "$OUT/engines" --device "$DEVICE" --prompts "$OUT/prompts.jsonl" \
   --max-new-tokens "$NEW_TOKENS" --repeats "$REPEATS" --threads "$THREADS" --out "$OUT/bench" $PEERS \
   ${CPU_CURVE:+--cpu-curve "$CPU_CURVE"}

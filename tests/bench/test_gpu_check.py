@@ -17,7 +17,8 @@ from specexport.bench import gpu_targets
 from specexport.bench.device import curve_from_file, default_peers, peer_device
 from specexport.bench.peers import GPU_PEERS, PeerDevice, draft_model_source, make_peers
 from specexport.errors import BadInput
-from tests.conftest import REPO
+from tests.conftest import REPO, TINY_SHAPE
+from tests.gpu import needs_cuda_ort
 
 TINY = {"source": "tiny", "arch": "llama", "seed": 0, "hidden_size": 64, "num_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -201,6 +202,28 @@ def test_the_cpu_curve_comes_from_a_cpu_bench_file(tmp_path):
 def test_the_scripts_parse():
     for script in ("gpu_check.sh", "gpu_wheels.sh"):
         subprocess.run(["bash", "-n", str(REPO / "scripts" / script)], check=True)
+
+
+@needs_cuda_ort
+def test_bench_on_cuda_runs_the_fp16_transformers_peers_beside_our_engines(tiny_engines, tmp_path):
+    """bench --device cuda on the tiny build: our engines on the CUDA provider, every drafter's
+    output the target alone's, the three transformers peers in fp16 on the GPU, the CPU curve beside."""
+    from specexport.bench.harness import BenchOptions, run_bench
+    from specexport.progress import Reporter
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": c, "category": c, "prompt": f"def {c}(a, b):\n    return a + b\n"}) + "\n"
+                               for c in ("grounded-code", "math")))
+    options = BenchOptions(prompts=prompts, max_new_tokens=12, repeats=1, device="cuda", peers=list(GPU_PEERS),
+                           cost_repeats=3)
+    result = run_bench(tiny_engines.get("llama", **TINY_SHAPE), options, Reporter(quiet=True))
+    assert result["settings"]["device"] == "cuda"
+    assert all(r["matches_baseline"] for r in result["results"])
+    assert {p["peer"] for p in result["peers"]} == set(GPU_PEERS), result["peers_skipped"]
+    assert all(p["settings"]["dtype"] == "float16" and p["settings"]["device"].startswith("cuda")
+               for p in result["peers"])
+    assert result["cost_curve_cpu"]["curve"] and result["cost_curve_cpu"]["source"].startswith("measured")
+    assert [t["ok"] for t in gpu_targets.check(result)][-1] is True  # outputs equal
 
 
 @pytest.mark.slow
