@@ -47,12 +47,20 @@ def requirements() -> list[str]:
 
 
 def missing(reqs: list[str]) -> list[str]:
-    """Each requirement not installed, or installed at a version outside its range: 'name (why)'."""
+    """Each requirement, and each of theirs in turn, not installed or installed at a version outside
+    its range: 'name (why)' (pip check would list the whole image's)."""
     from packaging.requirements import Requirement
 
-    out = []
-    for text in reqs:
-        req = Requirement(text)
+    out: list[str] = []
+    todo, seen = list(reqs), set()
+    while todo:
+        req = Requirement(todo.pop(0))
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        key = (req.name.lower().replace("_", "-"), str(req.specifier))
+        if key in seen:
+            continue
+        seen.add(key)
         try:
             version = importlib.metadata.version(req.name)
         except importlib.metadata.PackageNotFoundError:
@@ -60,6 +68,7 @@ def missing(reqs: list[str]) -> list[str]:
             continue
         if req.specifier and not req.specifier.contains(version, prereleases=True):
             out.append(f"{req.name} (has {version}; wants {req.specifier})")
+        todo += importlib.metadata.requires(req.name) or []
     return out
 
 

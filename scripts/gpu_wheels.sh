@@ -18,9 +18,12 @@ CARRY=${CARRY:-.gpu-carry}
 LIMIT_MB=${LIMIT_MB:-64}
 ORT_GPU_VERSION=${ORT_GPU_VERSION:-1.31.1}
 version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
-WHEELS=${WHEELS:-"pydantic==$(version pydantic) pydantic-core==$(version pydantic-core) annotated-types==$(version annotated-types)
-  typing-inspection==$(version typing-inspection) gguf==$(version gguf) transformers==$(version transformers)
-  setuptools>=77"}  # setuptools: specexport's pyproject (a license string) needs 77 or later
+# The image lacks pydantic and gguf; its transformers (5.17) is older than the exporter's 5.24, and the
+# newer one needs a newer huggingface-hub (2.x: httpx2, ...), kernels, tokenizers, regex, typing-extensions.
+pins() { for name in "$@"; do printf '%s==%s ' "$name" "$(version "$name")"; done; }
+WHEELS=${WHEELS:-"$(pins pydantic pydantic-core annotated-types typing-inspection typing-extensions gguf transformers \
+  huggingface-hub httpx2 httpcore2 truststore hf-xet kernels tomlkit tokenizers regex typer) setuptools>=77"}
+# setuptools: specexport's pyproject (a license string) needs 77 or later to install
 PLATFORMS="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 
 rm -rf "$CARRY"
