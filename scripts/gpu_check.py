@@ -46,9 +46,9 @@ def requirements() -> list[str]:
     return [r for r in dict.fromkeys(wanted + list(ALSO_NEEDED)) if not r.startswith("specexport")]
 
 
-def missing(reqs: list[str]) -> list[str]:
-    """Each requirement, and each of theirs in turn, not installed or installed at a version outside
-    its range: 'name (why)' (pip check would list the whole image's)."""
+def missing(reqs: list[str], deep: bool = False) -> list[str]:
+    """Each requirement (``deep``: and each of theirs in turn) not installed or installed at a
+    version outside its range: 'name (why)' (pip check would list the whole image's)."""
     from packaging.requirements import Requirement
 
     out: list[str] = []
@@ -68,7 +68,8 @@ def missing(reqs: list[str]) -> list[str]:
             continue
         if req.specifier and not req.specifier.contains(version, prereleases=True):
             out.append(f"{req.name} (has {version}; wants {req.specifier})")
-        todo += importlib.metadata.requires(req.name) or []
+        if deep:
+            todo += importlib.metadata.requires(req.name) or []
     return out
 
 
@@ -113,6 +114,9 @@ def env(out: Path, device: str) -> int:
     info = {"python": sys.version.split()[0], "executable": sys.executable, "platform": platform.platform(),
             "gpu": gpu_info(), "onnxruntime": onnxruntime_info(), "torch": torch_info(),
             "missing": missing(requirements())}
+    # what our requirements need in turn: reported, not refused (an image's torch may want a
+    # newer setuptools than it has, and run all the same)
+    info["warnings"] = [m for m in missing(requirements(), deep=True) if m not in info["missing"]]
     try:
         import specexport
 
@@ -131,6 +135,8 @@ def env(out: Path, device: str) -> int:
     print(json.dumps({k: info[k] for k in ("python", "gpu", "onnxruntime", "torch")}, indent=1))
     for problem in problems:
         print(f"gpu_check: missing: {problem}", file=sys.stderr)
+    for warning in info["warnings"]:
+        print(f"gpu_check: a requirement's requirement: {warning}", file=sys.stderr)
     return 1 if problems else 0
 
 
@@ -270,6 +276,7 @@ def build_report(out: Path, command: str, dry_run: bool) -> dict:
         "torch": info.get("torch"),
         "python": info.get("python"),
         "missing": info.get("problems", info.get("missing", [])),
+        "warnings": info.get("warnings", []),
         "steps": steps,
         "seconds": round(sum(s.get("seconds", 0.0) for s in steps), 1),
         "pytest": _pytest_summary(out / "logs" / "pytest.log"),
@@ -309,6 +316,8 @@ def markdown(report: dict) -> str:
              f"- steps took {report['seconds']} s in all"]
     if report["missing"]:
         lines.append(f"- missing on this machine: {'; '.join(report['missing'])}")
+    if report["warnings"]:
+        lines.append(f"- what our requirements need in turn, not as installed: {'; '.join(report['warnings'])}")
     lines += ["", "## Targets", "", "| target | value | limit | holds | detail |", "|---|---|---|---|---|"]
     for t in report["targets"]:
         holds = {True: "yes", False: "**NO**", None: "not measured"}[t["ok"]]

@@ -107,8 +107,12 @@ install() {
   "$PY" -m venv --system-site-packages "$VENV"
   local vpy=$VENV/bin/python
   # PYTHON's own package folders too (where PYTHON is itself a venv), after the venv's own
+  local purelib; purelib=$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   "$PY" -c "import sys; print('\n'.join(p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))))" \
-    > "$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_gpu_check_base.pth"
+    > "$purelib/_gpu_check_base.pth"
+  # a venv of python <= 3.11 brings its own old setuptools, which would shadow PYTHON's
+  rm -rf "$purelib"/setuptools "$purelib"/setuptools-*.dist-info "$purelib"/pkg_resources \
+    "$purelib"/_distutils_hack "$purelib"/distutils-precedence.pth
   if [ -d "$GPU_CARRY" ]; then
     find "$GPU_CARRY" -name '*.part-aa' | while read -r first; do
       name=$(basename "${first%.part-aa}")

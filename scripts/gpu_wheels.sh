@@ -8,6 +8,12 @@
 #
 #   ORT_GPU_WHEEL=/path/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl scripts/gpu_wheels.sh
 #
+# Then, on a device machine that stays warm between calls (it is given back after about 30 s idle),
+# one call per folder, back to back, each carrying its folder alone:
+#   calls 1..N-1: mkdir -p /tmp/gpu-carry && cp -r .gpu-carry/callK/. /tmp/gpu-carry/
+#   call N:       cp -r .gpu-carry/callN/. /tmp/gpu-carry/ && GPU_CARRY=/tmp/gpu-carry scripts/gpu_check.sh --out /tmp/gc
+# (then copy /tmp/gc/gpu_check.md, gpu_check.json and bench/bench.json to the tool's $OUT).
+#
 # Environment: ORT_GPU_WHEEL (else pip downloads onnxruntime-gpu==$ORT_GPU_VERSION), PYTHON,
 # CARRY (default .gpu-carry), LIMIT_MB (64), WHEELS (the list below; the image's own list is in the
 # device docs: it lacks pydantic and gguf, and its transformers is older than the exporter needs).
