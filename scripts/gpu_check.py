@@ -99,6 +99,29 @@ def onnxruntime_info() -> dict:
             "providers": ort.get_available_providers(), "device": ort.get_device()}
 
 
+def provider_smoke(device: str) -> dict:
+    """One Add node run in a session on ``device``'s provider: whether the session kept that
+    provider (onnxruntime falls back to the CPU when the CUDA libraries do not load) and the result."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    provider = "CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider"
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "smoke", [x],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = min(model.ir_version, 9)  # what older onnxruntime builds read
+    try:
+        session = ort.InferenceSession(model.SerializeToString(),
+                                       providers=list(dict.fromkeys([provider, "CPUExecutionProvider"])))
+        y = session.run(["y"], {"x": np.arange(4, dtype=np.float32)})[0]
+    except Exception as err:
+        return {"provider": provider, "ok": False, "error": f"{type(err).__name__}: {err}"}
+    kept = session.get_providers()[0] == provider
+    return {"provider": provider, "ok": bool(kept and np.array_equal(y, [0, 2, 4, 6])), "session": session.get_providers()}
+
+
 def torch_info() -> dict:
     try:
         import torch
@@ -123,7 +146,10 @@ def env(out: Path, device: str) -> int:
         info["specexport"] = {"version": specexport.__version__, "file": specexport.__file__}
     except Exception as err:
         info["specexport"] = {"error": f"{type(err).__name__}: {err}"}
+    info["smoke"] = provider_smoke(device) if "error" not in info["onnxruntime"] else {"ok": False}
     problems = list(info["missing"])
+    if not info["smoke"]["ok"]:
+        problems.append(f"a one-node session on {device} did not run there: {info['smoke']}")
     if device == "cuda" and "CUDAExecutionProvider" not in info["onnxruntime"].get("providers", []):
         problems.append(f"onnxruntime {info['onnxruntime'].get('version', '?')} has no CUDAExecutionProvider "
                         f"({info['onnxruntime'].get('error') or 'the CPU wheel: install the onnxruntime-gpu wheel'})")
@@ -132,7 +158,7 @@ def env(out: Path, device: str) -> int:
     info["problems"] = problems
     out.mkdir(parents=True, exist_ok=True)
     (out / "env.json").write_text(json.dumps(info, indent=1) + "\n")
-    print(json.dumps({k: info[k] for k in ("python", "gpu", "onnxruntime", "torch")}, indent=1))
+    print(json.dumps({k: info[k] for k in ("python", "gpu", "onnxruntime", "torch", "smoke")}, indent=1))
     for problem in problems:
         print(f"gpu_check: missing: {problem}", file=sys.stderr)
     for warning in info["warnings"]:

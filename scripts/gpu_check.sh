@@ -171,9 +171,9 @@ export -f install
 # the image's nvidia-* wheels (torch cu130's): their lib folders on LD_LIBRARY_PATH.
 cuda_libs() {
   "$PY" - <<'EOF'
-import glob, os, site
+import glob, os, sys
 dirs = set()
-for base in site.getsitepackages() + [site.getusersitepackages()]:
+for base in [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]:  # the .pth's too
     dirs.update(os.path.dirname(p) for p in glob.glob(os.path.join(base, "nvidia", "**", "lib*.so*"), recursive=True))
 print(":".join(sorted(dirs)))
 EOF

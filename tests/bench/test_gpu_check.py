@@ -239,3 +239,11 @@ def test_the_dry_run_runs_every_step_on_the_cpu(tmp_path):
     assert all(s["status"] == "ok" for s in report["steps"])
     assert report["bench"]["peers"] == sorted(GPU_PEERS)
     assert by_name(report["targets"])["every output equal to the target alone's"]["ok"] is True
+
+
+def test_the_provider_smoke_test_runs_on_the_cpu_and_says_when_a_provider_is_not_kept():
+    assert gpu_check.provider_smoke("cpu")["ok"] is True
+    import onnxruntime
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        assert gpu_check.provider_smoke("cuda")["ok"] is False  # onnxruntime fell back to the CPU
