@@ -247,3 +247,13 @@ def test_the_provider_smoke_test_runs_on_the_cpu_and_says_when_a_provider_is_not
 
     if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
         assert gpu_check.provider_smoke("cuda")["ok"] is False  # onnxruntime fell back to the CPU
+
+
+def test_the_cpu_curve_is_measured_over_the_same_directory_or_says_why_not(tiny_engines, tmp_path):
+    from specexport.bench.device import curve_measured
+
+    curve = curve_measured(tiny_engines.get("llama", **TINY_SHAPE), threads=1, repeats=2)
+    assert curve["source"].startswith("measured") and curve["curve"][0]["tokens"] == 1
+    assert curve["curve"][0]["relative"] == 1.0 and all(c["ms"] > 0 for c in curve["curve"])
+    failed = curve_measured(tmp_path / "no-engines", threads=1, repeats=2)
+    assert failed["source"] == "not measured" and failed["curve"] == [] and failed["error"]
