@@ -31,6 +31,8 @@ class BenchOptions:
     draft_len: int | None = None
     backend: str | None = None  # None: onnxruntime when the directory has it
     device_kv: bool = True  # tensorrt: KV cache on the GPU (False: host cache, copied every run)
+    device: str = "cpu"  # onnxruntime's provider for our engines, and where the transformers peers run
+    cpu_curve: Path | None = None  # off the CPU: an earlier CPU bench.json whose cost curve is shown beside
 
 
 def load_prompts(path: Path) -> list[dict]:
@@ -240,9 +242,11 @@ def _peer_runs(peers: list, prompt: dict, prompt_ids: list[int], repeat: int, ma
 
 
 def run_bench(engine_dir: Path, options: BenchOptions, reporter) -> dict:
+    from specexport.bench.device import load_options
     from specexport.runtime import load
 
-    pipe = load(engine_dir, threads=options.threads, backend=options.backend, device_kv=options.device_kv)
+    pipe = load(engine_dir, threads=options.threads, backend=options.backend, device_kv=options.device_kv,
+                **load_options(options.device))
     prompts = load_prompts(options.prompts)
     drafters = ["none", *(options.drafters if options.drafters is not None else pipe.manifest.drafters)]
     for name in drafters:
@@ -257,17 +261,27 @@ def run_bench(engine_dir: Path, options: BenchOptions, reporter) -> dict:
     }
     peers, skipped = [], []
     if options.peers:  # each in a process of its own (bench/peer_process.py says why)
+        from specexport.bench.device import peer_device
         from specexport.bench.peer_process import start_peers
+        from specexport.bench.peers import draft_model_source
 
         target = pipe.manifest.target_source
         peers, skipped = start_peers(target, pipe.manifest.recipe_root, options.peers,
-                                     options.threads, engine_dir.parent / f".{engine_dir.name}.peers")
+                                     options.threads, engine_dir.parent / f".{engine_dir.name}.peers",
+                                     peer_device(options.device), draft_model_source(pipe.manifest.recipe))
     try:
-        return _run(pipe, options, reporter, prompts, drafters, ids, peers, skipped)
+        result = _run(pipe, options, reporter, prompts, drafters, ids, peers, skipped)
     finally:
         from specexport.bench.peer_process import close_peers
 
         close_peers(peers)
+    if options.device != "cpu":  # the CPU's curve beside this device's
+        from specexport.bench.device import curve_from_file, curve_measured
+
+        with reporter.step("bench", "the CPU's cost curve"):
+            result["cost_curve_cpu"] = (curve_from_file(options.cpu_curve) if options.cpu_curve is not None else
+                                        curve_measured(engine_dir, options.threads, options.cost_repeats))
+    return result
 
 
 def _run(pipe, options: BenchOptions, reporter, prompts: list[dict], drafters: list[str], ids: dict,

@@ -50,9 +50,10 @@ def _serve(conn: _Channel) -> None:
     """The child: make one peer, say whether it is ready, then answer (method, args) calls until None."""
     from specexport.bench.peers import make_peers
 
-    target_source, recipe_dir, name, threads, cache_dir = conn.recv()
+    target_source, recipe_dir, name, threads, cache_dir, placement, draft_source = conn.recv()
     try:
-        made, skipped = make_peers(target_source, Path(recipe_dir), [name], threads, Path(cache_dir))
+        made, skipped = make_peers(target_source, Path(recipe_dir), [name], threads, Path(cache_dir), placement,
+                                   draft_source)
     except BadInput as err:
         conn.send(("bad", str(err)))
         return
@@ -122,9 +123,10 @@ class PeerProcess:
 
 
 def start_peers(target_source: dict, recipe_dir: Path, names: list[str], threads: int,
-                cache_dir: Path) -> tuple[list[PeerProcess], list[dict]]:
+                cache_dir: Path, placement=None, draft_source: dict | None = None) -> tuple[list[PeerProcess], list[dict]]:
     """``peers.make_peers``' answer, each peer in a process of its own: (peers, skipped).
-    Close the peers with ``close_peers`` when done."""
+    ``placement`` (peers.PeerDevice) and ``draft_source`` as make_peers takes them. Close the
+    peers with ``close_peers`` when done."""
     if threads < 1:
         raise BadInput(f"peers: threads must be at least 1 (got {threads})")
     peers: list[PeerProcess] = []
@@ -133,7 +135,7 @@ def start_peers(target_source: dict, recipe_dir: Path, names: list[str], threads
         for name in dict.fromkeys(names):
             conn, process = _spawn(name)
             try:
-                conn.send((target_source, str(recipe_dir), name, threads, str(cache_dir)))
+                conn.send((target_source, str(recipe_dir), name, threads, str(cache_dir), placement, draft_source))
                 status, value = conn.recv()
             except (EOFError, OSError):
                 status, value = "skipped", f"its process ended while starting (exit code {_ended(process)})"

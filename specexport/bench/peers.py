@@ -9,6 +9,12 @@ peer generates greedily from the prompt ids it is given and reports its wall tim
 - ``transformers-greedy``: ``model.generate(do_sample=False)``, sdpa attention.
 - ``transformers-prompt-lookup``: the same with ``prompt_lookup_num_tokens=10`` (transformers'
   own prompt lookup; it matches n-grams of up to ``max_matching_ngram_size`` = 2 tokens).
+- ``transformers-assistant``: the same with ``assistant_model``: the recipe's draft model (its
+  first ``kind: model`` drafter; a recipe without one skips it), transformers' assisted decoding.
+
+The transformers peers run where ``PeerDevice`` says: ``bench --device cuda`` puts them on the
+same GPU in fp16 (``GPU_PEER_DEVICE``), what a GPU user would otherwise run; the other peers are
+CPU stacks and run only with the default, cpu and fp32.
 - ``ort-genai``: onnxruntime-genai (optional: ``make bench-peers``) on an fp32 CPU model made by
   its own model builder from the target, run with greedy search.
 - ``ort-genai-ngram``: the same model with onnxruntime-genai's n-gram speculative decoding
@@ -74,10 +80,13 @@ from typing import Any, Protocol
 from specexport import atomic
 from specexport.errors import BadInput
 
-PEER_NAMES = ("transformers-greedy", "transformers-prompt-lookup", "ort-genai", "ort-genai-ngram",
-              "ort-genai-int4", "ort-genai-int4-ngram", "llama-cpp", "llama-cpp-lookup")
+PEER_NAMES = ("transformers-greedy", "transformers-prompt-lookup", "transformers-assistant", "ort-genai",
+              "ort-genai-ngram", "ort-genai-int4", "ort-genai-int4-ngram", "llama-cpp", "llama-cpp-lookup")
+# what a GPU user runs on the same model: bench --device cuda's peers unless --peers names others
+GPU_PEERS = ("transformers-greedy", "transformers-prompt-lookup", "transformers-assistant")
 # each speculative peer's own plain decoding: greedy speculation is lossless when its tokens equal these
-PLAIN_PEER = {"transformers-prompt-lookup": "transformers-greedy", "ort-genai-ngram": "ort-genai",
+PLAIN_PEER = {"transformers-prompt-lookup": "transformers-greedy", "transformers-assistant": "transformers-greedy",
+              "ort-genai-ngram": "ort-genai",
               "ort-genai-int4-ngram": "ort-genai-int4", "llama-cpp-lookup": "llama-cpp"}
 # transformers prompt lookup: 10 candidate tokens, matching n-grams of up to 2 tokens (its default, pinned).
 PROMPT_LOOKUP = {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
@@ -101,6 +110,22 @@ INSTALL_HINT = "make bench-peers"
 BATCHED_PEERS = ("transformers-greedy", "ort-genai")
 
 
+@dataclass(frozen=True)
+class PeerDevice:
+    """Where the transformers peers run: torch's device and the dtype their weights are cast to
+    (the target loads in fp32 first: _check_fp32)."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    @property
+    def is_default(self) -> bool:
+        return (self.device, self.dtype) == ("cpu", "float32")
+
+
+GPU_PEER_DEVICE = PeerDevice("cuda", "float16")
+
+
 @dataclass
 class PeerRun:
     token_ids: list[int]  # generated ids only (not the prompt), EOS included if produced
@@ -120,14 +145,17 @@ class _TokenTimes:
     """A transformers streamer (``put``/``end``, as transformers.generation.BaseStreamer) that
     times each step's new tokens: (seconds, count). generate puts the prompt first."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync=None) -> None:
         self.prompt_seen = False
         self.steps: list[tuple[float, int]] = []
+        self.sync = sync  # on a GPU, waits for the step's kernels so that the mark is when it ended
 
     def put(self, value) -> None:
         if not self.prompt_seen:
             self.prompt_seen = True
             return
+        if self.sync is not None:
+            self.sync()
         self.steps.append((time.perf_counter(), int(value.numel())))
 
     def end(self) -> None:
@@ -167,18 +195,30 @@ def _check_request(prompt_ids: list[int], max_new_tokens: int) -> None:
 
 
 class TransformersPeer:
-    def __init__(self, name: str, model, eos_ids: list[int], pad_id: int, threads: int, **generate_kwargs):
+    def __init__(self, name: str, model, eos_ids: list[int], pad_id: int, threads: int, assistant=None,
+                 **generate_kwargs):
         self.name = name
         self.threads = threads
         self.model = model
         self.eos_ids = eos_ids
         self.pad_id = pad_id
         self.generate_kwargs = generate_kwargs
+        self.assistant = assistant  # transformers-assistant: the draft model, on the target's device
+        self.device = model.device
         self.settings = {
             "attn_implementation": model.config._attn_implementation,
             "dtype": str(model.dtype).removeprefix("torch."),
+            "device": str(model.device),
             **generate_kwargs,
+            **({"assistant_model": assistant.config.name_or_path or type(assistant).__name__,
+                "assistant_layers": assistant.config.num_hidden_layers} if assistant is not None else {}),
         }
+
+    def _sync(self):
+        """torch.cuda.synchronize on a GPU (the streamer's marks wait for the step), else None."""
+        import torch
+
+        return torch.cuda.synchronize if self.device.type == "cuda" else None
 
     def _generate(self, input_ids, mask, max_new_tokens: int, streamer=None):
         import torch
@@ -193,6 +233,7 @@ class TransformersPeer:
                 eos_token_id=self.eos_ids,
                 pad_token_id=self.pad_id,
                 streamer=streamer,
+                **({"assistant_model": self.assistant} if self.assistant is not None else {}),
                 **self.generate_kwargs,
             )
 
@@ -202,13 +243,15 @@ class TransformersPeer:
         from specexport.exporter.sources import quiet_transformers
 
         _check_request(prompt_ids, max_new_tokens)
-        input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         mask = torch.ones_like(input_ids)
-        times = _TokenTimes()  # decode timed within the run: a separate 1-token run's time,
-        # subtracted, can exceed a short run's whole time on busy cores
+        times = _TokenTimes(self._sync())  # decode timed within the run: a separate 1-token run's
+        # time, subtracted, can exceed a short run's whole time on busy cores
         with quiet_transformers():
             start = time.perf_counter()
             out = self._generate(input_ids, mask, max_new_tokens, times)
+            if (sync := self._sync()) is not None:
+                sync()
             total_s = time.perf_counter() - start
         steps = times.steps
         first_token_s = steps[0][0] - start if steps else total_s
@@ -226,14 +269,16 @@ class TransformersPeer:
         for prompt_ids in prompts:
             _check_request(prompt_ids, max_new_tokens)
         width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=self.device)
         mask = torch.zeros_like(input_ids)
         for row, prompt_ids in enumerate(prompts):
-            input_ids[row, width - len(prompt_ids):] = torch.tensor(prompt_ids, dtype=torch.long)
+            input_ids[row, width - len(prompt_ids):] = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
             mask[row, width - len(prompt_ids):] = 1
         with quiet_transformers():
             start = time.perf_counter()
             out = self._generate(input_ids, mask, max_new_tokens)
+            if (sync := self._sync()) is not None:
+                sync()
             total_s = time.perf_counter() - start
         eos = set(self.eos_ids)
         return BatchPeerRun([_cut(row[width:].tolist(), eos, max_new_tokens) for row in out], total_s)
@@ -595,7 +640,7 @@ def parse_peer_names(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def parse_target(target_source: dict):
+def parse_target(target_source: dict, what: str = "target"):
     import pydantic
 
     from specexport.exporter.recipe import ModelSource
@@ -605,18 +650,50 @@ def parse_target(target_source: dict):
     except pydantic.ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise BadInput(f"peers: target source {target_source!r}: {where}: {first['msg']}") from None
+        raise BadInput(f"peers: {what} source {target_source!r}: {where}: {first['msg']}") from None
+
+
+def draft_model_source(recipe: dict | None) -> dict | None:
+    """The model source of a recipe's first draft model (``kind: model``; the
+    transformers-assistant peer's assistant), or None."""
+    for drafter in (recipe or {}).get("drafters") or []:
+        if isinstance(drafter, dict) and drafter.get("kind") == "model" and isinstance(drafter.get("model"), dict):
+            return drafter["model"]
+    return None
+
+
+def _placed(model, placement: PeerDevice):
+    """The model in sdpa attention on the placement's device and dtype (a no-op for cpu/fp32)."""
+    import torch
+
+    model.set_attn_implementation("sdpa")
+    if placement.device.startswith("cuda") and not torch.cuda.is_available():
+        raise _Skip(f"torch sees no CUDA device for --device {placement.device}")
+    return model if placement.is_default else model.to(device=placement.device, dtype=getattr(torch, placement.dtype))
+
+
+def _assistant(draft_source: dict | None, recipe_dir: Path, placement: PeerDevice):
+    """The recipe's draft model, placed as the target (raises _Skip without one)."""
+    if draft_source is None:
+        raise _Skip("the recipe has no draft model (a drafter of kind: model)")
+    from specexport.exporter.sources import load_source
+
+    return _placed(load_source(parse_target(draft_source, "draft model"), recipe_dir, "draft").model, placement)
 
 
 def make_peers(target_source: dict, recipe_dir: Path, names: list[str], threads: int,
-               cache_dir: Path) -> tuple[list[Peer], list[dict]]:
+               cache_dir: Path, placement: PeerDevice | None = None,
+               draft_source: dict | None = None) -> tuple[list[Peer], list[dict]]:
     """Create the named peers for the target; returns (peers, skipped), in the order of ``names``.
 
     ``target_source`` is the recipe's target as stored in manifest.json["recipe"]["target"];
     relative paths in it are resolved against ``recipe_dir``. Each skipped peer is
-    ``{"peer": name, "skipped": reason}``. Note: asking for a transformers peer sets
-    ``torch.set_num_threads(threads)`` for the whole process.
+    ``{"peer": name, "skipped": reason}``. ``placement``: the transformers peers' device and
+    dtype (default cpu, fp32; any other skips the CPU-only peers). ``draft_source``: the
+    recipe's draft model (``draft_model_source``), transformers-assistant's assistant. Note:
+    asking for a transformers peer sets ``torch.set_num_threads(threads)`` for the whole process.
     """
+    placement = placement or PeerDevice()
     if threads < 1:
         raise BadInput(f"peers: threads must be at least 1 (got {threads})")
     src = parse_target(target_source)
@@ -654,8 +731,8 @@ def make_peers(target_source: dict, recipe_dir: Path, names: list[str], threads:
 
             torch.set_num_threads(threads)  # process-wide
             target = loaded()
-            model = target.model
-            model.set_attn_implementation("sdpa")
+            # cast in place: only the transformers peers run off the default placement (below)
+            model = _placed(target.model, placement)
             from specexport.exporter.sources import eos_token_ids
 
             eos = eos_token_ids(target)
@@ -663,7 +740,15 @@ def make_peers(target_source: dict, recipe_dir: Path, names: list[str], threads:
             pad = int(pad) if pad is not None else eos[0]
             for name in hf_names:
                 extra = PROMPT_LOOKUP if name.endswith("prompt-lookup") else {}
-                made[name] = TransformersPeer(name, model, eos, pad, threads, **extra)
+                try:
+                    assistant = _assistant(draft_source, recipe_dir, placement) if name.endswith("assistant") else None
+                except _Skip as why:
+                    skipped[name] = str(why)
+                    continue
+                except Exception as err:
+                    skipped[name] = f"cannot load the draft model with transformers: {_one_line(err)}"
+                    continue
+                made[name] = TransformersPeer(name, model, eos, pad, threads, assistant=assistant, **extra)
         except _Skip as why:
             skipped.update({n: str(why) for n in hf_names})
         except ImportError as err:
@@ -672,8 +757,12 @@ def make_peers(target_source: dict, recipe_dir: Path, names: list[str], threads:
         except Exception as err:  # the peer is optional: say why, keep benchmarking the rest
             skipped.update({n: f"cannot load the target with transformers: {_one_line(err)}" for n in hf_names})
 
+    if not placement.is_default:  # CPU stacks: not what a GPU user would run
+        for name in names:
+            if name.startswith(("ort-genai", "llama-cpp")):
+                skipped[name] = f"a CPU peer: runs with bench --device cpu, not on {placement.device}"
     for precision, prefix in (("fp32", "ort-genai"), ("int4", "ort-genai-int4")):
-        og_names = [n for n in names if n in (prefix, f"{prefix}-ngram")]
+        og_names = [n for n in names if n in (prefix, f"{prefix}-ngram") and n not in skipped]
         if not og_names:
             continue
         try:
@@ -690,7 +779,7 @@ def make_peers(target_source: dict, recipe_dir: Path, names: list[str], threads:
         except Exception as err:
             skipped.update({n: f"onnxruntime-genai model unavailable: {_one_line(err)}" for n in og_names})
 
-    llama_names = [n for n in names if n in ("llama-cpp", "llama-cpp-lookup")]
+    llama_names = [n for n in names if n in ("llama-cpp", "llama-cpp-lookup") and n not in skipped]
     for name in llama_names:
         try:
             gguf = gguf_file(target_source, recipe_dir)

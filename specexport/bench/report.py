@@ -65,12 +65,7 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['drafter']} | {r['prompt_id']} | {_fmt(r['tokens_per_s'], '.1f')} | "
                      f"{_fmt(r['speedup'])}× | {_fmt(r['predicted_speedup'])}× | {_fmt(r['acceptance_length'])} | {split} "
                      f"| {_fmt(r.get('priced_ms_per_round'), '.2f')}/{_fmt(r.get('measured_ms_per_round'), '.2f')} |")
-    tile = result["tile_point"]
-    lines += ["", f"## Verify cost curve (tile rule: 1+D = {tile['tokens']} for G = {tile['group_size']})", "",
-              "| tokens | ms | relative to 1 |", "|---|---|---|"]
-    for point in result["cost_curve"]:
-        mark = " ← tile rule" if point["tokens"] == tile["tokens"] else ""
-        lines.append(f"| {point['tokens']}{mark} | {point['ms']:.2f} | {point['relative']:.2f}× |")
+    lines += _curve_lines(result)
     costs = result.get("costs")
     if costs:
         verify = ", ".join(f"k={k}: {ms:.2f}" for k, ms in enumerate(costs["verify_ms"]))
@@ -84,7 +79,7 @@ def markdown(result: dict) -> str:
                   f"- verify pass with k drafts: {verify}", f"- the drafters' graphs: {parts}",
                   f"- a drafter's round of k = 0, 1, ... drafts (its own cost model): {rounds}"]
     if result["peers"] or result["peers_skipped"]:
-        lines += ["", "## Peers (same model: fp32, or int4 where the peer says so)", "", "| peer | threads | prompt | tok/s | vs our baseline | same greedy output | same as its own plain run |",
+        lines += ["", "## Peers (same model: fp32 on the CPU, fp16 on a GPU, or int4 where the peer says so)", "", "| peer | threads | prompt | tok/s | vs our baseline | same greedy output | same as its own plain run |",
                   "|---|---|---|---|---|---|---|"]
         for p in result["peers"]:
             same, own = ({True: "yes", False: "no", None: "n/a"}[p.get(k)] for k in ("matches_baseline", "matches_own_plain"))
@@ -95,6 +90,29 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _curve_lines(result: dict) -> list[str]:
+    """The verify cost curve, with the CPU's beside it (cost_curve_cpu) where the bench ran on a GPU."""
+    tile = result["tile_point"]
+    device = result["settings"].get("device", "cpu")
+    cpu = result.get("cost_curve_cpu")
+    lines = ["", f"## Verify cost curve on {device} (tile rule: 1+D = {tile['tokens']} for G = {tile['group_size']})", ""]
+    if cpu is None:
+        lines += ["| tokens | ms | relative to 1 |", "|---|---|---|"]
+    else:
+        lines += [f"CPU curve: {cpu['source']}" + (f" ({cpu['error']})" if cpu.get("error") else "")
+                  + (f", {cpu['threads']} threads" if cpu.get("threads") else "") + ".", "",
+                  f"| tokens | {device} ms | {device} relative to 1 | CPU ms | CPU relative to 1 |", "|---|---|---|---|---|"]
+    by_tokens = {c["tokens"]: c for c in (cpu or {}).get("curve", [])}
+    for point in result["cost_curve"]:
+        mark = " ← tile rule" if point["tokens"] == tile["tokens"] else ""
+        row = f"| {point['tokens']}{mark} | {point['ms']:.2f} | {point['relative']:.2f}× |"
+        if cpu is not None:
+            other = by_tokens.get(point["tokens"])
+            row += f" {_fmt(other and other['ms'])} | {_fmt(other and other['relative'])}{'×' if other else ''} |"
+        lines.append(row)
+    return lines
+
+
 def plots(result: dict, out: Path) -> list[Path]:
     import matplotlib
 
@@ -103,12 +121,18 @@ def plots(result: dict, out: Path) -> list[Path]:
 
     written = []
     curve = result["cost_curve"]
+    cpu = (result.get("cost_curve_cpu") or {}).get("curve")
+    device = result["settings"].get("device", "cpu")
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([c["tokens"] for c in curve], [c["ms"] for c in curve], "o-", label="verify pass")
+    # beside the CPU's: both relative to their one-token pass (their ms are far apart)
+    key = "relative" if cpu else "ms"
+    ax.plot([c["tokens"] for c in curve], [c[key] for c in curve], "o-", label=f"verify pass ({device})")
+    if cpu:
+        ax.plot([c["tokens"] for c in cpu], [c[key] for c in cpu], "s--", label="verify pass (cpu)")
     tile = result["tile_point"]
     ax.axvline(tile["tokens"], color="grey", linestyle="--", label=f"tile rule 1+D = {tile['tokens']}")
     ax.set_xlabel("tokens per verify pass (1+D)")
-    ax.set_ylabel("ms per pass")
+    ax.set_ylabel("relative to one token" if cpu else "ms per pass")
     ax.set_xscale("log", base=2)
     ax.set_title("verify cost on this device")
     ax.legend()

@@ -227,6 +227,7 @@ def summarize(pipe, options, prompts, drafters, records, peer_records, skipped, 
         "toolchain": dict(pipe.manifest.toolchain),
         "settings": {
             "threads": options.threads,
+            "device": getattr(options, "device", "cpu"),
             "max_new_tokens": options.max_new_tokens,
             "repeats": options.repeats,
             "temperature": options.temperature,

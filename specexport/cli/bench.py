@@ -24,10 +24,12 @@ from specexport.cli.output import print_json
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
               help="Runs of each prompt per runner, interleaved; tokens/s is their median.")
 @click.option("--drafters", default=None, help="Comma-separated drafter names (default: all in the manifest).")
-@click.option("--peers", default="", help="Comma-separated peers: transformers-greedy, transformers-prompt-lookup, "
-              "ort-genai, ort-genai-ngram, ort-genai-int4, ort-genai-int4-ngram, llama-cpp, llama-cpp-lookup "
-              "(the llama.cpp peers need a GGUF target), or 'all'. With --batch: the target-alone peers that "
-              "batch (transformers-greedy, ort-genai) at each batch size.")
+@click.option("--peers", default=None, help="Comma-separated peers: transformers-greedy, transformers-prompt-lookup, "
+              "transformers-assistant (the recipe's draft model), ort-genai, ort-genai-ngram, ort-genai-int4, "
+              "ort-genai-int4-ngram, llama-cpp, llama-cpp-lookup (the llama.cpp peers need a GGUF target), or "
+              "'all'. Default: none on the CPU; with --device cuda the three transformers peers, fp16 on the same "
+              "GPU. With --batch: the target-alone peers that batch (transformers-greedy, ort-genai) at each "
+              "batch size.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--threads", type=click.IntRange(1), default=2, show_default=True, help="onnxruntime intra-op threads (and each peer's).")
 @click.option("--draft-len", type=int, default=None, help="Maximum draft length (default: the plan's D).")
@@ -38,6 +40,12 @@ from specexport.cli.output import print_json
                    "side, labelled DRAFTER+treeN (0: its chain). Default: the recipe's draft.tree for its drafters.")
 @click.option("--backend", type=click.Choice(list(BACKENDS)), default=None,
               help=f"Engines to run (default: {DEFAULT_BACKEND} when the directory has them).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="onnxruntime's execution provider for the engines; cuda also runs the transformers peers in "
+                   "fp16 on the same GPU and shows the CPU's verify cost curve beside the GPU's.")
+@click.option("--cpu-curve", type=click.Path(path_type=Path), default=None,
+              help="With --device cuda: the CPU curve from this earlier CPU bench.json (default: measured in "
+                   "this run on onnxruntime's CPU provider).")
 @click.option("--host-kv", is_flag=True,
               help="tensorrt: keep the KV cache in host memory, copied to the GPU on every run.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench/out"), show_default=True,
@@ -51,23 +59,28 @@ from specexport.cli.output import print_json
                    "the ngram drafters (or those of --drafters: every kind runs batched) at fixed depths and the "
                    "manifest's schedule, instead of the "
                    "single-sequence bench.")
-def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, drafters: str | None, peers: str,
-          temperature: float, threads: int, draft_len: int | None, adaptive: bool, tree_nodes: str | None,
-          backend: str | None, host_kv: bool,
+def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, drafters: str | None,
+          peers: str | None, temperature: float, threads: int, draft_len: int | None, adaptive: bool,
+          tree_nodes: str | None, backend: str | None, device: str, cpu_curve: Path | None, host_kv: bool,
           out: Path, baseline: Path | None, update_baseline: bool, as_json: bool, batch: str | None) -> None:
     """Benchmark every drafter against the target alone (and peers) on ENGINE_DIR."""
+    from specexport.bench.device import default_peers, load_options, peer_device
     from specexport.bench.harness import BenchOptions, run_bench
     from specexport.bench.render import print_checks, print_summary
     from specexport.bench.report import write
     from specexport.errors import BadInput
     from specexport.progress import Reporter
 
+    if cpu_curve is not None and device == "cpu":
+        raise BadInput("--cpu-curve: give it with --device cuda (on the CPU the curve is this run's own)")
+    if peers is None:
+        peers = default_peers(device, batched=batch is not None)
     if batch is not None:
         from specexport.bench.batched import parse_batches, run_batched, write_batched
         from specexport.runtime import load
 
         sizes = parse_batches(batch)
-        pipe = load(engine_dir, threads=threads, backend=backend)
+        pipe = load(engine_dir, threads=threads, backend=backend, **load_options(device))
         names = drafters.split(",") if drafters else [
             n for n, d in pipe.manifest.drafters.items() if d.kind == "ngram"]
         batch_peers, batch_skipped = [], []
@@ -78,7 +91,7 @@ def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, dr
             wanted = parse_peer_names(peers)
             batch_peers, batch_skipped = start_peers(
                 pipe.manifest.target_source, pipe.manifest.recipe_root, wanted,
-                threads, engine_dir.parent / f".{engine_dir.name}.peers")
+                threads, engine_dir.parent / f".{engine_dir.name}.peers", peer_device(device))
         from specexport.bench.peer_process import close_peers
 
         try:
@@ -102,7 +115,8 @@ def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, dr
     options = BenchOptions(prompts=prompts, max_new_tokens=max_new_tokens, repeats=repeats,
                            drafters=drafters.split(",") if drafters else None, temperature=temperature,
                            threads=threads, adaptive=adaptive, peers=chosen_peers, draft_len=draft_len,
-                           backend=backend, device_kv=not host_kv, tree_nodes=_sizes(tree_nodes))
+                           backend=backend, device_kv=not host_kv, tree_nodes=_sizes(tree_nodes),
+                           device=device, cpu_curve=cpu_curve)
     result = run_bench(engine_dir, options, Reporter(quiet=as_json))
     files = write(result, out)
     if as_json:

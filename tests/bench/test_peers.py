@@ -309,3 +309,20 @@ def test_bench_alternates_which_side_runs_first(monkeypatch):
     harness._interleaved_runs(None, options, Reporter(), prompts, [], {"a": [1], "b": [2]}, [], {}, {})
     assert order == [("ours", "a"), ("peer", "a"), ("peer", "b"), ("ours", "b"),  # repeat 1
                      ("peer", "a"), ("ours", "a"), ("ours", "b"), ("peer", "b")]  # repeat 2
+
+
+def test_transformers_assistant_runs_the_recipes_draft_model_and_equals_our_runtime(tiny, target, pipe, cache):
+    """transformers-assistant: generate(assistant_model=the recipe's kind: model drafter), greedy,
+    so its output is the target's."""
+    from specexport.bench.peers import draft_model_source
+
+    source = draft_model_source(pipe.manifest.recipe)
+    assert source is not None
+    made, skipped = make_peers(target, tiny, ["transformers-assistant"], 2, cache, draft_source=source)
+    assert skipped == [] and made[0].settings["assistant_layers"] == source.get("num_layers", 1)
+    for label, ids in prompts(pipe).items():
+        run = made[0].run(ids, NEW_TOKENS)
+        check_run(run, NEW_TOKENS)
+        assert run.token_ids == pipe.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS).token_ids, label
+    made, skipped = make_peers(target, tiny, ["transformers-assistant"], 2, cache)  # no draft model given
+    assert made == [] and "no draft model" in skipped[0]["skipped"]
