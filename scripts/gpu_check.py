@@ -113,7 +113,12 @@ def provider_smoke(device: str) -> dict:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = min(model.ir_version, 9)  # what older onnxruntime builds read
     try:
-        session = ort.InferenceSession(model.SerializeToString(),
+        from specexport.runtime.ort_engine import SHARED_POOL, session_options
+
+        # on the process's one thread pool, as every session of ours: once it exists, a session
+        # with threads of its own is refused
+        so = session_options(ort, SHARED_POOL.size or 1)
+        session = ort.InferenceSession(model.SerializeToString(), so,
                                        providers=list(dict.fromkeys([provider, "CPUExecutionProvider"])))
         y = session.run(["y"], {"x": np.arange(4, dtype=np.float32)})[0]
     except Exception as err:
