@@ -139,7 +139,7 @@ class OrtEngine:
         self.outputs = outputs
         self.threads = SHARED_POOL.size
         def make():
-            return open_session(ort, path, so, options.device)
+            return open_session(ort, path, so, options.device, lambda: session_options(ort, options.threads))
 
         key = (ONNXRUNTIME, str(Path(path).resolve()), options.device)
         self._session = make() if shared is None else shared.get(key, make)

@@ -10,7 +10,9 @@ graph file, the nodes placed there (found by a second, recording session) and th
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from specexport.errors import BadInput
 
@@ -45,12 +47,10 @@ def is_cpu_fallback_refusal(err: Exception) -> bool:
     return _FALLBACK_REFUSED in str(err)
 
 
-def cpu_nodes(ort, path: str | Path, providers: list[str]) -> Counter:
+def cpu_nodes(ort, path: str | Path, providers: list[str], so) -> Counter:
     """op type -> count of the nodes of ``path`` that onnxruntime places on the CPU when allowed
-    to (a session with fallback on, recording its placement); empty where onnxruntime cannot
-    report it."""
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
+    to (a session on ``so``, fresh SessionOptions with fallback on, recording its placement);
+    empty where onnxruntime cannot report it."""
     so.add_session_config_entry(RECORD_PLACEMENT, "1")
     try:
         session = ort.InferenceSession(str(path), so, providers=[*providers, CPU_PROVIDER])
@@ -67,13 +67,16 @@ def placement_error(path: str | Path, device: str, placed: Counter) -> BadInput:
                     f"(every call would copy between host and device); {GPU_BUILD_FIX}")
 
 
-def open_session(ort, path: str | Path, so, device: str):
-    """An InferenceSession of ``path`` on ``device``'s providers; on a strict device, one that
-    places a node on the CPU is refused with ``placement_error``."""
+def open_session(ort, path: str | Path, so, device: str, fresh_options: Callable[[], Any]):
+    """An InferenceSession of ``path`` on ``device``'s providers, with ``so`` (set by
+    ``require_device_placement``); on a strict device, one that places a node on the CPU is
+    refused with ``placement_error``. ``fresh_options``: SessionOptions like ``so`` without its
+    entries, for the session that finds the nodes (the process's thread pool decides how
+    every session's options must be made)."""
     providers = PROVIDERS[device]
     try:
         return ort.InferenceSession(str(path), so, providers=providers)
     except Exception as err:
         if device in STRICT_DEVICES and is_cpu_fallback_refusal(err):
-            raise placement_error(path, device, cpu_nodes(ort, path, providers)) from None
+            raise placement_error(path, device, cpu_nodes(ort, path, providers, fresh_options())) from None
         raise
