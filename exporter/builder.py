@@ -36,6 +36,7 @@ from specexport.contract import (
 )
 from specexport.errors import BadInput, SpecexportError
 from specexport.exporter.archs import read_decoder
+from specexport.exporter.gpu_build import mark_host_nodes
 from specexport.exporter.graph_model import StaticDecoder, attention_refusal
 from specexport.exporter.heads import HeadContext, LoadedHead, load_head, merged_taps
 from specexport.exporter.low_precision import bf16_refusal, kv_dtype, low_precision_graph
@@ -346,13 +347,13 @@ class Builder:
                                              self.recipe.attention, {**untapped, **quant}, state)
 
     def _cast(self, proto: onnx.ModelProto, precision: str, label: str) -> onnx.ModelProto:
-        """``proto`` in ``precision`` where that is fp16 or bf16 (exporter/low_precision.py)."""
-        if precision not in LOW_PRECISIONS:
-            return proto
-        with self.rep.step("cast", label) as s:
-            proto = low_precision_graph(proto, precision)
-            s.detail = f"{precision}, KV cache {kv_dtype(precision)}"
-        return proto
+        """``proto`` in ``precision`` where that is fp16 or bf16 (exporter/low_precision.py); for
+        device: cuda with its host arithmetic listed (gpu_build.mark_host_nodes)."""
+        if precision in LOW_PRECISIONS:
+            with self.rep.step("cast", label) as s:
+                proto = low_precision_graph(proto, precision)
+                s.detail = f"{precision}, KV cache {kv_dtype(precision)}"
+        return mark_host_nodes(proto) if self.recipe.device == "cuda" else proto
 
     def _tree_decoder(self, parts, taps: tuple[int, ...]) -> StaticDecoder:
         try:

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import onnx
+
 from specexport.backends import TENSORRT
+from specexport.exporter.lint import tensor_types
+from specexport.runtime.placement import HOST_NODES
 
 if TYPE_CHECKING:
     from specexport.exporter.recipe import Recipe
@@ -19,6 +23,10 @@ if TYPE_CHECKING:
 CUDA_DEFAULTS = {"precision": "fp16", "attention": "ort-gqa"}
 # the precisions onnxruntime's CUDA GroupQueryAttention runs
 GQA_CUDA_PRECISIONS = ("fp16", "bf16")
+# the element types of host arithmetic
+_HOST_TYPES = frozenset({onnx.TensorProto.INT32, onnx.TensorProto.INT64, onnx.TensorProto.BOOL})
+# ops that read only their input's shape, never its values
+_SHAPE_READERS = frozenset({"Shape", "Size"})
 
 
 def cuda_refusal(recipe: Recipe) -> str | None:
@@ -45,3 +53,24 @@ def cuda_refusal(recipe: Recipe) -> str | None:
             return (f"drafters.{i}.precision: {own} with device: cuda and attention ort-gqa would run the draft "
                     f"model's GroupQueryAttention on the CPU; leave it unset (the recipe's {recipe.precision})")
     return None
+
+
+def mark_host_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with the nodes onnxruntime may keep on the CPU listed in its metadata
+    (runtime/placement.py HOST_NODES): those that read and write only integers or booleans (or
+    read only a shape), the shape and length arithmetic (cache length + tokens, ReduceMax,
+    Cast) whose results CUDA kernels read from host memory, such as GroupQueryAttention's
+    total_sequence_length. A node that reads or writes a float (ArgMax over the logits
+    included) is a computation on tensors and must run on the GPU."""
+    types = tensor_types(model)
+
+    def integer(names) -> bool:
+        return all(types.get(x) in _HOST_TYPES for x in names if x)
+
+    host = sorted(n.name for n in model.graph.node
+                  if n.output and integer(n.output) and (n.op_type in _SHAPE_READERS or integer(n.input)))
+    kept = [p for p in model.metadata_props if p.key != HOST_NODES]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    model.metadata_props.add(key=HOST_NODES, value=",".join(host))
+    return model

@@ -133,13 +133,13 @@ class OrtEngine:
         if providers[0] not in available:
             raise MissingDependency(f"onnxruntime with {providers[0]} is not installed: {ONNXRUNTIME_GPU_SWAP}")
         so = session_options(ort, options.threads)
-        require_device_placement(so, options.device)  # cuda: a node on the CPU fails the session
+        require_device_placement(so, options.device)  # cuda: a computation on the CPU is refused
         self.name = name
         self.inputs = inputs
         self.outputs = outputs
         self.threads = SHARED_POOL.size
         def make():
-            return open_session(ort, path, so, options.device, lambda: session_options(ort, options.threads))
+            return open_session(ort, path, so, options.device)
 
         key = (ONNXRUNTIME, str(Path(path).resolve()), options.device)
         self._session = make() if shared is None else shared.get(key, make)

@@ -131,3 +131,28 @@ def test_the_ready_cuda_recipe_parses_as_fp16_ort_gqa_on_cuda():
 
     recipe, _ = load_recipe(REPO / "recipes" / "smollm2-135m-cuda.yaml")
     assert (recipe.device, recipe.onnx_precision, recipe.attention) == ("cuda", "fp16", "ort-gqa")
+
+
+def test_a_device_cuda_build_records_its_device_and_lists_its_host_arithmetic(tmp_path):
+    import yaml
+
+    from specexport.runtime.placement import HOST_NODES
+
+    path = tiny_recipe(tmp_path / "r.yaml", **TINY_SHAPE)
+    recipe = {**yaml.safe_load(path.read_text()), "device": "cuda"}
+    del recipe["attention"]  # device: cuda picks ort-gqa and fp16
+    path.write_text(yaml.safe_dump(recipe))
+    code, _, err = run_cli("build", str(path), "-o", str(tmp_path / "out"), "--threads", "1")
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["build"]["onnxruntime"] == {"device": "cuda", "precision": "fp16", "attention": "ort-gqa"}
+    graph = onnx.load(str(tmp_path / "out" / "target.onnx"), load_external_data=False)
+    listed = next(p.value for p in graph.metadata_props if p.key == HOST_NODES).split(",")
+    ops = {n.name: n.op_type for n in graph.graph.node}
+    # GroupQueryAttention's lengths (cache length + tokens, ReduceMax, Cast) are host arithmetic;
+    # nothing that reads or writes a float is (ArgMax over the logits included)
+    assert {"ReduceMax", "Cast"} <= {ops[name] for name in listed}
+    assert not {"MatMul", "GroupQueryAttention", "ArgMax", "SkipSimplifiedLayerNormalization"} & {ops[n] for n in listed}
+    # the same directory decodes on the CPU (the device only decides the provider)
+    code, _, err = run_cli("generate", str(tmp_path / "out"), "--prompt", "hi", "-n", "4", "--threads", "1")
+    assert code == 0, err

@@ -1,112 +1,122 @@
-"""runtime/placement.py: a cuda session may not place a node on the CPU. The refusal is
-onnxruntime's (session.disable_cpu_ep_fallback); what is checked here without a GPU: the entry is
-set for cuda alone, the CUDA provider is named alone (onnxruntime refuses the entry beside an
-explicit CPU provider), and onnxruntime's failure becomes one line naming the file, the nodes
-and the fix."""
+"""runtime/placement.py: a cuda session may not place a computation on tensors on the CPU.
+Checked here without a GPU: the recording entry is set for cuda alone, onnxruntime's placement
+record is read by node name against the graph's listed host arithmetic (names that survive
+onnxruntime's optimizations, on the real CPU build), and a misplaced node becomes one line
+naming the file, the nodes and the fix (a fake onnxruntime stands in for the CUDA build)."""
 
 from __future__ import annotations
 
-from collections import Counter
+import shutil
 
+import onnx
 import onnxruntime as ort
 import pytest
 
 from specexport.errors import BadInput
+from specexport.exporter.gpu_build import mark_host_nodes
 from specexport.runtime import placement
+from specexport.runtime.ort_engine import session_options
 from specexport.runtime.placement import (
-    DISABLE_CPU_FALLBACK,
+    HOST_NODES,
     PROVIDERS,
+    RECORD_PLACEMENT,
     open_session,
     require_device_placement,
 )
 from tests.conftest import TINY_SHAPE
 
-# what onnxruntime's InferenceSession raises (inference_session.cc) when fallback is disabled
-REFUSAL = ("[ONNXRuntimeError] : 1 : FAIL : This session contains graph nodes that are assigned to the default "
-           "CPU EP, but fallback to CPU EP has been explicitly disabled by the user.")
 
-
-def test_the_fallback_entry_is_set_for_cuda_and_not_for_the_cpu():
-    cuda, cpu = ort.SessionOptions(), ort.SessionOptions()
-    require_device_placement(cuda, "cuda")
-    require_device_placement(cpu, "cpu")
-    assert cuda.get_session_config_entry(DISABLE_CPU_FALLBACK) == "1"
-    assert not strict(cpu)
-    assert "CPUExecutionProvider" not in PROVIDERS["cuda"]  # an explicit CPU provider conflicts with the entry
-
-
-def strict(so) -> bool:
-    """Whether ``so`` disables CPU fallback (onnxruntime raises for an entry never set)."""
+def records(so) -> bool:
+    """Whether ``so`` records placement (onnxruntime raises for an entry never set)."""
     try:
-        return so.get_session_config_entry(DISABLE_CPU_FALLBACK) == "1"
+        return so.get_session_config_entry(RECORD_PLACEMENT) == "1"
     except RuntimeError:
         return False
 
 
+def test_placement_is_recorded_for_cuda_and_not_for_the_cpu():
+    cuda, cpu = ort.SessionOptions(), ort.SessionOptions()
+    require_device_placement(cuda, "cuda")
+    require_device_placement(cpu, "cpu")
+    assert records(cuda) and not records(cpu)
+    assert PROVIDERS["cuda"][0] == "CUDAExecutionProvider" and PROVIDERS["cpu"] == ["CPUExecutionProvider"]
+
+
 class FakeOrt:
-    """onnxruntime as a CUDA build would answer: the strict session fails, the recording one
-    reports what it placed on the CPU."""
+    """onnxruntime as a CUDA build would answer: a session whose placement record puts
+    ``on_cpu`` (name -> op type) on the CPU, its graph listing ``host`` as host arithmetic."""
 
-    SessionOptions = ort.SessionOptions
-
-    def __init__(self, placed: dict[str, list[str]]):
-        self.placed = placed
-        self.calls: list[tuple[list[str], bool]] = []
+    def __init__(self, on_cpu: dict[str, str], host: list[str]):
+        self.on_cpu, self.host = on_cpu, host
+        self.providers: list[str] = []
 
     def InferenceSession(self, path, so, providers):  # noqa: N802 (onnxruntime's name)
-        self.calls.append((providers, strict(so)))
-        if strict(so):
-            raise RuntimeError(REFUSAL)
-        return FakeSession(self.placed)
+        self.providers = providers
+        return FakeSession(self.on_cpu, self.host)
 
 
-class FakeSession:
-    def __init__(self, placed):
-        self.placed = placed
-
-    def get_provider_graph_assignment_info(self):
-        return [FakeSubgraph(ep, ops) for ep, ops in self.placed.items()]
+class FakeNode:
+    def __init__(self, name: str, op_type: str):
+        self.name, self.op_type = name, op_type
 
 
 class FakeSubgraph:
-    def __init__(self, ep, ops):
-        self.ep_name = ep
-        self.ops = ops
+    def __init__(self, ep_name: str, nodes: dict[str, str]):
+        self.ep_name, self.nodes = ep_name, nodes
 
     def get_nodes(self):
-        return [type("Node", (), {"op_type": op})() for op in self.ops]
+        return [FakeNode(name, op) for name, op in self.nodes.items()]
 
 
-def test_a_cuda_session_with_a_node_on_the_cpu_is_refused_in_one_line_naming_file_nodes_and_fix():
-    fake = FakeOrt({"CUDAExecutionProvider": ["MatMul"] * 9,
-                    "CPUExecutionProvider": ["GroupQueryAttention", "GroupQueryAttention", "Shape"]})
+class FakeSession:
+    def __init__(self, on_cpu: dict[str, str], host: list[str]):
+        self.on_cpu, self.host = on_cpu, host
+
+    def get_modelmeta(self):
+        return type("Meta", (), {"custom_metadata_map": {HOST_NODES: ",".join(self.host)} if self.host else {}})()
+
+    def get_provider_graph_assignment_info(self):
+        return [FakeSubgraph("CUDAExecutionProvider", {"mm": "MatMul"}), FakeSubgraph("CPUExecutionProvider", self.on_cpu)]
+
+
+def open_fake(on_cpu: dict[str, str], host: list[str]):
+    fake = FakeOrt(on_cpu, host)
     so = ort.SessionOptions()
     require_device_placement(so, "cuda")
+    return fake, open_session(fake, "engines/x/target.onnx", so, "cuda")
+
+
+def test_a_cuda_session_with_a_computation_on_the_cpu_is_refused_in_one_line():
+    on_cpu = {"gqa_0": "GroupQueryAttention", "gqa_1": "GroupQueryAttention", "node_add_68": "Add",
+              "node_max_1": "ReduceMax"}
     with pytest.raises(BadInput) as err:
-        open_session(fake, "engines/x/target.onnx", so, "cuda", ort.SessionOptions)
+        open_fake(on_cpu, ["node_add_68", "node_max_1"])
     message = str(err.value)
     assert "\n" not in message and message.startswith("engines/x/target.onnx: ")
-    assert "GroupQueryAttention x2, Shape on the CPU" in message and "device: cuda" in message
-    assert fake.calls[0] == (["CUDAExecutionProvider"], True)
-    assert fake.calls[1] == (["CUDAExecutionProvider", "CPUExecutionProvider"], False)  # the recording one
+    assert "would run GroupQueryAttention x2 on the CPU" in message and "device: cuda" in message
+    assert "Add" not in message and "ReduceMax" not in message  # listed host arithmetic
 
 
-def test_other_session_failures_pass_through():
-    class Broken(FakeOrt):
-        def InferenceSession(self, path, so, providers):  # noqa: N802
-            raise RuntimeError("[ONNXRuntimeError] : 3 : NO_SUCHFILE")
+def test_host_arithmetic_on_the_cpu_is_accepted():
+    fake, session = open_fake({"node_add_68": "Add", "node_max_1": "ReduceMax"}, ["node_add_68", "node_max_1"])
+    assert isinstance(session, FakeSession) and fake.providers == PROVIDERS["cuda"]
 
-    so = ort.SessionOptions()
+
+def test_a_graph_listing_nothing_may_place_nothing_on_the_cpu():
+    with pytest.raises(BadInput, match="would run Add on the CPU"):
+        open_fake({"node_add_68": "Add"}, [])
+
+
+def test_listed_host_nodes_keep_their_names_through_onnxruntimes_optimizations(tiny_engines, tmp_path):
+    engines = tiny_engines.get("llama", drafters=(), attention="ort-gqa", precision="fp16", **TINY_SHAPE)
+    graph = mark_host_nodes(onnx.load(str(engines / "target.onnx"), load_external_data=False))
+    shutil.copy(engines / "target.weights", tmp_path / "target.weights")
+    onnx.save(graph, str(tmp_path / "target.onnx"))
+    so = session_options(ort, 1)  # the runtime's: every optimization, the process's one pool
     require_device_placement(so, "cuda")
-    with pytest.raises(RuntimeError, match="NO_SUCHFILE"):
-        open_session(Broken({}), "x.onnx", so, "cuda", ort.SessionOptions)
-
-
-def test_the_cpu_nodes_are_read_from_onnxruntimes_own_placement_record(tiny_engines):
-    from specexport.runtime.ort_engine import session_options
-
-    engines = tiny_engines.get("llama", drafters=(), attention="ort-gqa", **TINY_SHAPE)
-    # the CPU build places everything on the CPU; options as the runtime makes them (its shared pool)
-    placed = placement.cpu_nodes(ort, engines / "target.onnx", [], session_options(ort, 1))
-    assert placed["GroupQueryAttention"] == 2 and sum(placed.values()) > 10
-    assert isinstance(placed, Counter)
+    # the CPU build places every node on the CPU: the listed ones are all found by name, the rest misplaced
+    session = ort.InferenceSession(str(tmp_path / "target.onnx"), so, providers=["CPUExecutionProvider"])
+    listed, placed = placement.host_nodes(session), {name for name, _ in placement.cpu_nodes(session)}
+    assert listed and listed <= placed
+    misplaced = placement.misplaced(session)
+    assert misplaced["GroupQueryAttention"] == 2 and misplaced["MatMul"] > 0 and "ReduceMax" not in misplaced
