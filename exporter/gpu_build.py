@@ -1,9 +1,11 @@
 """`device: cuda` in a recipe: graphs whose every node onnxruntime's CUDA provider runs.
 
-The runtime opens a cuda session with CPU fallback disabled (runtime/placement.py), so a graph
-with one node the CUDA provider has no kernel for is refused when it is loaded. This module
-refuses such a recipe before anything is exported, and gives the defaults that avoid it:
-fp16 graphs with onnxruntime's GroupQueryAttention (its CUDA kernel runs fp16 and bf16 only).
+The runtime refuses a cuda session that places a computation on tensors on the CPU
+(runtime/placement.py), so a graph with one node the CUDA provider has no kernel for is refused
+when it is loaded. This module refuses such a recipe before anything is exported, gives the
+defaults that avoid it (fp16 graphs with onnxruntime's GroupQueryAttention, whose CUDA kernel
+runs fp16 and bf16 only), and lists in each graph the integer arithmetic onnxruntime may keep
+on the CPU.
 """
 
 from __future__ import annotations
