@@ -156,3 +156,21 @@ def test_a_device_cuda_build_records_its_device_and_lists_its_host_arithmetic(tm
     # the same directory decodes on the CPU (the device only decides the provider)
     code, _, err = run_cli("generate", str(tmp_path / "out"), "--prompt", "hi", "-n", "4", "--threads", "1")
     assert code == 0, err
+
+
+def test_fp16_limits_widen_to_transformers_own_error_and_no_further():
+    from specexport.errors import SpecexportError
+    from specexport.exporter.validate import LOW_REFERENCE_FACTOR, check_parity
+
+    scale = 16.0  # the table's fp16 limit: 1e-2 x 16 = 0.16; transformers' own fp16 error here 0.5
+    figures = {"max_abs_logit_diff": 0.4, "logit_scale": scale, "next_tokens_match": True, "argmax_agreement": 0.99,
+               "max_margin_at_disagreement": 0.02}
+    with pytest.raises(SpecexportError, match="exceeds the limit 0.16"):
+        check_parity("g", figures, "fp16")
+    applied = check_parity("g", figures, "fp16", reference_error=0.5)
+    assert applied["max_abs_logit_diff_limit"] == LOW_REFERENCE_FACTOR * 0.5
+    assert applied["near_tie_margin_limit"] == 2 * 0.5
+    with pytest.raises(SpecexportError, match="transformers' own error in this type"):
+        check_parity("g", {**figures, "max_abs_logit_diff": 0.8}, "fp16", reference_error=0.5)
+    with pytest.raises(SpecexportError, match="near-tie limit"):  # a flip at a margin transformers' error cannot explain
+        check_parity("g", {**figures, "max_margin_at_disagreement": 1.2}, "fp16", reference_error=0.5)
