@@ -705,12 +705,9 @@ def build_recipe(recipe: Recipe, base: Path, out: str | Path | None, force: bool
         from specexport.exporter.trt_build import require_tensorrt
 
         require_tensorrt()
-    if recipe.onnx_precision == "bf16":  # refused before the export, not after it
-        import onnxruntime
-
-        refusal = bf16_refusal(recipe.onnx_precision, onnxruntime.get_available_providers())
-        if refusal is not None:
-            raise BadInput(f"recipe: {refusal}")
+    refusal = bf16_refusal(recipe.onnx_precision)  # before the export, not after it
+    if refusal is not None:
+        raise BadInput(f"recipe: {refusal}")
     out_dir = Path(out) if out is not None else Path("engines") / recipe.name
     previous = existing_manifest(out_dir)
 

@@ -333,8 +333,9 @@ class Recipe(_Strict):
     # `quantization:`), for the target and any draft model; fp16 or bf16: weights, activations
     # and KV cache in that type (logits stay fp32), of the onnxruntime graphs of the target and
     # any draft model, or with backends [onnxruntime, tensorrt] of the TensorRT engines only (the
-    # onnxruntime graphs stay fp32, their parity reference). bf16 graphs need onnxruntime-gpu to
-    # be validated (the CPU onnxruntime lacks their kernels). Default: fp32; fp16 on device cuda.
+    # onnxruntime graphs stay fp32, their parity reference). bf16 onnxruntime graphs are refused
+    # for now: the build validates on the CPU provider, which lacks their kernels. Default: fp32;
+    # fp16 on device cuda.
     precision: Literal["fp32", "fp16", "bf16", "int4", "int8"] = "fp32"
     quantization: Quantization = Quantization()  # how int4 / int8 weights are made
     # standard: portable ONNX ops (TensorRT, any runtime). ort-gqa: onnxruntime's fused
