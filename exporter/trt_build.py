@@ -142,8 +142,10 @@ def _fp32_nodes(graph: onnx.GraphProto, float_tensors: set[str], constants: set[
     return keep
 
 
-def cast_precision(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
-    """A copy of ``model`` computing in fp16 or bf16, its float inputs and outputs still fp32.
+def cast_precision(model: onnx.ModelProto, precision: str, low_io: frozenset[str] = frozenset()) -> onnx.ModelProto:
+    """A copy of ``model`` computing in fp16 or bf16, its float inputs and outputs still fp32
+    except those named in ``low_io``, which take the low type (an onnxruntime GPU graph's KV
+    cache: GroupQueryAttention reads and updates it in place in its own type).
 
     Casts are inserted where a tensor's type and its consumer's precision differ; float
     initializers, Constant values and Cast/ConstantOfShape targets follow their node.
@@ -167,7 +169,7 @@ def cast_precision(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
         return i not in keep
 
     # What each float tensor is, after the rewrite ("home" type).
-    home: dict[str, int] = {name: _FLOAT for name in graph_inputs & float_tensors}
+    home: dict[str, int] = {name: low if name in low_io else _FLOAT for name in graph_inputs & float_tensors}
     for t in g.initializer:  # a constant goes low unless only fp32 nodes read it
         if t.data_type == _FLOAT:
             home[t.name] = low if any(wants_low(c) for c in consumers.get(t.name, [])) else _FLOAT
@@ -210,16 +212,22 @@ def cast_precision(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
                 home[out] = precision_of_node
         nodes.append(node)
 
-    # Float graph outputs are fp32 again: the producer writes a renamed tensor, a Cast the output.
+    # Float graph outputs are fp32 again (low_io's: low): where the producer's type differs it
+    # writes a renamed tensor, and a Cast the output.
     renames = {}
     for value in g.output:
-        if value.name in float_tensors and home.get(value.name) == low:
-            renames[value.name] = f"{value.name}__{precision}"
+        wanted = low if value.name in low_io else _FLOAT
+        if value.name in float_tensors and home.get(value.name) != wanted:
+            renames[value.name] = (f"{value.name}__{precision}" if wanted == _FLOAT else f"{value.name}__fp32", wanted)
     for node in nodes:
-        node.output[:] = [renames.get(x, x) for x in node.output]
-        node.input[:] = [renames.get(x, x) for x in node.input]
-    for name, inner in renames.items():
-        nodes.append(helper.make_node("Cast", [inner], [name], to=_FLOAT, name=f"{name}__to_fp32"))
+        node.output[:] = [renames[x][0] if x in renames else x for x in node.output]
+        node.input[:] = [renames[x][0] if x in renames else x for x in node.input]
+    for name, (inner, wanted) in renames.items():
+        nodes.append(helper.make_node("Cast", [inner], [name], to=wanted,
+                                      name=f"{name}__to_fp32" if wanted == _FLOAT else f"{name}__to_{precision}"))
+    for value in [*g.input, *g.output]:  # the low inputs and outputs change their declared type
+        if value.name in low_io and value.name in float_tensors:
+            value.type.tensor_type.elem_type = low
 
     del g.node[:]
     g.node.extend(_topological(nodes, {v.name for v in g.input} | {t.name for t in new_inits}))

@@ -45,20 +45,18 @@ from specexport.backends import BACKENDS, ONNXRUNTIME
 from specexport.contract import INPUT_IDS, EngineEntry, TensorSpec, chain_tree_feeds
 from specexport.errors import BadInput, MissingDependency, missing_extra
 from specexport.runtime.engine import EngineOptions, SharedGraphs, check_feeds
+from specexport.runtime.placement import PROVIDERS, open_session, require_device_placement
 
-# onnxruntime-gpu installs the same module as the CPU onnxruntime every extra brings: a swap, not an extra
-ONNXRUNTIME_GPU_SWAP = "pip uninstall -y onnxruntime && pip install 'onnxruntime-gpu>=1.20'"
+# onnxruntime-gpu installs the same module as the CPU onnxruntime: the `cuda` extra instead of `cpu`
+ONNXRUNTIME_GPU_SWAP = "pip uninstall -y onnxruntime && pip install 'specexport[cuda]'"
 # onnxruntime's CUDA GroupQueryAttention takes an attention bias only on its unfused path (it
 # refused one before microsoft/onnxruntime#29525), and a target built with trees gives every call one
 FOLDED_ON_GPU = ("this target's ort-gqa graph also verifies token trees (draft.tree), so every call gives "
                  "GroupQueryAttention a bias, which onnxruntime's CUDA kernel runs unfused or refuses; for a GPU "
                  "build without draft.tree, or use attention: standard with TensorRT")
-# EngineOptions.device -> providers. TensorRT is a backend of its own (specexport/backends.py),
-# not a provider here: one path to it
-_PROVIDERS = {
-    "cpu": ["CPUExecutionProvider"],
-    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
-}
+# EngineOptions.device -> providers (runtime/placement.py). TensorRT is a backend of its own
+# (specexport/backends.py), not a provider here: one path to it
+_PROVIDERS = PROVIDERS
 
 
 def _onnxruntime():
@@ -135,12 +133,13 @@ class OrtEngine:
         if providers[0] not in available:
             raise MissingDependency(f"onnxruntime with {providers[0]} is not installed: {ONNXRUNTIME_GPU_SWAP}")
         so = session_options(ort, options.threads)
+        require_device_placement(so, options.device)  # cuda: a computation on the CPU is refused
         self.name = name
         self.inputs = inputs
         self.outputs = outputs
         self.threads = SHARED_POOL.size
         def make():
-            return ort.InferenceSession(str(path), so, providers=providers)
+            return open_session(ort, path, so, options.device)
 
         key = (ONNXRUNTIME, str(Path(path).resolve()), options.device)
         self._session = make() if shared is None else shared.get(key, make)

@@ -1,6 +1,7 @@
-"""What pip installs for each extra, read from pyproject.toml: exactly one onnxruntime in any
-combination of extras, the package behind each command's one-line missing-extra error, and
-the CPU-only torch the Makefile bootstraps."""
+"""What pip installs for each extra, read from pyproject.toml: exactly one onnxruntime in every
+combination of extras a user is told to use (the command extras with `cpu` or `cuda`, `dev`),
+the package behind each command's one-line missing-extra error, the CPU-only torch the Makefile
+bootstraps, and what make install-cuda installs."""
 
 from __future__ import annotations
 
@@ -54,22 +55,53 @@ def resolve(project: dict, extras: tuple[str, ...]) -> list[Requirement]:
     return found
 
 
-def combinations(extras) -> list[tuple[str, ...]]:
-    return [c for n in range(1, len(extras) + 1) for c in itertools.combinations(sorted(extras), n)]
+def combinations(extras, smallest: int = 1) -> list[tuple[str, ...]]:
+    return [c for n in range(smallest, len(extras) + 1) for c in itertools.combinations(sorted(extras), n)]
 
 
-def test_every_combination_of_extras_installs_exactly_one_onnxruntime(project):
+# the extra that picks the onnxruntime -> the distribution it installs
+RUNTIMES = {"cpu": "onnxruntime", "cuda": "onnxruntime-gpu"}
+DEV = "dev"  # the CPU development install (make install): the cpu runtime and every command extra
+
+
+def runtimes_of(project: dict, extras: tuple[str, ...]) -> list[str]:
+    return sorted({canonicalize_name(r.name) for r in resolve(project, extras) if is_onnxruntime(r.name)})
+
+
+def command_extras(project: dict) -> list[str]:
+    return sorted(set(project["optional-dependencies"]) - set(RUNTIMES) - {DEV})
+
+
+def test_every_combination_a_user_is_told_to_use_installs_exactly_one_onnxruntime(project):
+    """Any command extras with `cpu` or with `cuda` (README's install table), or with `dev`."""
     wrong = {}
+    for extras in combinations(command_extras(project), smallest=0):
+        for runtime, dist in [*RUNTIMES.items(), (DEV, "onnxruntime")]:
+            found = runtimes_of(project, (*extras, runtime))
+            if found != [dist]:
+                wrong[",".join((*extras, runtime))] = found
+    assert not wrong, f"extras that install no onnxruntime, two (one module, overwritten) or another: {wrong}"
+
+
+def test_only_a_second_runtime_brings_a_second_onnxruntime(project):
+    """Every combination of every extra: two onnxruntimes exactly where both cuda and the CPU
+    wheel (cpu, or dev) are named, none where neither is."""
     for extras in combinations(project["optional-dependencies"]):
-        runtimes = sorted({canonicalize_name(r.name) for r in resolve(project, extras) if is_onnxruntime(r.name)})
-        if len(runtimes) != 1:
-            wrong[",".join(extras)] = runtimes
-    assert not wrong, f"extras that install no onnxruntime or two (one module, overwritten): {wrong}"
+        cpu, cuda = bool({"cpu", DEV} & set(extras)), "cuda" in extras
+        assert len(runtimes_of(project, extras)) == cpu + cuda, extras
 
 
-@pytest.mark.parametrize("extra", ["serve", "ray", "export", "bench", "gpu"])
-def test_each_command_extra_alone_brings_the_onnxruntime_its_engines_run_on(project, extra):
-    assert [r.name for r in resolve(project, (extra,)) if is_onnxruntime(r.name)] == ["onnxruntime"]
+@pytest.mark.parametrize("extra", ["serve", "ray", "export", "bench", "gpu", "structured", "test"])
+def test_each_command_extra_leaves_the_onnxruntime_to_the_user(project, extra):
+    assert runtimes_of(project, (extra,)) == []
+
+
+def test_the_cuda_extra_installs_a_cuda_13_onnxruntime_gpu(project):
+    """onnxruntime-gpu 1.27-1.31 are CUDA 13 builds; 1.24-1.26 CUDA 12 (the issue's inspection)."""
+    (gpu,) = [r for r in resolve(project, ("cuda",)) if is_onnxruntime(r.name)]
+    assert canonicalize_name(gpu.name) == "onnxruntime-gpu"
+    assert all(gpu.specifier.contains(v) for v in ("1.27.0", "1.30.0", "1.31.1"))
+    assert not any(gpu.specifier.contains(v) for v in ("1.24.4", "1.26.0"))
 
 
 def test_the_extra_each_missing_module_error_names_installs_that_module(project):
@@ -97,14 +129,37 @@ def test_a_cuda_device_without_onnxruntime_gpu_names_the_swap_in_one_line(tiny_e
     engines = tiny_engines.get("llama", max_seq_len=160, prefill_chunk=16)  # the session's shared build
     code, _, err = run_cli("generate", str(engines), "--prompt", "hi", "-n", "2", "--device", "cuda")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    assert "CUDAExecutionProvider" in err and "pip uninstall -y onnxruntime && pip install 'onnxruntime-gpu" in err
+    assert "CUDAExecutionProvider" in err and "pip uninstall -y onnxruntime && pip install 'specexport[cuda]'" in err
 
 
-def make_install(venv, **variables) -> list[str]:
-    """The commands `make install` would run for a venv at ``venv`` (make -n: nothing runs)."""
+def make_install(venv, target: str = "install", **variables) -> list[str]:
+    """The commands `make TARGET` would run for a venv at ``venv`` (make -n: nothing runs)."""
     args = [f"{k}={v}" for k, v in {"VENV": venv, **variables}.items()]
-    done = subprocess.run(["make", "-n", "install", *args], cwd=REPO, capture_output=True, text=True, check=True)
+    done = subprocess.run(["make", "-n", target, *args], cwd=REPO, capture_output=True, text=True, check=True)
     return done.stdout.splitlines()
+
+
+def installed_extras(lines: list[str]) -> tuple[str, ...]:
+    """The extras of the one `pip install -e '.[...]'` line."""
+    (line,) = [line for line in lines if " pip install " in line and "-e " in line]
+    return tuple(line.split("'.[", 1)[1].split("]", 1)[0].split(","))
+
+
+def test_make_install_cuda_installs_onnxruntime_gpu_alone_and_torch_for_cuda_13(project, tmp_path):
+    lines = make_install(tmp_path / "venv", "install-cuda")
+    assert runtimes_of(project, installed_extras(lines)) == ["onnxruntime-gpu"]
+    # the CPU wheel of an earlier make install goes first (the same module), with the peer needing it
+    uninstall = next(i for i, line in enumerate(lines) if " pip uninstall " in line)
+    assert {"onnxruntime", "onnxruntime-genai"} <= set(lines[uninstall].split())
+    assert uninstall < next(i for i, line in enumerate(lines) if "-e " in line and " pip install " in line)
+    torch = torch_line(lines)
+    assert torch.split("--extra-index-url ", 1)[1].split()[0].rstrip("/").endswith("/cu130"), torch
+    assert "+cpu" not in torch
+    assert lines[-1].startswith("touch ") and lines[-1].endswith("/.installed")  # make test then uses it
+
+
+def test_make_install_brings_the_cpu_onnxruntime_alone(project, tmp_path):
+    assert runtimes_of(project, installed_extras(make_install(tmp_path / "venv"))) == ["onnxruntime"]
 
 
 def torch_line(lines: list[str]) -> str:

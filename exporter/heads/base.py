@@ -21,6 +21,7 @@ import torch
 
 from specexport.backends import ONNXRUNTIME
 from specexport.contract import DrafterEntry, EngineEntry, KVUpdate, ModelEntry, Role, engine_name
+from specexport.exporter.gpu_build import mark_host_nodes
 from specexport.exporter.onnx_export import WeightStore, tensor_specs
 from specexport.exporter.validate import reference_ids
 
@@ -123,6 +124,8 @@ class HeadContext:
         Returns engine name -> path."""
         path = self.tmp / f"{file_stem}.onnx"
         proto = self._quantize(proto)
+        if self.recipe.device == "cuda":  # its host arithmetic may stay on the CPU (runtime/placement.py)
+            proto = mark_host_nodes(proto)
         specs = {t: (tensor_specs(proto, "inputs", t), tensor_specs(proto, "outputs", t)) for t in sizes}
         store.save(proto, path)
         onnx.checker.check_model(str(path))
