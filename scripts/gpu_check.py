@@ -175,21 +175,10 @@ def env(out: Path, device: str) -> int:
 
 
 def gpu_settings(dry_run: bool) -> dict:
-    """The recipe settings of the GPU build (the dry run: none, the recipe's CPU ones).
-
-    HOOK (fp16 onnxruntime graphs): ``precision: fp16`` makes fp16 onnxruntime graphs and
-    ``device: cuda`` picks an attention kind whose every node runs on the CUDA provider once
-    the recipe has that field; until then the field is left out (recipe_device_field) and the
-    onnxruntime graphs stay fp32."""
-    if dry_run:
-        return {}
-    return {"precision": "fp16", **({"device": "cuda"} if recipe_device_field() else {})}
-
-
-def recipe_device_field() -> bool:
-    from specexport.exporter.recipe import Recipe
-
-    return "device" in Recipe.model_fields
+    """The recipe settings of the GPU build (the dry run: none, the recipe's CPU ones):
+    ``device: cuda`` picks fp16 ort-gqa graphs whose every node runs on the CUDA provider
+    (exporter/gpu_build.py)."""
+    return {} if dry_run else {"precision": "fp16", "device": "cuda"}
 
 
 def _absolute(path: str, base: Path) -> str:
