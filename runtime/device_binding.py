@@ -39,6 +39,13 @@ def store_device(options) -> str | None:
     return "cpu" if getattr(options, "device_store", False) else None
 
 
+def over_device_store(feeds: Mapping[str, Any], bound: Mapping[str, Any]) -> bool:
+    """Feeds over a device store: its cache tensors are DeviceTensors, and so is every bound
+    output (a host numpy cache bound in place cannot be written by address on a device)."""
+    return (any(isinstance(v, DeviceTensor) for v in feeds.values())
+            and all(isinstance(v, DeviceTensor) for v in bound.values()))
+
+
 def with_cuda_graphs(providers: Sequence[Any], cuda_graphs: bool) -> list[Any]:
     """The providers, the CUDA one with ``enable_cuda_graph`` when ``cuda_graphs``."""
     if not cuda_graphs:

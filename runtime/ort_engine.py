@@ -45,7 +45,13 @@ from specexport.backends import BACKENDS, ONNXRUNTIME
 from specexport.contract import INPUT_IDS, EngineEntry, TensorSpec, chain_tree_feeds
 from specexport.errors import BadInput, MissingDependency, missing_extra
 from specexport.runtime.copy_counter import CopyCounter
-from specexport.runtime.device_binding import DeviceBinding, count_host_run, store_device, with_cuda_graphs
+from specexport.runtime.device_binding import (
+    DeviceBinding,
+    count_host_run,
+    over_device_store,
+    store_device,
+    with_cuda_graphs,
+)
 from specexport.runtime.engine import EngineOptions, SharedGraphs, check_feeds
 
 # onnxruntime-gpu installs the same module as the CPU onnxruntime every extra brings: a swap, not an extra
@@ -171,7 +177,9 @@ class OrtEngine:
             self._checked = True
         names = list(outputs) if outputs is not None else list(self.outputs)
         if self._store_device is not None:
-            return self._device_binding(feeds, names, bound or {}).run(self._session)
+            binding = self._device_binding(feeds, names, bound or {})
+            if binding is not None:
+                return binding.run(self._session)
         if not bound:
             values = self._session.run(names, {**feeds, **self._constant} if self._constant else feeds)
             out = dict(zip(names, values))
@@ -196,12 +204,15 @@ class OrtEngine:
         if self._copies is not None:
             self._copies.add(cached[2])
 
-    def _device_binding(self, feeds: dict, names: list[str], bound: dict) -> DeviceBinding:
+    def _device_binding(self, feeds: dict, names: list[str], bound: dict) -> DeviceBinding | None:
         """The binding over the call's feeds (device tensors and small host buffers), made once
-        per feeds dict and outputs (runtime/device_binding.py)."""
+        per feeds dict and outputs (runtime/device_binding.py); None for feeds over a host
+        cache (the exporter's checks hold their own numpy caches): those run as on the host."""
         key = tuple(names)
         cached = self._device_bindings.get(key)
         if cached is None or cached.feeds is not feeds:
+            if not over_device_store(feeds, bound):
+                return None
             graph_id = self._graph_ids() if self._graph_ids is not None else None
             cached = self._device_bindings[key] = DeviceBinding(
                 self._ort, self._session, self._store_device, feeds, list(self.inputs), self._constant,

@@ -155,3 +155,26 @@ def test_the_copy_graph_is_valid_onnx():
     model = onnx.load_from_string(copy_positions_graph(3, "float16"))
     onnx.checker.check_model(model, full_check=True)
     assert [n.op_type for n in model.graph.node] == ["GatherND", "ScatterND"] * 3
+
+
+def test_an_engine_over_a_device_store_still_runs_a_host_cache(tiny_engines):
+    """The exporter's checks feed an engine their own numpy cache, bound in place: with the
+    device store on, such feeds run as on the host (the same outputs), not through a binding."""
+    engines = tiny_engines.get("llama", drafters=("ngram",), attention="ort-gqa", tree_nodes=6, **TINY_SHAPE)
+    outs = []
+    for device_store in (False, True):
+        pipe = load(engines, threads=2, device_store=device_store)
+        engine = pipe.target._calls[1].engine.open()
+        info = pipe.manifest.models["target"]
+        store = HostStore.allocate(info.num_layers, info.kv.shape(1), info.kv_dtype)
+        feeds = {name: np.zeros(spec.shape, dtype=spec.dtype) for name, spec in engine.inputs.items()
+                 if name not in store.names}
+        feeds["input_ids"][:] = 5
+        if "valid_tokens" in feeds:
+            feeds["valid_tokens"][:] = 1
+        out = engine.run({**store.rows(), **feeds}, ["logits"], store.bound())
+        outs.append((out["logits"], store.rows()["past_key_values.0.key"][0, :, 0].copy()))
+        assert not getattr(engine, "_device_bindings", {})
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+    assert np.abs(outs[1][1]).sum() > 0  # the in-place graph wrote position 0 of the host cache
