@@ -20,6 +20,7 @@ from specexport.contract import Manifest, Role
 from specexport.errors import BadInput
 from specexport.runtime.acceptance import Sampling
 from specexport.runtime.adaptive import DepthPolicy
+from specexport.runtime.copy_counter import CopyCounter
 from specexport.runtime.cost_policy import EngineCosts
 from specexport.runtime.costs import TunedCosts, load_tuned
 from specexport.runtime.drafter_factories import make_drafter
@@ -126,6 +127,12 @@ class Pipeline:
         return ["none", *self.manifest.drafters]
 
     @property
+    def copies(self) -> CopyCounter:
+        """Bytes this load's engines and cache stores copied between host and device so far
+        (runtime/copy_counter.py): cache tensors apart from the rest, per direction."""
+        return self.sessions.copies
+
+    @property
     def max_seq_len(self) -> int:
         return self.manifest.models["target"].max_seq_len
 
@@ -141,7 +148,7 @@ class Pipeline:
             if (name, slots) not in self._caches:  # the cache first: engines of a device cache bind it
                 largest = max((e.tokens for e in self.manifest.engines_of(name, backend)), default=1)
                 self._caches[(name, slots)] = open_caches(self.manifest.models[name], backend, self.options, slots,
-                                                          largest)
+                                                          largest, self.sessions.copies)
             self._models[key] = open_model(self.manifest, name, backend, self.options, self.sessions,
                                            self._caches[(name, slots)], roles, self.costs.ms, make_runner)
         return self._models[key]
@@ -410,7 +417,8 @@ class TextTracker:
 
 
 def load(engine_dir: str | Path, *, threads: int | None = None, device: str = "cpu", backend: str | None = None,
-         verify: bool = True, device_kv: bool = True, tuned_costs: bool = True, check_prices: bool = True) -> Pipeline:
+         verify: bool = True, device_kv: bool = True, tuned_costs: bool = True, check_prices: bool = True,
+         device_store: bool = False, cuda_graphs: bool = False) -> Pipeline:
     """Open an engine directory: check its manifest and file hashes, create the sessions.
     Hashes are checked in full on first use and then only for files whose size, times or inode
     changed (runtime/integrity.py; ``specexport verify`` checks everything).
@@ -419,7 +427,11 @@ def load(engine_dir: str | Path, *, threads: int | None = None, device: str = "c
     keep the KV caches on the GPU (False: in host memory, copied to the GPU on every run).
     ``tuned_costs``: prefer the costs measured by ``specexport tune`` on this machine over the
     build's. ``check_prices``: adaptive depth replaces a round price the clock disagrees with
-    (False: the costs as they are, so seeded runs choose the same depths every time)."""
+    (False: the costs as they are, so seeded runs choose the same depths every time).
+    ``device_store``: onnxruntime keeps the caches in a device store (OrtValues bound by address,
+    runtime/device_store.py) on the CPU too; with ``device="cuda"`` it always does.
+    ``cuda_graphs``: on cuda (either backend), capture each static shape's run as a CUDA graph
+    and replay it."""
     started = time.perf_counter()
     if device == TENSORRT:
         if backend not in (None, TENSORRT):
@@ -433,5 +445,7 @@ def load(engine_dir: str | Path, *, threads: int | None = None, device: str = "c
     if chosen not in available:
         hint = BACKENDS[chosen].missing_hint.format(dir=engine_dir) if chosen in BACKENDS else ""
         raise BadInput(f"{engine_dir}: no engines for backend '{chosen}' (it has: {', '.join(available)}){hint}")
-    return Pipeline(manifest, EngineOptions(threads=threads, device=device, device_kv=device_kv), chosen,
+    options = EngineOptions(threads=threads, device=device, device_kv=device_kv, device_store=device_store,
+                            cuda_graphs=cuda_graphs)
+    return Pipeline(manifest, options, chosen,
                     tuned=load_tuned(manifest) if tuned_costs else None, started=started, check_prices=check_prices)

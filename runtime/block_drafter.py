@@ -53,7 +53,7 @@ from specexport.contract import (
     present_names,
 )
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
-from specexport.runtime.cache_store import HostStore
+from specexport.runtime.cache_store import Store
 from specexport.runtime.drafters import ChainsAndTrees, DraftBudget, DraftRow, PartCosts, TargetOut
 from specexport.runtime.engine import Engine
 from specexport.runtime.graph_call import GraphCall, TimedCalls
@@ -341,7 +341,7 @@ class BlockDrafter(ChainsAndTrees):
     needs = (AUX_HIDDEN_STATES,)
 
     def __init__(self, name: str, calls: dict[int, BatchedCall], slots: list[BlockSlot], round_ms: float,
-                 store: HostStore | None):
+                 store: Store | None):
         self.name = name
         self.store = store  # the head cache [slots, n_kv, S_max, hd] (None: one slot)
         self.calls = calls  # batch size (>= 2) -> its block graph (C = 1+D context rows)

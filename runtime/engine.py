@@ -17,6 +17,7 @@ import numpy as np
 from specexport.backends import BACKENDS
 from specexport.contract import EngineEntry, ModelEntry, TensorSpec
 from specexport.errors import BadInput
+from specexport.runtime.copy_counter import CopyCounter
 from specexport.runtime.kv_cache import KVCache, open_host_cache
 
 
@@ -28,7 +29,12 @@ class EngineOptions:
     # appended by the engines. False keeps it in host memory, copied whole to the GPU on every
     # run (load(..., device_kv=False), --host-kv). Backends without a device cache ignore it.
     device_kv: bool = True
-    cuda_graphs: bool = False  # tensorrt: replay each fixed-shape step as a CUDA graph (needs device_kv)
+    # tensorrt: replay each fixed-shape step as a CUDA graph (needs device_kv); onnxruntime on
+    # cuda: capture each static shape once (enable_cuda_graph, a gpu_graph_id per shape), replay it
+    cuda_graphs: bool = False
+    # onnxruntime: keep the caches in a device store (runtime/device_store.py), OrtValues bound by
+    # address; always on with device "cuda", on the CPU when asked (load(..., device_store=True))
+    device_store: bool = False
 
 
 class Engine(Protocol):
@@ -50,6 +56,13 @@ class SharedGraphs:
 
     def __init__(self) -> None:
         self._sessions: dict[tuple, Any] = {}
+        self._graph_ids: dict[tuple, int] = {}  # session key -> CUDA graphs captured on it
+        self.copies = CopyCounter()  # bytes copied between host and device by this load's engines
+
+    def graph_id(self, key: tuple) -> int:
+        """A new CUDA graph id on the session of ``key`` (one per static shape bound on it)."""
+        self._graph_ids[key] = self._graph_ids.get(key, 0) + 1
+        return self._graph_ids[key]
 
     def get(self, key: tuple, make: Callable[[], Any]) -> Any:
         """The session of ``key`` (backend, file, ...), made by ``make`` on first use."""
@@ -75,7 +88,16 @@ def open_engine(entry: EngineEntry, root: Path, options: EngineOptions, shared: 
     return import_factory(BACKENDS[entry.backend].engine)(entry, root, options, shared)
 
 
-def open_kv_cache(backend: str, model: ModelEntry, options: EngineOptions, largest_graph: int = 64) -> KVCache:
+def open_row_store(backend: str, num_layers: int, shape: tuple[int, ...], dtype: str, options: EngineOptions,
+                   counter: CopyCounter | None = None):
+    """The backend's store of cache rows ``shape`` [slots, n_kv, S_max, hd] on its engines' device
+    (BACKENDS' row_store), or None: host arrays (cache_store.HostStore)."""
+    target = BACKENDS[backend].row_store if backend in BACKENDS else None
+    return None if target is None else import_factory(target)(num_layers, shape, dtype, options, counter)
+
+
+def open_kv_cache(backend: str, model: ModelEntry, options: EngineOptions, largest_graph: int = 64,
+                  counter: CopyCounter | None = None) -> KVCache:
     """One model's cache for engines of ``backend``: on the device where the backend keeps one
     (and device_kv is on), else the host KVCache. Both have the KVCache interface.
     ``largest_graph``: the most tokens one of the model's graphs takes (a recurrent state keeps
@@ -86,8 +108,9 @@ def open_kv_cache(backend: str, model: ModelEntry, options: EngineOptions, large
                        "layers) yet; load with device_kv=False (--host-kv)")
     if target is not None and options.device_kv:
         return import_factory(target)(model, options)
+    store = open_row_store(backend, model.num_layers, model.kv.shape(1), model.kv_dtype, options, counter)
     return open_host_cache(model.num_layers, 1, model.num_kv_heads, model.max_seq_len, model.head_dim,
-                           model.kv_dtype, model.state, keep=max(64, largest_graph))
+                           model.kv_dtype, model.state, keep=max(64, largest_graph), store=store)
 
 
 def device_resident(cache: object) -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from specexport.contract import CACHE_LENGTH, CONTEXT_VALID, INPUT_IDS, VALID_TOKENS
-from specexport.runtime.cache_store import HostStore, Written
+from specexport.runtime.cache_store import Store, Written
 
 PAD_ID = 0  # any id works: padded positions are never read back
 
@@ -46,7 +46,7 @@ class GraphCall:
 
     def __init__(self, engine, cache: Mapping[str, np.ndarray], in_place: bool = False,
                  bound: Mapping[str, np.ndarray] | None = None, presents: Sequence[str] = (),
-                 store: HostStore | None = None, tokens: int = 1):
+                 store: Store | None = None, tokens: int = 1):
         """``tokens``: T, for an engine that records no input shapes (a test's fake)."""
         self.engine = engine
         self.in_place = in_place
@@ -67,7 +67,7 @@ class GraphCall:
         self.calls = 0
 
     @classmethod
-    def over(cls, engine, store: HostStore, batch: int, in_place: bool) -> GraphCall:
+    def over(cls, engine, store: Store, batch: int, in_place: bool) -> GraphCall:
         """A graph over the first ``batch`` rows of ``store``, in place or appending into it."""
         return cls(engine, store.rows(batch), in_place, store.bound(batch), store.presents, store)
 

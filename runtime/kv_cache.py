@@ -67,10 +67,11 @@ class KVCache(CacheLength):
     """The cache in host memory, one [B, n_kv, S_max, hd] array per past input (a HostStore)."""
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", store=None):
+        """``store``: the rows' store when not host arrays (device_store.DeviceStore)."""
         super().__init__(num_layers, max_seq_len)
         shape = KVLayout(num_layers, num_kv_heads, head_dim, max_seq_len, dtype).shape(batch)  # [B, n_kv, S_max, hd]
-        self.rows_store = HostStore.allocate(num_layers, shape, dtype)
+        self.rows_store = store if store is not None else HostStore.allocate(num_layers, shape, dtype)
 
     def view(self) -> dict[str, np.ndarray]:
         """The feeds for a graph's past inputs: the cache arrays themselves, not copies."""
@@ -98,8 +99,8 @@ class RecurrentCache(KVCache):
     rejected drafts, a drafter's own steps); further back only to 0 (the empty state)."""
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
-                 state: StateLayout, dtype: str = "float32", keep: int = 64):
-        super().__init__(num_layers, batch, num_kv_heads, max_seq_len, head_dim, dtype)
+                 state: StateLayout, dtype: str = "float32", keep: int = 64, store=None):
+        super().__init__(num_layers, batch, num_kv_heads, max_seq_len, head_dim, dtype, store)
         self.state_store = HostStateStore.allocate(state, batch, keep)  # past_state name -> [B, ...]
 
     @property
@@ -126,10 +127,11 @@ class RecurrentCache(KVCache):
 
 
 def open_host_cache(num_layers: int, batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
-                    dtype: str = "float32", state: StateLayout | None = None, keep: int = 64) -> KVCache:
+                    dtype: str = "float32", state: StateLayout | None = None, keep: int = 64, store=None) -> KVCache:
     """The host cache of a model: a KVCache, or with linear-attention layers a RecurrentCache
     whose rewinds reach ``keep`` positions back (at least the tokens of the model's largest graph,
-    so that any one graph run can be undone)."""
+    so that any one graph run can be undone). ``store``: the K/V rows on a device (None: host
+    arrays); a recurrent state stays in host memory either way."""
     if state is None:
-        return KVCache(num_layers, batch, num_kv_heads, max_seq_len, head_dim, dtype)
-    return RecurrentCache(num_layers, batch, num_kv_heads, max_seq_len, head_dim, state, dtype, keep)
+        return KVCache(num_layers, batch, num_kv_heads, max_seq_len, head_dim, dtype, store)
+    return RecurrentCache(num_layers, batch, num_kv_heads, max_seq_len, head_dim, state, dtype, keep, store)

@@ -38,8 +38,16 @@ from specexport.contract import (
     Role,
 )
 from specexport.errors import BadInput
-from specexport.runtime.cache_store import HostStore
-from specexport.runtime.engine import Engine, EngineOptions, LazyEngine, SharedGraphs, open_kv_cache
+from specexport.runtime.cache_store import HostStore, Store
+from specexport.runtime.copy_counter import CopyCounter
+from specexport.runtime.engine import (
+    Engine,
+    EngineOptions,
+    LazyEngine,
+    SharedGraphs,
+    open_kv_cache,
+    open_row_store,
+)
 from specexport.runtime.graph_call import GraphCall
 from specexport.runtime.kv_cache import CacheLength, KVCache
 from specexport.runtime.runner import PAD_ID, ModelRunner, StepOutput, time_interleaved
@@ -52,7 +60,7 @@ class SlotView(KVCache):
     (in place or appended). Batched calls write the row without counting here: the caller says
     how long it is before each run (``set_length``)."""
 
-    def __init__(self, store: HostStore, slot: int, num_layers: int, max_seq_len: int):
+    def __init__(self, store: Store, slot: int, num_layers: int, max_seq_len: int):
         CacheLength.__init__(self, num_layers, max_seq_len)
         self.rows_store = store.slot(slot)  # [1, n_kv, S_max, hd] views of the row
 
@@ -68,7 +76,7 @@ class SlotCaches:
     (None for one slot, whose cache may live on the device or keep a recurrent state)."""
 
     slots: list[CacheLength]
-    store: HostStore | None
+    store: Store | None
 
 
 def host_store(info: ModelEntry, slots: int) -> HostStore:
@@ -76,10 +84,20 @@ def host_store(info: ModelEntry, slots: int) -> HostStore:
     return HostStore.allocate(info.num_layers, info.kv.shape(slots), info.kv_dtype, fill=True)
 
 
-def open_caches(info: ModelEntry, backend: str, options: EngineOptions, slots: int, largest_graph: int) -> SlotCaches:
+def rows_store(info: ModelEntry, slots: int, backend: str, options: EngineOptions,
+               counter: CopyCounter | None = None) -> Store:
+    """The model's K/V of ``slots`` rows: on the engines' device where the options put it
+    (runtime/device_store.py), else in host memory."""
+    store = open_row_store(backend, info.num_layers, info.kv.shape(slots), info.kv_dtype, options, counter)
+    return store if store is not None else host_store(info, slots)
+
+
+def open_caches(info: ModelEntry, backend: str, options: EngineOptions, slots: int, largest_graph: int,
+                counter: CopyCounter | None = None) -> SlotCaches:
+    """``counter``: the load's host <-> device byte counter, which a device store's copies add to."""
     if slots == 1:  # host, device or recurrent: runtime/engine.py chooses
-        return SlotCaches([open_kv_cache(backend, info, options, largest_graph)], None)
-    store = host_store(info, slots)
+        return SlotCaches([open_kv_cache(backend, info, options, largest_graph, counter)], None)
+    store = rows_store(info, slots, backend, options, counter)
     return SlotCaches([SlotView(store, s, info.num_layers, info.max_seq_len) for s in range(slots)], store)
 
 
@@ -112,7 +130,7 @@ class BatchedCall:
     row writes one cache position per token, or for a block head's graph per context row (its
     ``input_ids`` is the anchor alone); ``valid_tokens`` / ``context_valid`` count them."""
 
-    def __init__(self, engine: Engine, batch: int, tokens: int, store: HostStore, in_place: bool,
+    def __init__(self, engine: Engine, batch: int, tokens: int, store: Store, in_place: bool,
                  per_context_row: bool = False, full_rows: bool = False):
         """``full_rows``: a fed row counts all T tokens as real where its cache has room (its
         padding's K/V lands past its length, never read), as ModelRunner's ``full_rows``."""

@@ -44,6 +44,14 @@ import numpy as np
 from specexport.backends import BACKENDS, ONNXRUNTIME
 from specexport.contract import INPUT_IDS, EngineEntry, TensorSpec, chain_tree_feeds
 from specexport.errors import BadInput, MissingDependency, missing_extra
+from specexport.runtime.copy_counter import CopyCounter
+from specexport.runtime.device_binding import (
+    DeviceBinding,
+    count_host_run,
+    over_device_store,
+    store_device,
+    with_cuda_graphs,
+)
 from specexport.runtime.engine import EngineOptions, SharedGraphs, check_feeds
 from specexport.runtime.placement import PROVIDERS, open_session, require_device_placement
 
@@ -138,6 +146,8 @@ class OrtEngine:
         self.inputs = inputs
         self.outputs = outputs
         self.threads = SHARED_POOL.size
+        providers = with_cuda_graphs(providers, options.cuda_graphs and options.device == "cuda")
+
         def make():
             return open_session(ort, path, so, options.device)
 
@@ -151,6 +161,13 @@ class OrtEngine:
         self._ortvalue = ort.OrtValue.ortvalue_from_numpy
         self._checked = False
         self._bindings: dict[tuple, tuple] = {}  # outputs -> (feeds, bound, binding, output buffers)
+        # the device store: every feed and output at a fixed address on this device (None: host arrays)
+        self._ort, self._store_device = ort, store_device(options)
+        self._device_bindings: dict[tuple, DeviceBinding] = {}  # outputs -> the binding over the call's feeds
+        self._copies = shared.copies if shared is not None else None  # host <-> device bytes
+        self._host_traffic: dict[tuple, tuple] = {}  # outputs -> (feeds, bound, one run's bytes)
+        use_graphs = options.cuda_graphs and self._store_device == "cuda"
+        self._graph_ids = (lambda: shared.graph_id(key)) if use_graphs and shared is not None else None
 
     def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None,
             bound: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
@@ -158,14 +175,48 @@ class OrtEngine:
             check_feeds(self, feeds)
             self._checked = True
         names = list(outputs) if outputs is not None else list(self.outputs)
+        if self._store_device is not None:
+            binding = self._device_binding(feeds, names, bound or {})
+            if binding is not None:
+                return binding.run(self._session)
         if not bound:
             values = self._session.run(names, {**feeds, **self._constant} if self._constant else feeds)
-            return dict(zip(names, values))
-        binding, buffers = self._binding(feeds, names, bound)
-        self._session.run_with_iobinding(binding)
-        # The binding and its output buffers are reused: the next run overwrites them, so hand
-        # out copies (the tokens, the taps, and the logits when sampling: small next to a step).
-        return {name: buffer.copy() for name, buffer in buffers.items()}
+            out = dict(zip(names, values))
+        else:
+            binding, buffers = self._binding(feeds, names, bound)
+            self._session.run_with_iobinding(binding)
+            # The binding and its output buffers are reused: the next run overwrites them, so hand
+            # out copies (the tokens, the taps, and the logits when sampling: small next to a step).
+            out = {name: buffer.copy() for name, buffer in buffers.items()}
+        if self._copies is not None:
+            self._count_host_run(feeds, names, out, bound)
+        return out
+
+    def _count_host_run(self, feeds: dict, names: list[str], out: dict, bound: dict | None) -> None:
+        """Add a host-array run's traffic to the counter, tallied once per feeds dict (shapes are static)."""
+        key = tuple(names)
+        cached = self._host_traffic.get(key)
+        if cached is None or cached[0] is not feeds or cached[1] is not bound:
+            tally = CopyCounter()
+            count_host_run(tally, feeds, out, bound)
+            cached = self._host_traffic[key] = (feeds, bound, tally)
+        if self._copies is not None:
+            self._copies.add(cached[2])
+
+    def _device_binding(self, feeds: dict, names: list[str], bound: dict) -> DeviceBinding | None:
+        """The binding over the call's feeds (device tensors and small host buffers), made once
+        per feeds dict and outputs (runtime/device_binding.py); None for feeds over a host
+        cache (the exporter's checks hold their own numpy caches): those run as on the host."""
+        key = tuple(names)
+        cached = self._device_bindings.get(key)
+        if cached is None or cached.feeds is not feeds:
+            if not over_device_store(feeds, bound):
+                return None
+            graph_id = self._graph_ids() if self._graph_ids is not None else None
+            cached = self._device_bindings[key] = DeviceBinding(
+                self._ort, self._session, self._store_device, feeds, list(self.inputs), self._constant,
+                self.outputs, names, bound, self._copies, graph_id)
+        return cached
 
     def _binding(self, feeds: dict[str, np.ndarray], names: list[str], bound: dict[str, np.ndarray]):
         """An I/O binding over the caller's arrays, made once per feeds dict, and the buffers

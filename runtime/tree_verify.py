@@ -34,7 +34,7 @@ from specexport.contract import (
     EngineEntry,
     KVUpdate,
 )
-from specexport.runtime.cache_store import HostStore
+from specexport.runtime.cache_store import Store
 from specexport.runtime.graph_call import GraphCall, TimedCalls
 from specexport.runtime.runner import PAD_ID, time_interleaved
 from specexport.runtime.tree import DraftTree
@@ -83,7 +83,7 @@ class TreeVerifier(TimedCalls):
     ``store``: the K/V store [slots, n_kv, S_max, hd] they are rows of."""
 
     def __init__(self, engines: Mapping[tuple[int, int], object], entry: EngineEntry, caches: list,
-                 store: HostStore, costs: Mapping[tuple[int, int], float] | None = None):
+                 store: Store, costs: Mapping[tuple[int, int], float] | None = None):
         """``costs``: (batch, rows) -> seconds of a pass measured before (specexport tune); a
         batch size all of whose graphs have one is not timed on first use."""
         self.engines, self.caches, self.store = dict(engines), caches, store

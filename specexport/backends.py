@@ -27,12 +27,15 @@ class Backend:
     packages: tuple[str, ...]  # the modules it imports, whose absence names the extra
     dists: tuple[str, ...]  # its distributions, the first installed giving the version recorded
     missing_hint: str = ""  # how to get its engines into a directory without them ({dir}: the directory)
+    # "module:factory" of its cache rows on the engines' device: (num_layers, [slots, n_kv, S_max, hd],
+    # dtype, EngineOptions, CopyCounter | None) -> a store, or None where the options keep host arrays
+    row_store: str | None = None
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend(ONNXRUNTIME, "specexport.runtime.ort_engine:open_ort_engine", None, host_batches=True,
             fallback=ONNXRUNTIME, suffix=".onnx", extra="cpu", packages=("onnxruntime",),
-            dists=("onnxruntime", "onnxruntime-gpu")),
+            dists=("onnxruntime", "onnxruntime-gpu"), row_store="specexport.runtime.device_store:open_row_store"),
     # the int4 drafter's MatMulNBits graphs have no TensorRT importer: it runs on onnxruntime beside
     Backend(TENSORRT, "specexport.runtime.trt_engine:open_trt_engine",
             "specexport.runtime.trt_engine:open_device_kv_cache", host_batches=False, fallback=ONNXRUNTIME,

@@ -48,6 +48,12 @@ from specexport.cli.output import noise_reported, print_json
 @click.option("--host-kv", is_flag=True,
               help="tensorrt: keep the KV cache in host memory, copied to the GPU on every run "
                    "(default: on the GPU, read and appended in place).")
+@click.option("--device-store", is_flag=True,
+              help="onnxruntime: keep the caches as OrtValues bound by address (the device store), on the CPU "
+                   "too (always on with --device cuda); a run moves only tokens in and outputs out.")
+@click.option("--cuda-graphs", is_flag=True,
+              help="On a GPU: capture each static shape's run once as a CUDA graph and replay it "
+                   "(onnxruntime --device cuda, or --backend tensorrt).")
 @click.option("--stream", is_flag=True, help="Print text as tokens are accepted.")
 @click.option("--json", "as_json", is_flag=True, help="Print text, token ids, stop reason and stats as JSON.")
 @click.option("--prompts-file", type=click.Path(path_type=Path), default=None,
@@ -59,7 +65,8 @@ from specexport.cli.output import noise_reported, print_json
 def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, chat: bool, drafter: str,
              draft_len: int | None, adaptive: bool, fixed_prices: bool, tree_nodes: int | None, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
              seed: int | None, stop: tuple[str, ...], threads: int | None, backend: str | None, device: str,
-             host_kv: bool, stream: bool, as_json: bool, prompts_file: Path | None, max_batch: int | None,
+             host_kv: bool, device_store: bool, cuda_graphs: bool, stream: bool, as_json: bool,
+             prompts_file: Path | None, max_batch: int | None,
              controls, min_p: float) -> None:
     """Generate text from ENGINE_DIR with a drafter, losslessly."""
     from specexport.errors import BadInput
@@ -72,7 +79,8 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
             chat=chat, drafter=drafter, draft_len=draft_len, adaptive=adaptive, max_new_tokens=max_new_tokens,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop, controls=controls,
             tree_nodes=tree_nodes),
-            dict(threads=threads, backend=backend, device=device, check_prices=not fixed_prices))
+            dict(threads=threads, backend=backend, device=device, check_prices=not fixed_prices,
+                 device_store=device_store, cuda_graphs=cuda_graphs))
         return
     if prompt_file is not None:
         if prompt is not None:
@@ -82,7 +90,7 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
         except OSError as err:
             raise BadInput(f"{prompt_file}: cannot read the prompt file ({err.strerror})") from None
     pipe = load(engine_dir, threads=threads, backend=backend, device=device, device_kv=not host_kv,
-                check_prices=not fixed_prices)
+                check_prices=not fixed_prices, device_store=device_store, cuda_graphs=cuda_graphs)
     pieces = pipe.stream(prompt, chat=chat, drafter=drafter, draft_len=draft_len, adaptive=adaptive,
                          max_new_tokens=max_new_tokens, tree_nodes=tree_nodes,
                          temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop,

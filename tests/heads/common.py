@@ -69,6 +69,12 @@ def check_parity(engines: Path, model: str) -> None:
 
 
 def check_greedy_lossless(pipe, drafter: str, max_new_tokens: int = 20, prompts: list[str] = PROMPTS) -> None:
+    """Lossless on ``pipe``; and the same directory with its caches (the head's too) in the
+    device store on the CPU (runtime/device_store.py) decodes the very same tokens."""
+    from specexport.runtime import load
+
+    on_device = None if pipe.options.device_store else load(pipe.manifest.root, threads=pipe.options.threads,
+                                                            backend=pipe.backend, device_store=True)
     for prompt in prompts:
         ids = pipe.prompt_ids(prompt)
         base = pipe.generate(prompt_ids=ids, max_new_tokens=max_new_tokens).token_ids
@@ -77,6 +83,10 @@ def check_greedy_lossless(pipe, drafter: str, max_new_tokens: int = 20, prompts:
         spec = pipe.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, drafter=drafter, adaptive=False)
         assert spec.stats.proposed > 0, "the head never drafted"
         assert_lossless(pipe, ids, base, spec.token_ids, f"{drafter} on {prompt!r}")
+        if on_device is not None:
+            again = on_device.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, drafter=drafter, adaptive=False)
+            assert (again.token_ids, again.stats.accepted) == (spec.token_ids, spec.stats.accepted), \
+                f"{drafter} on {prompt!r} through the device store"
 
 
 def check_sampling(pipe, drafter: str, monkeypatch, rule=None, draws: int = 500) -> None:

@@ -27,11 +27,13 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.parametrize("store", ["host", "device"])
 @pytest.mark.parametrize("arch, attention", LOSSLESS_PAIRS)
-def test_greedy_lossless_for_every_drafter(tiny_engines, arch, attention):
+def test_greedy_lossless_for_every_drafter(tiny_engines, arch, attention, store):
     # the session's one build of the pair, whose parity tests/exporter/test_archs.py checks
-    # (the draft model, a tiny llama, runs beside the llama targets: conftest.lossless_drafters)
-    pipe = load(tiny_engines.for_arch(arch, attention))
+    # (the draft model, a tiny llama, runs beside the llama targets: conftest.lossless_drafters);
+    # "device": the caches in the device store on the CPU (runtime/device_store.py)
+    pipe = load(tiny_engines.for_arch(arch, attention), device_store=store == "device")
     drafters = lossless_drafters(arch)
     assert "quantized-self" in drafters and ("draft-model" in drafters) == (arch == "llama")
     assert set(pipe.drafter_names) == {"none", *drafters}

@@ -20,12 +20,16 @@ NODES = 6
 PROMPTS = ["a b a b a b a b a b a", "The cat sat on the mat. The cat sat on the", "1, 2, 3, 1, 2, 3, 1, 2"]
 
 
-@pytest.fixture(scope="module", params=["standard", "ort-gqa"])
+# (attention, the caches in the device store on the CPU: runtime/device_store.py): in-place
+# compaction through the device store with ort-gqa, from an appending pass's presents with standard
+@pytest.fixture(scope="module", params=[("standard", False), ("ort-gqa", False), ("ort-gqa", True)],
+                ids=["standard", "ort-gqa", "ort-gqa-device-store"])
 def pipe(request, tiny_engines):
     from specexport.runtime import load
 
-    engines = tiny_engines.get("llama", drafters=("ngram",), attention=request.param, tree_nodes=NODES, **TINY_SHAPE)
-    return load(engines, threads=2)
+    attention, device_store = request.param
+    engines = tiny_engines.get("llama", drafters=("ngram",), attention=attention, tree_nodes=NODES, **TINY_SHAPE)
+    return load(engines, threads=2, device_store=device_store)
 
 
 class DecoyTreeDrafter(Stateless):
@@ -180,14 +184,17 @@ def test_generate_tree_nodes_from_the_command_line(tiny_engines):
     check_one_line(code, err, "no tree graph")
 
 
-@pytest.fixture(scope="module", params=["standard", "ort-gqa"])
+@pytest.fixture(scope="module", params=[("standard", False), ("ort-gqa", False), ("standard", True)],
+                ids=["standard", "ort-gqa", "standard-device-store"])
 def batched(request, tiny_engines):
-    """A tiny llama with chain and tree graphs at batch 1, 2 and 4."""
+    """A tiny llama with chain and tree graphs at batch 1, 2 and 4 (and whether its caches are
+    in the device store)."""
     from specexport.runtime import load
 
-    engines = tiny_engines.get("llama", drafters=("ngram",), attention=request.param, batch=(1, 2, 4),
+    attention, device_store = request.param
+    engines = tiny_engines.get("llama", drafters=("ngram",), attention=attention, batch=(1, 2, 4),
                                tree_nodes=NODES, **TINY_SHAPE)
-    return load(engines, threads=2)
+    return load(engines, threads=2, device_store=device_store)
 
 
 def test_batched_rows_verify_their_trees_in_one_pass(batched):
