@@ -149,7 +149,7 @@ class OrtEngine:
         providers = with_cuda_graphs(providers, options.cuda_graphs and options.device == "cuda")
 
         def make():
-            return open_session(ort, path, so, options.device)
+            return open_session(ort, path, so, options.device, providers)
 
         key = (ONNXRUNTIME, str(Path(path).resolve()), options.device)
         self._session = make() if shared is None else shared.get(key, make)

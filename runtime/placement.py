@@ -73,11 +73,12 @@ def placement_error(path: str | Path, device: str, placed: Counter) -> BadInput:
                     f"(every call would copy between host and device); {GPU_BUILD_FIX}")
 
 
-def open_session(ort, path: str | Path, so, device: str):
-    """An InferenceSession of ``path`` on ``device``'s providers, with ``so`` (set by
+def open_session(ort, path: str | Path, so, device: str, providers: list | None = None):
+    """An InferenceSession of ``path`` on ``device``'s providers (``providers``: those with their
+    options, e.g. CUDA graph capture; default the device's), with ``so`` (set by
     ``require_device_placement``); on a strict device, one that places a tensor computation on
     the CPU is refused with ``placement_error``."""
-    session = ort.InferenceSession(str(path), so, providers=PROVIDERS[device])
+    session = ort.InferenceSession(str(path), so, providers=providers or PROVIDERS[device])
     if device in STRICT_DEVICES:
         placed = misplaced(session)
         if placed:

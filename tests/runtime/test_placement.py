@@ -120,3 +120,17 @@ def test_listed_host_nodes_keep_their_names_through_onnxruntimes_optimizations(t
     assert listed and listed <= placed
     misplaced = placement.misplaced(session)
     assert misplaced["GroupQueryAttention"] == 2 and misplaced["MatMul"] > 0 and "ReduceMax" not in misplaced
+
+
+def test_the_providers_asked_for_reach_the_session():
+    """CUDA graph capture is a CUDA provider option (runtime/device_binding.with_cuda_graphs): the
+    session must get the providers as given, not the device's plain list."""
+    from specexport.runtime.device_binding import with_cuda_graphs
+
+    fake = FakeOrt({}, [])
+    so = ort.SessionOptions()
+    providers = with_cuda_graphs(PROVIDERS["cuda"], True)
+    open_session(fake, "engines/x/target.onnx", so, "cuda", providers)
+    assert fake.providers == providers and fake.providers[0][1] == {"enable_cuda_graph": "1"}
+    open_session(fake, "engines/x/target.onnx", so, "cuda")
+    assert fake.providers == PROVIDERS["cuda"]
