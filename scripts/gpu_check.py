@@ -302,6 +302,9 @@ def build_report(out: Path, command: str, dry_run: bool) -> dict:
         "pytest": _pytest_summary(out / "logs" / "pytest.log"),
         "targets": check(bench) if bench else [],
         "bench": None,
+        # the target alone's tokens/s with CUDA graphs on and off (the graphs step)
+        "cuda_graphs": {way: (_read_json(out / f"graphs_{way}.json") or {}).get("stats", {}).get("tokens_per_s")
+                        for way in ("on", "off") if (out / f"graphs_{way}.json").exists()},
     }
     if bench:
         report["bench"] = {
@@ -350,6 +353,10 @@ def markdown(report: dict) -> str:
                      f"{s.get('log', '')} |")
     if report["pytest"]:
         lines += ["", f"pytest -m gpu: {report['pytest']}"]
+    graphs = report.get("cuda_graphs") or {}
+    if graphs:
+        lines += ["", "CUDA graphs (the target alone, one prompt): " + ", ".join(
+            f"{way} {_fmt(tps, '.1f')} tok/s" for way, tps in graphs.items())]
     bench = report["bench"]
     if bench:
         lines += ["", f"## Bench on {bench['device']} ({bench['settings']['max_new_tokens']} new tokens, "

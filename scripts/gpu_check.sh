@@ -196,3 +196,9 @@ step prompts 30 "$PY" scripts/gpu_check.py prompts --src bench/prompts/dev.jsonl
 step bench "${BENCH_S:-300}" "$PY" -m specexport bench "$OUT/engines" --device "$DEVICE" --prompts "$OUT/prompts.jsonl" \
   --max-new-tokens "$NEW_TOKENS" --repeats "$REPEATS" --threads "$THREADS" --out "$OUT/bench" $PEERS \
   ${CPU_CURVE:+--cpu-curve "$CPU_CURVE"}
+# CUDA graphs on and off: the target alone on one prompt, each way (the bench ran with them on)
+GRAPH_PROMPT="Write a function that returns the n-th Fibonacci number, with a docstring."
+step graphs 60 bash -c "'$PY' -m specexport generate '$OUT/engines' --device '$DEVICE' --cuda-graphs --drafter none \
+  --max-new-tokens '$NEW_TOKENS' --prompt '$GRAPH_PROMPT' --json > '$OUT/graphs_on.json' && \
+  '$PY' -m specexport generate '$OUT/engines' --device '$DEVICE' --drafter none --max-new-tokens '$NEW_TOKENS' \
+  --prompt '$GRAPH_PROMPT' --json > '$OUT/graphs_off.json'" || true

@@ -1,8 +1,8 @@
 """`bench --device`: what runs where. The engines' load options and the peers' placement for
 each device, and the CPU's verify cost curve shown beside a GPU's.
 
-The one place to change when the GPU runtime's load options land (the device-resident cache
-store, CUDA graphs): ``load_options``.
+The engines' load options for a device (the device-resident cache store, CUDA graphs) are
+``load_options``'s.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from specexport.bench.peers import BATCHED_PEERS, GPU_PEER_DEVICE, GPU_PEERS, Pe
 DEVICES = ("cpu", "cuda")
 
 
-def load_options(device: str) -> dict:
-    """``runtime.load``'s keywords for the bench's engines on ``device``."""
-    # HOOK (GPU runtime): add the device store / CUDA-graph options here once load() takes them,
-    # e.g. {"device": "cuda", "cuda_graphs": True}, so --device cuda benches what users deploy.
-    return {"device": device}
+def load_options(device: str, cuda_graphs: bool = True) -> dict:
+    """``runtime.load``'s keywords for the bench's engines on ``device``: on cuda every cache on
+    the device (the device store, always on there) and, unless ``cuda_graphs`` is False, each
+    static shape replayed as a CUDA graph: what a GPU user deploys."""
+    return {"device": device, "cuda_graphs": device == "cuda" and cuda_graphs}
 
 
 def peer_device(device: str) -> PeerDevice:

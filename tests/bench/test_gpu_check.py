@@ -229,14 +229,17 @@ def test_bench_on_cuda_runs_the_fp16_transformers_peers_beside_our_engines(tiny_
 @pytest.mark.slow
 def test_the_dry_run_runs_every_step_on_the_cpu(tmp_path):
     """scripts/gpu_check.sh --dry-run: install (a venv over this python), env, recipe (tiny), build,
-    pytest -m gpu, prompts, bench on the CPU provider with the three transformers peers, report."""
+    pytest -m gpu, prompts, bench on the CPU provider with the three transformers peers, the target
+    alone with CUDA graphs on and off (on the CPU provider: the same runs), report."""
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CARRY": str(tmp_path / "no-carry"), "TOTAL_S": "400"}
     done = subprocess.run([str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path / "out")],
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert [s["step"] for s in report["steps"]] == ["install", "env", "recipe", "build", "pytest", "prompts", "bench"]
+    assert [s["step"] for s in report["steps"]] == ["install", "env", "recipe", "build", "pytest", "prompts", "bench",
+                                                    "graphs"]
     assert all(s["status"] == "ok" for s in report["steps"])
+    assert set(report["cuda_graphs"]) == {"on", "off"} and all(v > 0 for v in report["cuda_graphs"].values())
     assert report["bench"]["peers"] == sorted(GPU_PEERS)
     assert by_name(report["targets"])["every output equal to the target alone's"]["ok"] is True
 
