@@ -90,6 +90,15 @@ def open_kv_cache(backend: str, model: ModelEntry, options: EngineOptions, large
                            model.kv_dtype, model.state, keep=max(64, largest_graph))
 
 
+def open_device_slots(backend: str, model: ModelEntry, options: EngineOptions, slots: int) -> tuple[Any, list] | None:
+    """A model's cache of ``slots`` rows on the device, where the backend keeps one (and
+    device_kv is on): (its store, one cache per slot); None: the caller's host store."""
+    target = BACKENDS[backend].device_slots if backend in BACKENDS else None
+    if target is None or not options.device_kv:
+        return None
+    return import_factory(target)(model, options, slots)
+
+
 def device_resident(cache: object) -> bool:
     """A cache whose tensors live with the engines: they bind it and append to it themselves."""
     return getattr(cache, "host_resident", True) is False

@@ -48,7 +48,7 @@ _SERVED_BY = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (
 def default_loader(config: ServeConfig):
     from specexport.runtime import load
 
-    return load(config.engine_dir, threads=config.threads, check_prices=config.check_prices)
+    return load(config.engine_dir, threads=config.threads, check_prices=config.check_prices, backend=config.backend)
 
 
 class ServerState:
