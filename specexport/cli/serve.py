@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from specexport.backends import BACKENDS
+from specexport.backends import BACKENDS, DEFAULT_BACKEND
 from specexport.errors import BadInput, missing_extra
 
 
@@ -34,7 +34,6 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None, tree_n
     """Fail before the port opens on what would fail while loading: the directory, a target
     that cannot batch, the backend's engines, the drafter, batched engines, a tree size without
     its graph. Returns the drafter to run."""
-    from specexport.backends import DEFAULT_BACKEND
     from specexport.contract import Manifest
     from specexport.runtime.input_checks import batched_refusal, check_drafter, check_tree_nodes
     from specexport.serve.config import refuse_recurrent_target
@@ -129,7 +128,7 @@ def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int |
     from specexport.serve.app import create_app
 
     click.echo(f"serving '{config.served_name}' on http://{host}:{port}/v1 (drafter {drafter}, "
-               f"max batch {max_batch or 'as built'}); Ctrl-C stops", err=True)
+               f"max batch {max_batch or 'as built'}, on {backend or DEFAULT_BACKEND}); Ctrl-C stops", err=True)
     uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 
