@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # for annotations only: the package is imported lazily
     import tensorrt as trt
 
 GPU_EXTRA = BACKENDS[TENSORRT].extra
-PRESENT = f"{contract.PRESENT}."  # the present outputs' prefix: present.{i}.key
+PAST, PRESENT = f"{contract.PAST}.", f"{contract.PRESENT}."  # name prefixes: past_key_values.{i}.key
 
 
 # -- imports and the device -----------------------------------------------------------------
@@ -170,8 +170,13 @@ class TrtEngine:
     instead; their engine then runs on the store's stream and leaves its present outputs on the
     device (returned as DeviceTensors for the store's ``write``)."""
 
-    def __init__(self, entry: EngineEntry, root: Path, options: EngineOptions, plan: Plan):
+    def __init__(self, entry: EngineEntry, root: Path, options: EngineOptions, device: CudaDevice,
+                 plan: Plan | None = None):
+        """``plan``: the deserialized plan file, shared (None: deserialized here)."""
+        require_tensorrt()
         cudart = self._cudart = import_cudart()
+        cuda_call(cudart, "cudaSetDevice", device.index)
+        plan = plan if plan is not None else deserialize(entry, root)
         self.name = entry.name
         self.inputs = entry.inputs
         self.outputs = entry.outputs
@@ -378,7 +383,5 @@ def open_trt_engine(entry: EngineEntry, root: Path, options: EngineOptions, shar
 
     device = cuda_device()
     check_compatible(entry, root, trt.__version__, device)
-    cuda_call(import_cudart(), "cudaSetDevice", device.index)
-    key = (TENSORRT, str(root / entry.path))
-    plan = shared.get(key, lambda: deserialize(entry, root)) if shared is not None else deserialize(entry, root)
-    return TrtEngine(entry, root, options, plan)
+    plan = None if shared is None else shared.get((TENSORRT, str(root / entry.path)), lambda: deserialize(entry, root))
+    return TrtEngine(entry, root, options, device, plan)

@@ -144,7 +144,7 @@ def create_app(config: ServeConfig, *, loader: Callable[[ServeConfig], object] |
     @app.get("/health")
     async def health():
         state.ready_engine()
-        return {"status": "ok"}
+        return {"status": "ok", "backend": getattr(state.pipe, "backend", None)}  # the engines it serves
 
     @app.get("/metrics")
     async def metrics():

@@ -283,11 +283,12 @@ def test_serve_answers_on_tensorrt(batched_trt_dir, tmp_path):
         with ThreadPoolExecutor(len(SERVED)) as pool:
             got = list(pool.map(complete, SERVED))
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        health = httpx.get(f"{url}/health", timeout=10).json()
     finally:
         server.terminate()
         server.wait(timeout=30)
     assert got == alone
-    assert "on tensorrt" in log.read_text()
+    assert health["backend"] == "tensorrt" and "on tensorrt" in log.read_text()
     assert _metric(metrics, "specexport_round_batch_size_sum") > _metric(metrics, "specexport_round_batch_size_count")
 
 
