@@ -123,6 +123,8 @@ DECODE = textwrap.dedent(f"""
     import numpy as np
     from cuda.bindings import runtime as cudart
     from specexport.runtime import load
+    from specexport.runtime.api import Pipeline
+    from specexport.runtime.engine import EngineOptions
 
     root, prompts, new_tokens = sys.argv[1], {PROMPTS!r}, {NEW_TOKENS!r}
     CASES = {{
@@ -160,6 +162,8 @@ DECODE = textwrap.dedent(f"""
     pipes = {{"onnxruntime": load(root, check_prices=False),
               "device": load(root, backend="tensorrt", check_prices=False),
               "host": load(root, backend="tensorrt", device_kv=False, check_prices=False)}}
+    pipes["graphs"] = Pipeline(pipes["device"].manifest, EngineOptions(cuda_graphs=True), "tensorrt",
+                               check_prices=False)
     for key, pipe in pipes.items():
         out[key] = {{}}
         for case, kwargs in CASES.items():
@@ -217,9 +221,10 @@ def test_tensorrt_batched_on_the_device_store_equals_onnxruntime(decoded, case):
 
 
 @pytest.mark.parametrize("case", [*CASES, "sampled adaptive"])
-def test_the_device_store_equals_the_host_cache_on_tensorrt(decoded, case):
+@pytest.mark.parametrize("other", ["host", "graphs"])
+def test_the_device_store_equals_the_host_cache_and_cuda_graphs(decoded, case, other):
     # the same engines and costs: adaptive depth chooses alike, so even adaptive sampled runs match
-    assert decoded["device"][case]["tokens"] == decoded["host"][case]["tokens"]
+    assert decoded["device"][case]["tokens"] == decoded[other][case]["tokens"]
 
 
 def test_the_rows_ran_batched_on_the_device_store(decoded):
@@ -232,10 +237,11 @@ def test_the_rows_ran_batched_on_the_device_store(decoded):
 
 
 def test_no_step_copies_cache_bytes_between_host_and_device(decoded):
-    for case in CASES:
-        for i, step in enumerate(decoded["device"][case]["steps"]):
-            assert step["cache bytes"] == 0, (case, i)  # no copy to or from K/V memory crosses the bus
-            assert step["bus bytes"] > 0 and step["device"] > 0  # tokens in and out; the K/V appended on the device
+    for key in ("device", "graphs"):
+        for case in CASES:
+            for i, step in enumerate(decoded[key][case]["steps"]):
+                assert step["cache bytes"] == 0, (key, case, i)  # no copy to or from K/V memory crosses the bus
+                assert step["bus bytes"] > 0 and step["device"] > 0  # tokens in and out; K/V appended on the device
     # the control: the host cache goes to the device whole on every call
     for case in CASES:
         assert all(step["cache bytes"] > 0 for step in decoded["host"][case]["steps"]), case
