@@ -24,7 +24,7 @@ from specexport.runtime.kv_cache import KVCache, open_host_cache
 class EngineOptions:
     threads: int | None = None  # intra-op threads; None lets the backend choose
     device: str = "cpu"  # cpu | cuda: onnxruntime's execution provider
-    # tensorrt: the KV cache lives on the GPU (trt_engine.DeviceKVCache), read in place and
+    # tensorrt: the KV cache lives on the GPU (trt_store.DeviceStore), read in place and
     # appended by the engines. False keeps it in host memory, copied whole to the GPU on every
     # run (load(..., device_kv=False), --host-kv). Backends without a device cache ignore it.
     device_kv: bool = True
