@@ -25,7 +25,7 @@ from specexport.runtime.kv_cache import KVCache, open_host_cache
 class EngineOptions:
     threads: int | None = None  # intra-op threads; None lets the backend choose
     device: str = "cpu"  # cpu | cuda: onnxruntime's execution provider
-    # tensorrt: the KV cache lives on the GPU (trt_engine.DeviceKVCache), read in place and
+    # tensorrt: the KV cache lives on the GPU (trt_store.DeviceStore), read in place and
     # appended by the engines. False keeps it in host memory, copied whole to the GPU on every
     # run (load(..., device_kv=False), --host-kv). Backends without a device cache ignore it.
     device_kv: bool = True
@@ -111,6 +111,15 @@ def open_kv_cache(backend: str, model: ModelEntry, options: EngineOptions, large
     store = open_row_store(backend, model.num_layers, model.kv.shape(1), model.kv_dtype, options, counter)
     return open_host_cache(model.num_layers, 1, model.num_kv_heads, model.max_seq_len, model.head_dim,
                            model.kv_dtype, model.state, keep=max(64, largest_graph), store=store)
+
+
+def open_device_slots(backend: str, model: ModelEntry, options: EngineOptions, slots: int) -> tuple[Any, list] | None:
+    """A model's cache of ``slots`` rows on the device, where the backend keeps one (and
+    device_kv is on): (its store, one cache per slot); None: the caller's host store."""
+    target = BACKENDS[backend].device_slots if backend in BACKENDS else None
+    if target is None or not options.device_kv:
+        return None
+    return import_factory(target)(model, options, slots)
 
 
 def device_resident(cache: object) -> bool:

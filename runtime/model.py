@@ -11,10 +11,12 @@ A Model is one model's graphs over one cache with a row per slot (a running sequ
   take each row's ``valid_tokens`` and write only those positions; for append graphs the
   runtime copies each row's real positions into its cache row. Rows that do not run idle.
 
-Batched graphs share one host cache [slots, n_kv, S_max, hd]; each slot's runner sees its row
-(``SlotView``). A model without batched graphs at that size (a head of a directory built before
-them) runs each row through its slot's runner in turn. A cache on the device or with a
-recurrent state opens one slot only.
+Batched graphs share one cache store [slots, n_kv, S_max, hd]: in host memory (HostStore,
+each slot's runner seeing its row through a ``SlotView``), or for TensorRT on the GPU
+(trt_store.DeviceStore, a slot's runner over its row as a ``DeviceKVCache``; a batch-B engine
+bound to the first B rows). A model without batched graphs at that size (a head of a directory
+built before them) runs each row through its slot's runner in turn. A cache with a recurrent
+state opens one slot only.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specexport.backends import BACKENDS
 from specexport.contract import (
     CONTEXT_FEATURES,
     INPUT_IDS,
@@ -45,6 +46,7 @@ from specexport.runtime.engine import (
     EngineOptions,
     LazyEngine,
     SharedGraphs,
+    open_device_slots,
     open_kv_cache,
     open_row_store,
 )
@@ -72,8 +74,9 @@ class SlotView(KVCache):
 
 @dataclass
 class SlotCaches:
-    """A model's cache: one batch-1 cache per slot, and the [slots] host store they are rows of
-    (None for one slot, whose cache may live on the device or keep a recurrent state)."""
+    """A model's cache: one batch-1 cache per slot, and the [slots] store they are rows of (a
+    HostStore, or TensorRT's DeviceStore on the GPU; None for one slot, whose cache may live on
+    the device or keep a recurrent state)."""
 
     slots: list[CacheLength]
     store: Store | None
@@ -97,22 +100,23 @@ def open_caches(info: ModelEntry, backend: str, options: EngineOptions, slots: i
     """``counter``: the load's host <-> device byte counter, which a device store's copies add to."""
     if slots == 1:  # host, device or recurrent: runtime/engine.py chooses
         return SlotCaches([open_kv_cache(backend, info, options, largest_graph, counter)], None)
+    device = open_device_slots(backend, info, options, slots)  # TensorRT's store on the GPU (trt_store.py)
+    if device is not None:
+        return SlotCaches(device[1], device[0])
     store = rows_store(info, slots, backend, options, counter)
     return SlotCaches([SlotView(store, s, info.num_layers, info.max_seq_len) for s in range(slots)], store)
 
 
 def slots_refusal(manifest: Manifest, model: str, backend: str, batches: Sequence[int],
                   roles: frozenset[Role] | None = None, need_graphs: bool = False) -> str | None:
-    """Why ``model`` cannot run ``batches`` rows at once (None when it can): more than one slot
-    needs the host cache; ``need_graphs``: and batched graphs of the roles at every batch size
+    """Why ``model`` cannot run ``batches`` rows at once (None when it can): a recurrent state
+    runs one sequence at a time; ``need_graphs``: and batched graphs of the roles at every batch size
     above 1 (else its rows run one after another)."""
     if max(batches) == 1:
         return None
     info = manifest.models[model]
     if info.state is not None:
         return f"model '{model}' keeps a recurrent state per sequence (linear-attention layers): one sequence at a time"
-    if not BACKENDS[backend].host_batches:
-        return f"model '{model}' runs on {backend}, which runs one sequence at a time yet"
     if not need_graphs:
         return None
     built = {e.batch for e in manifest.engines_of(model, backend, batch=None)

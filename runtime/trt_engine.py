@@ -1,13 +1,15 @@
 """TensorRT backend: one deserialized engine per graph, behind the same Engine interface.
 
-Device buffers are allocated once per engine with cuda-python (no torch); one CUDA stream
-per engine; only the outputs asked for (tokens, and logits when sampling) come back to the
-host. The KV cache is a ``DeviceKVCache`` by default (``open_device_kv_cache``, the
-tensorrt entry's device_cache in specexport/backends.py): engines bound to it (``TrtEngine.bind_kv_cache``)
-read past K/V in place and append their present.* outputs with 2-D device copies, so no
+Device buffers are allocated once per engine with cuda-python (no torch); only the outputs
+asked for (tokens, and logits when sampling) come back to the host. The KV cache is a device
+store by default (runtime/trt_store.py: ``DeviceStore`` [slots, n_kv, S_max, hd] per past
+input, a slot's ``DeviceKVCache``): its rows come to an engine as ``DeviceTensor`` feeds,
+bound by address (a batch-B engine: the first B rows), and the engine leaves its present
+outputs on the device for the store to append, row by row, with 2-D device copies. So no
 cache-sized copy crosses the bus per run, and the fixed-shape step can be captured once as a
-CUDA graph and replayed. With ``EngineOptions(device_kv=False)`` the host KVCache is used
-instead and copied whole to the device on every run (correct, and slow for long caches).
+CUDA graph and replayed (its addresses never change). With ``EngineOptions(device_kv=False)``
+the host cache is used instead and copied whole to the device on every run (correct, and slow
+for long caches).
 
 An engine only loads in the TensorRT version and on the GPU architecture that built it: the
 manifest records both, and a mismatch is refused with the command that rebuilds the engines
@@ -28,10 +30,9 @@ import numpy as np
 
 from specexport import contract
 from specexport.backends import BACKENDS, TENSORRT
-from specexport.contract import EngineEntry, ModelEntry, TensorSpec
+from specexport.contract import EngineEntry, TensorSpec
 from specexport.errors import BadInput, SpecexportError, missing_extra
 from specexport.runtime.engine import EngineOptions
-from specexport.runtime.kv_cache import CacheLength
 
 if TYPE_CHECKING:  # for annotations only: the package is imported lazily
     import tensorrt as trt
@@ -131,93 +132,23 @@ def check_compatible(entry: EngineEntry, root: Path, trt_version: str, device: C
         )
 
 
-# -- KV on the device -----------------------------------------------------------------------
+# -- tensors that stay on the device -------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Copy2D:
-    """One cudaMemcpy2DAsync, in bytes: ``height`` rows of ``width`` bytes."""
+class DeviceTensor:
+    """A tensor in device memory, by address: a cache store's rows fed to an engine (bound by
+    address, never copied), or an engine's present output left on the device for the store to
+    copy from. ``stream``: the stream whose work produces and reads it (the store's)."""
 
-    dst_offset: int
-    dpitch: int
-    src_offset: int
-    spitch: int
-    width: int
-    height: int
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    stream: Any = None
 
-
-def append_copies(present_shape: tuple[int, ...], itemsize: int, max_seq_len: int,
-                  cache_lengths: Sequence[int]) -> list[Copy2D]:
-    """Copies that append a present [B, n_kv, T, hd] into a cache [B, n_kv, S_max, hd] at each
-    row's cache length. All T positions are written (padding included: it lies past the length
-    and is overwritten later), clipped at S_max."""
-    batch, n_kv, tokens, head_dim = present_shape
-    row = head_dim * itemsize  # one position of one head
-    copies = []
-    for b in range(batch):
-        at = int(cache_lengths[b])
-        count = min(tokens, max_seq_len - at)
-        if count <= 0:
-            continue
-        copies.append(Copy2D(
-            dst_offset=((b * n_kv) * max_seq_len + at) * row,
-            dpitch=max_seq_len * row,
-            src_offset=(b * n_kv) * tokens * row,
-            spitch=tokens * row,
-            width=count * row,
-            height=n_kv,
-        ))
-    return copies
-
-
-class DeviceKVCache(CacheLength):
-    """The KVCache interface with its tensors on the GPU (one buffer per past input).
-
-    Engines bound to it (``TrtEngine.bind_kv_cache``) read past K/V in place and append their
-    present outputs themselves, so ``view()`` has nothing for the host to feed and ``write``
-    only moves the length. Rewinding is moving the length back, as on the host.
-    """
-
-    host_resident = False
-
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: str = "float32", device: int = 0):
-        super().__init__(num_layers, max_seq_len)
-        self._cudart = import_cudart()
-        cuda_call(self._cudart, "cudaSetDevice", device)
-        self.shape = (batch, num_kv_heads, max_seq_len, head_dim)  # [B, n_kv, S_max, hd]
-        self.dtype = np.dtype(dtype)
-        nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
-        self.pointers: dict[str, int] = {}
-        for i in range(num_layers):
-            for kind in ("key", "value"):
-                ptr = cuda_call(self._cudart, "cudaMalloc", nbytes)
-                cuda_call(self._cudart, "cudaMemset", ptr, 0, nbytes)
-                self.pointers[f"{PAST}{i}.{kind}"] = int(ptr)
-
-    def view(self) -> dict[str, np.ndarray]:
-        return {}  # the past inputs are bound on the device
-
-    def in_place_outputs(self) -> dict[str, np.ndarray]:
-        return {}  # bound engines append on the device themselves
-
-    def write(self, presents: dict[str, np.ndarray], count: int) -> None:
-        """The bound engine already appended on the device; record the new length."""
-        self.advance(count)
-
-    def close(self) -> None:
-        for ptr in self.pointers.values():
-            self._cudart.cudaFree(ptr)
-        self.pointers = {}
-
-
-def open_device_kv_cache(model: ModelEntry, options: EngineOptions) -> DeviceKVCache:
-    """A model's KV cache on the GPU (batch 1, like the rest of the runtime). TensorRT and the
-    GPU are checked first, so a missing one is the usual one-line error naming the extra."""
-    require_tensorrt()
-    device = cuda_device()
-    return DeviceKVCache(model.num_layers, 1, model.num_kv_heads, model.max_seq_len, model.head_dim,
-                         model.kv_dtype, device.index)
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
 
 
 # -- the engine -----------------------------------------------------------------------------
@@ -233,30 +164,35 @@ def _pinned(cudart: Any, spec: TensorSpec) -> tuple[int, np.ndarray]:
 
 
 class TrtEngine:
-    def __init__(self, entry: EngineEntry, root: Path, options: EngineOptions, device: CudaDevice):
-        require_tensorrt()
-        import tensorrt as trt
+    """One execution context of a deserialized engine (``plan``: shared by the contexts of one
+    plan file, so the slots' batch-1 runners hold its weights once), with a device buffer per
+    I/O tensor. Inputs fed as ``DeviceTensor`` (a cache store's rows) are bound by address
+    instead; their engine then runs on the store's stream and leaves its present outputs on the
+    device (returned as DeviceTensors for the store's ``write``)."""
 
+    def __init__(self, entry: EngineEntry, root: Path, options: EngineOptions, device: CudaDevice,
+                 plan: Plan | None = None):
+        """``plan``: the deserialized plan file, shared (None: deserialized here)."""
+        require_tensorrt()
         cudart = self._cudart = import_cudart()
         cuda_call(cudart, "cudaSetDevice", device.index)
+        plan = plan if plan is not None else deserialize(entry, root)
         self.name = entry.name
         self.inputs = entry.inputs
         self.outputs = entry.outputs
         self._root = root
-        self._logger = trt.Logger(trt.Logger.WARNING)
-        self._runtime = trt.Runtime(self._logger)
-        engine = self._runtime.deserialize_cuda_engine((root / entry.path).read_bytes())
-        if engine is None:
-            raise BadInput(f"{root / entry.path}: TensorRT could not load this engine; {rebuild_command(root)}")
-        self._engine = engine
-        self._check_io(engine)
-        context = engine.create_execution_context()
+        self._plan = plan
+        self._engine = plan.engine
+        self._check_io(plan.engine)
+        context = plan.engine.create_execution_context()
         if context is None:
             raise SpecexportError(f"engine {self.name}: TensorRT could not create an execution context (GPU memory?)")
         self._context = context
-        self._stream = cuda_call(cudart, "cudaStreamCreateWithFlags", cudart.cudaStreamNonBlocking)
+        self._own_stream = cuda_call(cudart, "cudaStreamCreateWithFlags", cudart.cudaStreamNonBlocking)
+        self._stream: Any = self._own_stream
         self._stream_handle = int(self._stream)
-        # one device buffer per I/O tensor, for the engine's lifetime
+        # one device buffer per I/O tensor, for the engine's lifetime (a past input's is freed
+        # when a store's rows are bound in its place)
         self._device: dict[str, int] = {}
         self._nbytes: dict[str, int] = {}
         for name, spec in [*self.inputs.items(), *self.outputs.items()]:
@@ -265,7 +201,7 @@ class TrtEngine:
             self._device[name] = int(cuda_call(cudart, "cudaMalloc", nbytes))
             if not context.set_tensor_address(name, self._device[name]):
                 raise SpecexportError(f"engine {self.name}: TensorRT refused the address of {name}")
-        self._bound: DeviceKVCache | None = None
+        self._views: dict[str, int] = {}  # input name -> the device address bound in its place
         self._host_inputs = list(self.inputs)
         self._use_graph = bool(getattr(options, "cuda_graphs", False))
         self._graph_exec: Any = None
@@ -291,35 +227,44 @@ class TrtEngine:
                 f"{differ[0][0] if differ else '?'}); {rebuild_command(self._root)}"
             )
 
-    # -- device-resident KV -------------------------------------------------------------------
+    # -- inputs that live on the device -------------------------------------------------------
 
-    def bind_kv_cache(self, cache: DeviceKVCache) -> None:
-        """Read past K/V from ``cache`` in place and append present K/V to it after each run."""
-        past = [n for n in self.inputs if n.startswith(PAST)]
-        if set(past) != set(cache.pointers):
-            raise ValueError(f"engine {self.name}: its past inputs do not match the cache's tensors")
-        for name in past:
-            spec = self.inputs[name]
-            if spec.shape != cache.shape or np.dtype(spec.dtype) != cache.dtype:
-                raise ValueError(f"engine {self.name}: {name} is {spec.dtype}{list(spec.shape)}, the cache is "
-                                 f"{cache.dtype.name}{list(cache.shape)}")
-            self._cudart.cudaFree(self._device.pop(name))
-            if not self._context.set_tensor_address(name, cache.pointers[name]):
-                raise SpecexportError(f"engine {self.name}: TensorRT refused the cache address of {name}")
-        self._bound = cache
-        self._host_inputs = [n for n in self.inputs if not n.startswith(PAST)]
-        self._graph_exec = None
+    def bind_kv_cache(self, cache: Any) -> None:
+        """Run on a device cache's stream (LazyEngine binds a slot's cache as it opens). Its rows
+        come with each call's feeds, bound at the first run: a tree or batched engine opened
+        with a slot's cache reads the first B rows of the store, not that slot's row."""
+        stream = cache.rows_store.stream
+        self._stream, self._stream_handle = stream, int(stream)
 
-    def _append_presents(self, cache_lengths: list[int]) -> None:
-        assert self._bound is not None
-        cudart, cache = self._cudart, self._bound
-        for past_name, dst in cache.pointers.items():
-            present = PRESENT + past_name[len(PAST):]
-            spec = self.outputs[present]
-            for c in append_copies(spec.shape, cache.dtype.itemsize, cache.max_seq_len, cache_lengths):
-                cuda_call(cudart, "cudaMemcpy2DAsync", dst + c.dst_offset, c.dpitch,
-                          self._device[present] + c.src_offset, c.spitch, c.width, c.height,
-                          cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self._stream)
+    def _bind_views(self, feeds: dict[str, Any]) -> None:
+        """Bind every DeviceTensor among ``feeds`` by address (once per address: a graph call's
+        feeds are made once, so a captured CUDA graph stays valid); the engine then runs on
+        their stream, so the store's copies and its runs are in order."""
+        changed = False
+        for name, value in feeds.items():
+            if not isinstance(value, DeviceTensor) or self._views.get(name) == value.ptr:
+                continue
+            spec = self.inputs.get(name)
+            if spec is None or value.shape != spec.shape or value.dtype != np.dtype(spec.dtype):
+                have = "no such input" if spec is None else f"{spec.dtype}{list(spec.shape)}"
+                raise ValueError(f"engine {self.name}: {name} is {have}, the device rows fed are "
+                                 f"{value.dtype.name}{list(value.shape)}")
+            if name in self._device:  # its own buffer is not needed any more
+                self._cudart.cudaFree(self._device.pop(name))
+            if not self._context.set_tensor_address(name, value.ptr):
+                raise SpecexportError(f"engine {self.name}: TensorRT refused the device address of {name}")
+            self._views[name] = value.ptr
+            if value.stream is not None:
+                self._stream, self._stream_handle = value.stream, int(value.stream)
+            changed = True
+        if changed:
+            self._host_inputs = [n for n in self.inputs if n not in self._views]
+            self._drop_graph()
+
+    def _drop_graph(self) -> None:
+        if self._graph_exec is not None:
+            self._cudart.cudaGraphExecDestroy(self._graph_exec)
+            self._graph_exec = None
 
     # -- running ------------------------------------------------------------------------------
 
@@ -347,7 +292,8 @@ class TrtEngine:
         """Record host-to-device input copies (from pinned staging) and the engine as a graph."""
         cudart = self._cudart
         for name in self._host_inputs:
-            self._staging[name] = _pinned(cudart, self.inputs[name])
+            if name not in self._staging:
+                self._staging[name] = _pinned(cudart, self.inputs[name])
         cuda_call(cudart, "cudaStreamBeginCapture", self._stream,
                   cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal)
         for name in self._host_inputs:
@@ -361,60 +307,81 @@ class TrtEngine:
         self._graph_exec = cuda_call(cudart, "cudaGraphInstantiate", graph, 0)
         cuda_call(cudart, "cudaGraphDestroy", graph)
 
-    def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None,
-            bound: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, Any], outputs: Sequence[str] | None = None,
+            bound: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+        """Outputs as fresh host arrays, except an engine over device rows' present outputs:
+        DeviceTensors of its own buffers, valid until its next run (what the store copies)."""
         if bound:
             raise BadInput(f"engine {self.name}: in-place KV graphs (attention: ort-gqa) are onnxruntime-only")
+        self._bind_views(feeds)
         if not self._checked:  # shapes are static: checking the first call checks them all
             self._check_feeds(feeds)
             self._checked = True
         cudart = self._cudart
-        # A graph fixes every address, so only with the KV bound on the device; TensorRT wants
-        # one ordinary run before capture.
+        # A graph fixes every address, so only with the cache bound on the device; TensorRT
+        # wants one ordinary run before capture.
         if self._graph_exec is not None:
             for name in self._host_inputs:
                 self._staging[name][1][...] = feeds[name]
             cuda_call(cudart, "cudaGraphLaunch", self._graph_exec, self._stream)
         else:
             self._enqueue(feeds)
-        if self._bound is not None:
-            self._append_presents(np.asarray(feeds[contract.CACHE_LENGTH]).reshape(-1).tolist())
         names = list(outputs) if outputs is not None else list(self.outputs)
-        if self._bound is not None:  # the present outputs are in the bound cache already
-            names = [n for n in names if not n.startswith(PRESENT)]
-        result = {}
-        for name in names:  # fresh host arrays: callers keep views of earlier results
+        result: dict[str, Any] = {}
+        for name in names:
             spec = self.outputs[name]
-            host = np.empty(spec.shape, dtype=spec.dtype)
+            if self._views and name.startswith(PRESENT):  # stays on the device: the store appends it
+                result[name] = DeviceTensor(self._device[name], spec.shape, np.dtype(spec.dtype), self._stream)
+                continue
+            host = np.empty(spec.shape, dtype=spec.dtype)  # fresh: callers keep views of earlier results
             cuda_call(cudart, "cudaMemcpyAsync", host.ctypes.data, self._device[name], host.nbytes,
                       cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self._stream)
             result[name] = host
         cuda_call(cudart, "cudaStreamSynchronize", self._stream)
-        if self._use_graph and self._bound is not None and self._graph_exec is None:
+        if self._use_graph and self._views and self._graph_exec is None:
             self._capture()
         return result
 
     def close(self) -> None:
         cudart = self._cudart
-        if self._graph_exec is not None:
-            cudart.cudaGraphExecDestroy(self._graph_exec)
-            self._graph_exec = None
+        self._drop_graph()
         for ptr, _ in self._staging.values():
             cudart.cudaFreeHost(ptr)
         self._staging = {}
         for ptr in self._device.values():
             cudart.cudaFree(ptr)
         self._device = {}
-        if self._stream is not None:
-            cudart.cudaStreamDestroy(self._stream)
-            self._stream = None
+        if self._own_stream is not None:
+            cudart.cudaStreamDestroy(self._own_stream)
+            self._own_stream = None
 
 
-def open_trt_engine(entry: EngineEntry, root: Path, options: EngineOptions, shared: object = None) -> TrtEngine:
-    """``shared`` is not used: a TensorRT plan is one static size, its own engine."""
+@dataclass(frozen=True)
+class Plan:
+    """A deserialized engine with the runtime that made it (which must outlive it)."""
+
+    runtime: trt.Runtime
+    engine: trt.ICudaEngine
+
+
+def deserialize(entry: EngineEntry, root: Path) -> Plan:
+    """The engine of ``entry``'s plan file."""
+    import tensorrt as trt
+
+    loader = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    engine = loader.deserialize_cuda_engine((root / entry.path).read_bytes())
+    if engine is None:
+        raise BadInput(f"{root / entry.path}: TensorRT could not load this engine; {rebuild_command(root)}")
+    return Plan(loader, engine)
+
+
+def open_trt_engine(entry: EngineEntry, root: Path, options: EngineOptions, shared: Any = None) -> TrtEngine:
+    """An execution context of ``entry``'s plan; ``shared`` (the load's SharedGraphs): the plan
+    is deserialized once, however many slots' runners run it."""
     require_tensorrt()
     import tensorrt as trt
 
     device = cuda_device()
     check_compatible(entry, root, trt.__version__, device)
-    return TrtEngine(entry, root, options, device)
+    plan = None if shared is None else shared.get((TENSORRT, str(root / entry.path)), lambda: deserialize(entry, root))
+    return TrtEngine(entry, root, options, device, plan)

@@ -20,7 +20,9 @@ class Backend:
     # "module:factory" of a cache kept beside the engines (EngineOptions.device_kv): (ModelEntry,
     # EngineOptions); None: the host KVCache
     device_cache: str | None
-    host_batches: bool  # its batched graphs share one host cache: it runs several sequences at once
+    # "module:factory" of the same cache for several slots, whose rows the batched graphs share:
+    # (ModelEntry, EngineOptions, slots) -> (store, one cache per slot); None: the host store
+    device_slots: str | None
     fallback: str  # the backend a drafter model without engines of this one runs on (the target never falls back)
     suffix: str  # its engine files' suffix
     extra: str  # the pip extra that installs it (specexport[extra])
@@ -33,12 +35,13 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
-    Backend(ONNXRUNTIME, "specexport.runtime.ort_engine:open_ort_engine", None, host_batches=True,
+    Backend(ONNXRUNTIME, "specexport.runtime.ort_engine:open_ort_engine", None, None,
             fallback=ONNXRUNTIME, suffix=".onnx", extra="cpu", packages=("onnxruntime",),
             dists=("onnxruntime", "onnxruntime-gpu"), row_store="specexport.runtime.device_store:open_row_store"),
     # the int4 drafter's MatMulNBits graphs have no TensorRT importer: it runs on onnxruntime beside
     Backend(TENSORRT, "specexport.runtime.trt_engine:open_trt_engine",
-            "specexport.runtime.trt_engine:open_device_kv_cache", host_batches=False, fallback=ONNXRUNTIME,
+            "specexport.runtime.trt_store:open_device_kv_cache", "specexport.runtime.trt_store:open_device_slots",
+            fallback=ONNXRUNTIME,
             suffix=".plan", extra="gpu", packages=("tensorrt", "cuda"), dists=("tensorrt",),
             missing_hint="; build them on this machine with: specexport build --from-onnx {dir}"),
 )}

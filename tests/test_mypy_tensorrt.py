@@ -33,7 +33,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # The modules that call TensorRT or CUDA.
-CHECKED = ["runtime/trt_engine.py", "exporter/trt_build.py", "exporter/trt_parity.py", "exporter/trt_from_onnx.py",
+CHECKED = ["runtime/trt_engine.py", "runtime/trt_store.py", "exporter/trt_build.py", "exporter/trt_parity.py", "exporter/trt_from_onnx.py",
            "exporter/lint.py", "specexport/cli/trt.py", "specexport/atomic.py"]
 STUB_PACKAGES = ("tensorrt", "tensorrt_bindings")
 

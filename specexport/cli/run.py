@@ -79,7 +79,7 @@ def generate(engine_dir: Path, prompt: str | None, prompt_file: Path | None, cha
             chat=chat, drafter=drafter, draft_len=draft_len, adaptive=adaptive, max_new_tokens=max_new_tokens,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop, controls=controls,
             tree_nodes=tree_nodes),
-            dict(threads=threads, backend=backend, device=device, check_prices=not fixed_prices,
+            dict(threads=threads, backend=backend, device=device, device_kv=not host_kv, check_prices=not fixed_prices,
                  device_store=device_store, cuda_graphs=cuda_graphs))
         return
     if prompt_file is not None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from specexport.backends import BACKENDS, DEFAULT_BACKEND
 from specexport.errors import BadInput, missing_extra
 from specexport.runtime.spec_metrics import LEVELS
 
@@ -29,28 +30,30 @@ def _autoscale(value: str | None) -> tuple[int, int] | None:
     return low, high
 
 
-def check_servable(engine_dir: Path, drafter: str, max_batch: int | None, tree_nodes: int | None = None) -> str:
+def check_servable(engine_dir: Path, drafter: str, max_batch: int | None, tree_nodes: int | None = None,
+                   backend: str | None = None) -> str:
     """Fail before the port opens on what would fail while loading: the directory, a target
-    that cannot batch, the drafter, batched engines, a tree size without its graph. Returns
-    the drafter to run."""
-    from specexport.backends import DEFAULT_BACKEND
+    that cannot batch, the backend's engines, the drafter, batched engines, a tree size without
+    its graph. Returns the drafter to run."""
     from specexport.contract import Manifest
     from specexport.runtime.input_checks import batched_refusal, check_drafter, check_tree_nodes
     from specexport.serve.config import refuse_recurrent_target
 
     manifest = Manifest.load(engine_dir)
     refuse_recurrent_target(manifest, engine_dir)  # first: rebuilding with ort-gqa would not help it
-    if DEFAULT_BACKEND not in manifest.backends():  # the backend load() picks, which batches
-        raise BadInput(f"{engine_dir}: serve runs {DEFAULT_BACKEND} engines and this directory has none; rebuild it "
-                       f"with backend: {DEFAULT_BACKEND} in the recipe")
+    backend = backend or DEFAULT_BACKEND  # the backend load() picks
+    if backend not in manifest.backends():
+        raise BadInput(f"{engine_dir}: serve runs {backend} engines and this directory has none (it has "
+                       f"{', '.join(manifest.backends())}: give --backend), or rebuild it with backend: {backend} "
+                       "in the recipe")
     built = manifest.batch_sizes("target")
     if max_batch is not None and max_batch < min(built):
         raise BadInput(f"--max-batch: {max_batch} is below the smallest batch size built ({min(built)})")
-    target = batched_refusal(manifest, "none", max_batch)
+    target = batched_refusal(manifest, "none", max_batch, backend)
     if target is not None:
         raise BadInput(f"{engine_dir}: {target}")
     for name in _names("--drafter", drafter):
-        check_drafter(manifest, name, max_batch, "--drafter")
+        check_drafter(manifest, name, max_batch, "--drafter", backend)
     check_tree_nodes(manifest, tree_nodes)
     return drafter
 
@@ -68,6 +71,9 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None, tree_n
 @click.option("--max-waiting", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests queued beyond the running ones; more are answered 429.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="onnxruntime threads (default: all cores).")
+@click.option("--backend", type=click.Choice(list(BACKENDS)), default=None,
+              help="The engines to serve (default: onnxruntime; tensorrt: the directory's TensorRT plans, batched "
+                   "over one KV cache on the GPU).")
 @click.option("--api-key", default=None, envvar="SPECEXPORT_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1 routes (or set SPECEXPORT_API_KEY).")
 @click.option("--served-model-name", default="", help="The model name clients ask for (default: the directory's name).")
@@ -96,7 +102,7 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None, tree_n
               help="Encode a special token's text inside a message as that token, as transformers does (default: "
                    "messages are encoded as text, so content cannot forge a turn).")
 def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int | None, max_waiting: int,
-          threads: int | None, api_key: str | None, served_model_name: str, no_schedule: bool, per_sequence: bool,
+          threads: int | None, backend: str | None, api_key: str | None, served_model_name: str, no_schedule: bool, per_sequence: bool,
           adaptive: bool, fixed_prices: bool, use_ray: bool, replicas: int, autoscale: str | None, ray_address: str | None, log_level: str,
           special_tokens_in_content: bool, tree_nodes: int | None, spec_metrics: str | None) -> None:
     """Serve ENGINE_DIR over OpenAI's API: /v1/completions, /v1/chat/completions (streamed or
@@ -108,12 +114,12 @@ def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int |
             raise missing_extra(package, extra)
     if not use_ray and (replicas != 1 or autoscale or ray_address):
         raise BadInput("--replicas, --autoscale and --ray-address need --ray")
-    check_servable(engine_dir, drafter, max_batch, tree_nodes)
+    check_servable(engine_dir, drafter, max_batch, tree_nodes, backend)
     from specexport.serve.config import ServeConfig
 
     config = ServeConfig(str(engine_dir.resolve()), served_model_name, drafter, max_batch, max_waiting, threads,
                          api_key, not no_schedule, per_sequence, adaptive, special_tokens_in_content, tree_nodes,
-                         check_prices=not fixed_prices, spec_metrics=spec_metrics)
+                         check_prices=not fixed_prices, spec_metrics=spec_metrics, backend=backend)
     if use_ray:
         if importlib.util.find_spec("ray") is None:
             raise missing_extra("ray", "ray")
@@ -129,7 +135,7 @@ def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int |
     from specexport.serve.app import create_app
 
     click.echo(f"serving '{config.served_name}' on http://{host}:{port}/v1 (drafter {drafter}, "
-               f"max batch {max_batch or 'as built'}); Ctrl-C stops", err=True)
+               f"max batch {max_batch or 'as built'}, on {backend or DEFAULT_BACKEND}); Ctrl-C stops", err=True)
     uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 

@@ -50,7 +50,7 @@ _SERVED_BY = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (
 def default_loader(config: ServeConfig):
     from specexport.runtime import load
 
-    return load(config.engine_dir, threads=config.threads, check_prices=config.check_prices)
+    return load(config.engine_dir, threads=config.threads, check_prices=config.check_prices, backend=config.backend)
 
 
 class ServerState:
@@ -146,7 +146,7 @@ def create_app(config: ServeConfig, *, loader: Callable[[ServeConfig], object] |
     @app.get("/health")
     async def health():
         state.ready_engine()
-        return {"status": "ok"}
+        return {"status": "ok", "backend": getattr(state.pipe, "backend", None)}  # the engines it serves
 
     @app.get("/metrics")
     async def metrics():

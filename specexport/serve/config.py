@@ -27,6 +27,7 @@ class ServeConfig:
     special_tokens_in_content: bool = False
     tree_nodes: int | None = None  # draft nodes per row as a token tree (0: chains; default: the recipe's)
     check_prices: bool = True  # adaptive depth checks its round prices against the clock (False: seeded runs repeat)
+    backend: str | None = None  # onnxruntime | tensorrt (None: as load() picks, onnxruntime where the directory has it)
     # vLLM's --per-request-spec-decode-metrics: "summary" or "detailed" adds metrics.speculative_decoding
     # to every response (runtime/spec_metrics.py); None: responses as OpenAI's
     spec_metrics: str | None = None

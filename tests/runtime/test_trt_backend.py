@@ -30,18 +30,18 @@ from specexport.errors import BadInput
 from specexport.runtime.kv_cache import KVCache
 from specexport.runtime.trt_engine import (
     CudaDevice,
-    append_copies,
     check_compatible,
     cuda_device,
     rebuild_command,
     require_tensorrt,
 )
+from specexport.runtime.trt_store import append_copies
 from tests.conftest import check_one_line, copy_engines, run_cli
 from tests.gpu import NO_GPU, needs_gpu, without_gpu
 from tests.scaffold import as_tensorrt_build, json_from_fake_gpu
 
 REPO = Path(__file__).resolve().parents[2]
-BACKEND = REPO / "runtime" / "trt_engine.py"
+BACKEND = [REPO / "runtime" / "trt_engine.py", REPO / "runtime" / "trt_store.py"]  # every cuda-python call
 
 
 # -- missing TensorRT or GPU: one line, the extra, exit code 2 -------------------------------
@@ -179,12 +179,12 @@ def test_every_cuda_call_matches_the_installed_signature():
         pytest.skip("cuda-python is not installed (it comes with specexport[dev])")
     from cuda.bindings import runtime as cudart
 
-    source = BACKEND.read_text()
-    calls = cuda_calls(source)
+    source = "\n".join(path.read_text() for path in BACKEND)
+    calls = [(name, nargs, f"{path.name}:{line}") for path in BACKEND for name, nargs, line in cuda_calls(path.read_text())]
     assert len(calls) > 15 and {"cudaMalloc", "cudaMemcpyAsync", "cudaGraphLaunch", "cudaMemcpy2DAsync"} <= {c[0] for c in calls}
     for name, nargs, line in calls:
         fn = getattr(cudart, name, None)
-        assert fn is not None, f"trt_engine.py:{line}: cuda-python has no {name}"
+        assert fn is not None, f"{line}: cuda-python has no {name}"
         inspect.signature(fn).bind(*range(nargs))  # raises TypeError on a wrong argument count
     # enum members named as cudart.<Enum>.<member>
     for enum, member in set(re_findall(r"cudart\.(cuda\w+)\.(cuda\w+)", source)):
@@ -229,21 +229,23 @@ def test_device_append_writes_what_the_host_cache_writes(at, count):
     present = rng.standard_normal((1, n_kv, tokens, hd)).astype(np.float32)  # [B, n_kv, T, hd]
     host.write({"present.0.key": present, "present.0.value": present}, count)
     device = np.zeros((1, n_kv, s_max, hd), np.float32)  # [B, n_kv, S_max, hd]
-    emulate_copies(device, present, append_copies(present.shape, 4, s_max, [at]))
-    real = slice(0, at + count)  # positions the cache length covers
-    np.testing.assert_array_equal(device[:, :, real], host.view()["past_key_values.0.key"][:, :, real])
-    # padding past the length is written (harmless) but never beyond S_max
-    written = min(tokens, s_max - at)
-    np.testing.assert_array_equal(device[:, :, at : at + written], present[:, :, :written])
+    emulate_copies(device, present, append_copies(present.shape, 4, s_max, [(0, at, count)]))
+    np.testing.assert_array_equal(device, host.view()["past_key_values.0.key"])  # the padding is not written
 
 
-def test_device_append_handles_rows_of_different_lengths():
-    present = np.arange(2 * 2 * 3 * 2, dtype=np.float32).reshape(2, 2, 3, 2)
-    device = np.zeros((2, 2, 8, 2), np.float32)
-    emulate_copies(device, present, append_copies(present.shape, 4, 8, [1, 4]))
+def test_device_append_writes_only_the_fed_rows_real_positions():
+    present = np.arange(4 * 2 * 3 * 2, dtype=np.float32).reshape(4, 2, 3, 2) + 1  # [B, n_kv, T, hd]
+    device = np.zeros((4, 2, 8, 2), np.float32)  # [slots, n_kv, S_max, hd]
+    emulate_copies(device, present, append_copies(present.shape, 4, 8, [(0, 1, 3), (2, 4, 2)]))
     np.testing.assert_array_equal(device[0, :, 1:4], present[0])
-    np.testing.assert_array_equal(device[1, :, 4:7], present[1])
-    assert not device[0, :, 4:].any() and not device[1, :, :4].any()
+    np.testing.assert_array_equal(device[2, :, 4:6], present[2, :, :2])
+    assert not device[0, :, 4:].any() and not device[2, :, :4].any() and not device[2, :, 6:].any()
+    assert not device[1].any() and not device[3].any()  # idle rows
+
+
+def test_device_append_refuses_positions_past_the_cache():
+    with pytest.raises(ValueError, match="run past the cache's 8"):
+        append_copies((1, 2, 3, 2), 4, 8, [(0, 6, 3)])
 
 
 # -- precision: the cast copy TensorRT builds in fp16 / bf16 ---------------------------------
@@ -577,7 +579,8 @@ def test_gpu_device_kv_and_cuda_graphs_match_the_host_path(trt_dir):
     from specexport.contract import Manifest
     from specexport.runtime.engine import EngineOptions
     from specexport.runtime.runner import ModelRunner
-    from specexport.runtime.trt_engine import DeviceKVCache, open_trt_engine
+    from specexport.runtime.trt_engine import open_trt_engine
+    from specexport.runtime.trt_store import DeviceKVCache, DeviceStore
 
     @dataclass(frozen=True)
     class GraphOptions(EngineOptions):
@@ -590,9 +593,7 @@ def test_gpu_device_kv_and_cuda_graphs_match_the_host_path(trt_dir):
     host = ModelRunner("target", [open_trt_engine(e, trt_dir, EngineOptions()) for e in entries],
                        KVCache(info.num_layers, 1, info.num_kv_heads, info.max_seq_len, info.head_dim), tokens)
     engines = [open_trt_engine(e, trt_dir, GraphOptions()) for e in entries]
-    cache = DeviceKVCache(info.num_layers, 1, info.num_kv_heads, info.max_seq_len, info.head_dim)
-    for engine in engines:
-        engine.bind_kv_cache(cache)
+    cache = DeviceKVCache(DeviceStore.allocate(info.num_layers, info.kv.shape(1), info.kv_dtype), info.num_layers)
     device = ModelRunner("target", engines, cache, tokens)  # type: ignore[arg-type]
     prompt = list(range(3, 40))
     for runner in (host, device):

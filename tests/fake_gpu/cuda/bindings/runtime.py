@@ -1,7 +1,8 @@
 """Fake ``cuda.bindings.runtime``: the calls trt_engine makes, on host memory.
 
 Every call returns ``(cudaError_t, *values)`` like cuda-python. ``TRAFFIC`` records each copy
-(kind, bytes) so tests can see what crosses the "bus"; a stream being captured records its
+(kind, bytes) so tests can see what crosses the "bus", and ``COPIES`` its addresses too (kind,
+destination, source, bytes), so they can see whose memory it was; a stream being captured records its
 work into a graph instead of running it, and ``cudaGraphLaunch`` replays it.
 
 As strict as CUDA where a runtime's mistake would show on a GPU: device and pinned host
@@ -61,6 +62,7 @@ class Allocation:
 MEMORY: dict[int, Allocation] = {}  # pointer -> its allocation
 _STARTS: list[int] = []  # MEMORY's pointers, sorted: which allocation holds an address
 TRAFFIC: list[tuple[str, int]] = []  # (kind name, bytes) per copy
+COPIES: list[tuple[str, int, int, int]] = []  # (kind name, destination, source, bytes) per copy
 CAPTURING: dict[int, list] = {}  # stream -> work recorded while capturing
 STREAMS = [0]
 FAULTS: list[str] = []  # illegal accesses so far: sticky, as a GPU's context is after one
@@ -219,6 +221,7 @@ def cudaMemcpyAsync(dst, src, nbytes, kind, stream):
             fault(f"cudaMemcpyAsync {problem}")
             return
         TRAFFIC.append((cudaMemcpyKind(kind).name, nbytes))
+        COPIES.append((cudaMemcpyKind(kind).name, dst, src, nbytes))
         ctypes.memmove(dst, src, nbytes)
     _do(stream, work)
     return (OK,)
@@ -239,6 +242,7 @@ def cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream):
             fault(f"cudaMemcpy2DAsync {problem}")
             return
         TRAFFIC.append((cudaMemcpyKind(kind).name, width * height))
+        COPIES.append((cudaMemcpyKind(kind).name, dst, src, width * height))
         for row in range(height):
             ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
     _do(stream, work)
