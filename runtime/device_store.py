@@ -261,4 +261,9 @@ def open_row_store(num_layers: int, shape: tuple[int, ...], dtype: str, options,
     from specexport.runtime.device_binding import store_device
 
     device = store_device(options)
-    return None if device is None else DeviceStore.allocate(num_layers, shape, dtype, device, counter)
+    if device is None:
+        return None
+    from specexport.runtime.ort_engine import _onnxruntime, providers_of
+
+    providers_of(_onnxruntime(), options.device)  # before allocating on a device onnxruntime cannot reach
+    return DeviceStore.allocate(num_layers, shape, dtype, device, counter)

@@ -90,6 +90,17 @@ def physical_cores(cpus: set[int] | None = None) -> int:
     return max(1, len(cores))
 
 
+def providers_of(ort, device: str) -> list[str]:
+    """onnxruntime's providers for ``device``, or one line saying what is missing: an unknown
+    device, or onnxruntime without the device's provider (the CPU wheel asked for cuda)."""
+    providers = _PROVIDERS.get(device)
+    if providers is None:
+        raise BadInput(f"device '{device}' is unknown; choose one of {', '.join(_PROVIDERS)}")
+    if providers[0] not in ort.get_available_providers():
+        raise MissingDependency(f"onnxruntime with {providers[0]} is not installed: {ONNXRUNTIME_GPU_SWAP}")
+    return list(providers)
+
+
 class SharedPool:
     """The process's one onnxruntime intra-op thread pool (owned here, created lazily once).
 
@@ -134,12 +145,7 @@ class OrtEngine:
         ``shared``, engines of the same file (a graph with a symbolic token count) run on one
         session; each keeps its own feeds and bindings."""
         ort = _onnxruntime()
-        providers = _PROVIDERS.get(options.device)
-        if providers is None:
-            raise BadInput(f"device '{options.device}' is unknown; choose one of {', '.join(_PROVIDERS)}")
-        available = ort.get_available_providers()
-        if providers[0] not in available:
-            raise MissingDependency(f"onnxruntime with {providers[0]} is not installed: {ONNXRUNTIME_GPU_SWAP}")
+        providers = providers_of(ort, options.device)
         so = session_options(ort, options.threads)
         require_device_placement(so, options.device)  # cuda: a computation on the CPU is refused
         self.name = name

@@ -174,7 +174,9 @@ def test_sampling_with_mostly_accepted_drafts_follows_the_target(near_copy_engin
 
 
 def test_seeded_sampling_is_reproducible(tiny_engines):
-    pipe = load(tiny_engines.get("llama", **TINY_SHAPE))
+    # the prices as built: a seed repeats its draws when the depths repeat (--fixed-prices), and
+    # prices checked against the clock may choose other depths on another run
+    pipe = load(tiny_engines.get("llama", **TINY_SHAPE), check_prices=False)
     kwargs = dict(max_new_tokens=30, temperature=1.0, top_p=0.9, drafter="draft-model")
     a = pipe.generate(PROMPTS[1], seed=1, **kwargs).token_ids
     assert a == pipe.generate(PROMPTS[1], seed=1, **kwargs).token_ids
