@@ -42,6 +42,7 @@ from specexport.runtime.model import Model, SlotCaches, open_caches, open_model,
 from specexport.runtime.rules import Controls, SequenceRules
 from specexport.runtime.runner import ModelRunner
 from specexport.runtime.stats import DecodeStats
+from specexport.runtime.suffix_store import ResponseStore
 from specexport.runtime.text import TextCodec
 from specexport.runtime.tree_verifier_factory import open_tree_verifier
 from specexport.runtime.tree_verify import TreeVerifier
@@ -93,11 +94,14 @@ __all__ = ["Generation", "Pipeline", "TextTracker", "load",
 
 class Pipeline:
     def __init__(self, manifest: Manifest, options: EngineOptions, backend: str, *,
-                 tuned: TunedCosts | None = None, started: float | None = None, check_prices: bool = True):
+                 tuned: TunedCosts | None = None, started: float | None = None, check_prices: bool = True,
+                 store_tokens: int | None = None):
         """``tuned``: costs measured on this machine (specexport tune), preferred over the
         build's; ``started``: perf_counter() when load() began (for load_to_first_token_s);
         ``check_prices``: adaptive depth checks its round prices against the clock
-        (runtime/round_prices.py; False: fixed prices, so a seeded run repeats its choices)."""
+        (runtime/round_prices.py; False: fixed prices, so a seeded run repeats its choices);
+        ``store_tokens``: the token budget of a suffix drafter's store of earlier responses (0: no
+        store; None: the drafter's recipe setting)."""
         self.manifest = manifest
         self.options = options
         self.backend = backend
@@ -111,6 +115,10 @@ class Pipeline:
         self._caches: dict[tuple[str, int], SlotCaches] = {}  # (model, slots) -> its one cache
         self._models: dict[tuple, Model] = {}
         self._drafters: dict[tuple[str, int], Drafter] = {}
+        self.store_tokens = store_tokens
+        # a suffix drafter's store of earlier responses, by drafter name: one per pipeline, shared
+        # by its loops of every size (generate, generate_batch, a server's loop)
+        self.stores: dict[str, ResponseStore] = {}
         self.target = self.runner("target")
 
     @property
@@ -199,7 +207,9 @@ class Pipeline:
                 self._drafters[(name, slots)] = NoDrafter()
                 return self._drafters[(name, slots)]
             check_drafter(self.manifest, name, slots, backend=self.backend)
-            self._drafters[(name, slots)] = make_drafter(self, self.manifest.drafters[name], slots)
+            entry = self.manifest.drafter_entry(name)
+            assert entry is not None  # check_drafter refused an unknown name
+            self._drafters[(name, slots)] = make_drafter(self, entry, slots)
         return self._drafters[(name, slots)]
 
     def prompt_ids(self, prompt: str | None = None, *, chat: bool = False, messages: list[dict] | None = None,
@@ -260,7 +270,7 @@ class Pipeline:
                           None if request.logprobs is None else request.logprobs.entries)
 
     def _backends_of(self, drafter: str) -> dict[str, str]:
-        entry = self.manifest.drafters.get(drafter)
+        entry = self.manifest.drafter_entry(drafter)
         models = ["target", *([entry.model] if entry is not None and entry.model else [])]
         return {m: self.backend_of(m) for m in models}
 
@@ -391,7 +401,8 @@ class TextTracker:
 
 
 def load(engine_dir: str | Path, *, threads: int | None = None, device: str = "cpu", backend: str | None = None,
-         verify: bool = True, device_kv: bool = True, tuned_costs: bool = True, check_prices: bool = True) -> Pipeline:
+         verify: bool = True, device_kv: bool = True, tuned_costs: bool = True, check_prices: bool = True,
+         store_tokens: int | None = None) -> Pipeline:
     """Open an engine directory: check its manifest and file hashes, create the sessions.
     Hashes are checked in full on first use and then only for files whose size, times or inode
     changed (runtime/integrity.py; ``specexport verify`` checks everything).
@@ -400,7 +411,9 @@ def load(engine_dir: str | Path, *, threads: int | None = None, device: str = "c
     keep the KV caches on the GPU (False: in host memory, copied to the GPU on every run).
     ``tuned_costs``: prefer the costs measured by ``specexport tune`` on this machine over the
     build's. ``check_prices``: adaptive depth replaces a round price the clock disagrees with
-    (False: the costs as they are, so seeded runs choose the same depths every time)."""
+    (False: the costs as they are, so seeded runs choose the same depths every time).
+    ``store_tokens``: a suffix drafter's store of earlier responses holds at most this many
+    tokens (0: none; None: the drafter's recipe setting)."""
     started = time.perf_counter()
     if device == TENSORRT:
         if backend not in (None, TENSORRT):
@@ -415,4 +428,5 @@ def load(engine_dir: str | Path, *, threads: int | None = None, device: str = "c
         hint = BACKENDS[chosen].missing_hint.format(dir=engine_dir) if chosen in BACKENDS else ""
         raise BadInput(f"{engine_dir}: no engines for backend '{chosen}' (it has: {', '.join(available)}){hint}")
     return Pipeline(manifest, EngineOptions(threads=threads, device=device, device_kv=device_kv), chosen,
-                    tuned=load_tuned(manifest) if tuned_costs else None, started=started, check_prices=check_prices)
+                    tuned=load_tuned(manifest) if tuned_costs else None, started=started, check_prices=check_prices,
+                    store_tokens=store_tokens)
