@@ -49,7 +49,7 @@ class SuffixSettings:
 
     index_depth: int = 24  # tokens of each suffix indexed: the longest match plus its draft
     max_match: int = 12  # the longest context end looked up (below index_depth: room for the draft)
-    spec_factor: float = 1.0  # draft at most this many tokens per matched token
+    spec_factor: float = 2.0  # draft at most this many tokens per matched token
     min_token_prob: float = 0.1  # no draft node whose path probability is below this
     store_tokens: int = 16384  # the store of earlier responses: its token budget (0: no store)
     store_prompts: bool = False  # store each request's prompt with its response

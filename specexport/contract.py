@@ -524,7 +524,7 @@ class DrafterParams:
     # suffix (runtime/suffix_drafter.py says what each does)
     index_depth: int = 24
     max_match: int = 12
-    spec_factor: float = 1.0
+    spec_factor: float = 2.0
     min_token_prob: float = 0.1
     store_tokens: int = 16384
     store_prompts: bool = False

@@ -25,6 +25,7 @@ class ServeConfig:
     special_tokens_in_content: bool = False
     tree_nodes: int | None = None  # draft nodes per row as a token tree (0: chains; default: the recipe's)
     check_prices: bool = True  # adaptive depth checks its round prices against the clock (False: seeded runs repeat)
+    store_tokens: int | None = None  # a suffix drafter's store of earlier responses: its budget (0: off; None: the recipe's)
 
     @property
     def served_name(self) -> str:
