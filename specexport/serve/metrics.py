@@ -116,7 +116,9 @@ class _StoreCollector(Collector):
             ("evicted", "Responses evicted from the suffix store for its budget."))}
         for name, store in stores:
             stats = store.stats()
-            for key, family in (*gauges.items(), *counters.items()):
-                family.add_metric([self.model, name], stats[key])
+            for key, gauge in gauges.items():
+                gauge.add_metric([self.model, name], stats[key])
+            for key, counter in counters.items():
+                counter.add_metric([self.model, name], stats[key])
         yield from gauges.values()
         yield from counters.values()
