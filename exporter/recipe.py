@@ -102,6 +102,29 @@ class NgramDrafterSpec(_Strict):
         return self
 
 
+class SuffixDrafterSpec(_Strict):
+    """Suffix decoding: the most frequent continuations of the longest match of the context's
+    end, in the request's own context and in a store of earlier responses (no graphs)."""
+
+    kind: Literal["suffix"]
+    name: str = "suffix"  # what --drafter and the manifest call it
+    index_depth: int = Field(24, ge=2, le=256)  # tokens of each suffix indexed: the longest match plus its draft
+    max_match: int = Field(12, ge=1)  # the longest end of the context looked up
+    spec_factor: float = Field(2.0, gt=0)  # at most this many draft tokens per matched token
+    min_token_prob: float = Field(0.1, ge=0.0, le=1.0)  # no draft node less likely than this (path probability)
+    # the store of earlier responses, shared by a server's requests and a batch: its token budget
+    # (the oldest responses are evicted beyond it; 0: no store, the request's own context only)
+    store_tokens: int = Field(16384, ge=0)
+    store_prompts: bool = False  # store each request's prompt with its response
+
+    @model_validator(mode="after")
+    def _room_to_draft(self) -> SuffixDrafterSpec:
+        if self.max_match >= self.index_depth:
+            raise ValueError("max_match must be below index_depth (the index keeps index_depth tokens of each "
+                             "suffix: a match of max_match leaves the rest for the draft)")
+        return self
+
+
 class QuantizedSelfDrafterSpec(_Strict):
     """An int4 weight-only copy of the target (onnxruntime MatMulNBits)."""
 
@@ -191,7 +214,7 @@ class DSparkDrafterSpec(_HiddenStateDrafterSpec):
 HIDDEN_STATE_KINDS = tuple(k.value for k in drafter_kinds(reads_taps=True))
 
 DrafterSpec = Annotated[
-    NgramDrafterSpec | QuantizedSelfDrafterSpec | ModelDrafterSpec | Eagle3DrafterSpec | MtpDrafterSpec
+    NgramDrafterSpec | SuffixDrafterSpec | QuantizedSelfDrafterSpec | ModelDrafterSpec | Eagle3DrafterSpec | MtpDrafterSpec
     | DFlashDrafterSpec | DSparkDrafterSpec,
     Field(discriminator="kind"),
 ]

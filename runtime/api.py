@@ -46,6 +46,7 @@ from specexport.runtime.rules import Controls, SequenceRules
 from specexport.runtime.runner import ModelRunner
 from specexport.runtime.spec_metrics import speculative_decoding
 from specexport.runtime.stats import DecodeStats
+from specexport.runtime.suffix_store import ResponseStore
 from specexport.runtime.text import TextCodec
 from specexport.runtime.tree_verifier_factory import open_tree_verifier
 from specexport.runtime.tree_verify import TreeVerifier
@@ -102,11 +103,14 @@ __all__ = ["Generation", "Pipeline", "TextTracker", "load",
 
 class Pipeline:
     def __init__(self, manifest: Manifest, options: EngineOptions, backend: str, *,
-                 tuned: TunedCosts | None = None, started: float | None = None, check_prices: bool = True):
+                 tuned: TunedCosts | None = None, started: float | None = None, check_prices: bool = True,
+                 store_tokens: int | None = None):
         """``tuned``: costs measured on this machine (specexport tune), preferred over the
         build's; ``started``: perf_counter() when load() began (for load_to_first_token_s);
         ``check_prices``: adaptive depth checks its round prices against the clock
-        (runtime/round_prices.py; False: fixed prices, so a seeded run repeats its choices)."""
+        (runtime/round_prices.py; False: fixed prices, so a seeded run repeats its choices);
+        ``store_tokens``: the token budget of a suffix drafter's store of earlier responses (0: no
+        store; None: the drafter's recipe setting)."""
         self.manifest = manifest
         self.options = options
         self.backend = backend
@@ -120,6 +124,10 @@ class Pipeline:
         self._caches: dict[tuple[str, int], SlotCaches] = {}  # (model, slots) -> its one cache
         self._models: dict[tuple, Model] = {}
         self._drafters: dict[tuple[str, int], Drafter] = {}
+        self.store_tokens = store_tokens
+        # a suffix drafter's store of earlier responses, by drafter name: one per pipeline, shared
+        # by its loops of every size (generate, generate_batch, a server's loop)
+        self.stores: dict[str, ResponseStore] = {}
         self.target = self.runner("target")
 
     @property
@@ -214,7 +222,9 @@ class Pipeline:
                 self._drafters[(name, slots)] = NoDrafter()
                 return self._drafters[(name, slots)]
             check_drafter(self.manifest, name, slots, backend=self.backend)
-            self._drafters[(name, slots)] = make_drafter(self, self.manifest.drafters[name], slots)
+            entry = self.manifest.drafter_entry(name)
+            assert entry is not None  # check_drafter refused an unknown name
+            self._drafters[(name, slots)] = make_drafter(self, entry, slots)
         return self._drafters[(name, slots)]
 
     def prompt_ids(self, prompt: str | None = None, *, chat: bool = False, messages: list[dict] | None = None,
@@ -275,7 +285,7 @@ class Pipeline:
                           None if request.logprobs is None else request.logprobs.entries)
 
     def _backends_of(self, drafter: str) -> dict[str, str]:
-        entry = self.manifest.drafters.get(drafter)
+        entry = self.manifest.drafter_entry(drafter)
         models = ["target", *([entry.model] if entry is not None and entry.model else [])]
         return {m: self.backend_of(m) for m in models}
 
@@ -418,7 +428,7 @@ class TextTracker:
 
 def load(engine_dir: str | Path, *, threads: int | None = None, device: str = "cpu", backend: str | None = None,
          verify: bool = True, device_kv: bool = True, tuned_costs: bool = True, check_prices: bool = True,
-         device_store: bool = False, cuda_graphs: bool = False) -> Pipeline:
+         device_store: bool = False, cuda_graphs: bool = False, store_tokens: int | None = None) -> Pipeline:
     """Open an engine directory: check its manifest and file hashes, create the sessions.
     Hashes are checked in full on first use and then only for files whose size, times or inode
     changed (runtime/integrity.py; ``specexport verify`` checks everything).
@@ -431,7 +441,9 @@ def load(engine_dir: str | Path, *, threads: int | None = None, device: str = "c
     ``device_store``: onnxruntime keeps the caches in a device store (OrtValues bound by address,
     runtime/device_store.py) on the CPU too; with ``device="cuda"`` it always does.
     ``cuda_graphs``: on cuda (either backend), capture each static shape's run as a CUDA graph
-    and replay it."""
+    and replay it.
+    ``store_tokens``: a suffix drafter's store of earlier responses holds at most this many
+    tokens (0: none; None: the drafter's recipe setting)."""
     started = time.perf_counter()
     if device == TENSORRT:
         if backend not in (None, TENSORRT):
@@ -447,5 +459,5 @@ def load(engine_dir: str | Path, *, threads: int | None = None, device: str = "c
         raise BadInput(f"{engine_dir}: no engines for backend '{chosen}' (it has: {', '.join(available)}){hint}")
     options = EngineOptions(threads=threads, device=device, device_kv=device_kv, device_store=device_store,
                             cuda_graphs=cuda_graphs)
-    return Pipeline(manifest, options, chosen,
-                    tuned=load_tuned(manifest) if tuned_costs else None, started=started, check_prices=check_prices)
+    return Pipeline(manifest, options, chosen, tuned=load_tuned(manifest) if tuned_costs else None, started=started,
+                    check_prices=check_prices, store_tokens=store_tokens)

@@ -78,6 +78,9 @@ class DrafterSet:
         member = self.of(slot)
         member.accept(slot, n_accepted, next_token, {name: target_out[name] for name in member.needs})
 
+    def leave(self, slot: int, context: np.ndarray, prompt_len: int) -> None:
+        self.of(slot).leave(slot, context, prompt_len)
+
     def move(self, src: int, dst: int) -> None:
         self.of(src).move(src, dst)
         self._owner[dst] = self._owner[src]

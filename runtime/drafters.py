@@ -107,6 +107,11 @@ class Drafter(Protocol):
         ``target_out``: the row's outputs named by ``needs`` for its 1 + n_accepted committed
         positions, never a rejected one."""
 
+    def leave(self, slot: int, context: np.ndarray, prompt_len: int) -> None:
+        """The sequence in ``slot`` ended with ``context`` [n] committed (its output from
+        ``prompt_len`` on); a ``move`` into the slot or a ``join`` may follow. A drafter that
+        learns from finished requests (suffix decoding's store) keeps what it wants here."""
+
     def move(self, src: int, dst: int) -> None:
         """Slot ``dst`` takes over slot ``src``'s sequence."""
 
@@ -133,6 +138,9 @@ class ChainsAndTrees(ABC):
     @abstractmethod
     def trees(self, rows: Sequence[DraftRow], budget: DraftBudget) -> list[DraftTree | None]:
         """A tree within ``budget`` for every row (None: nothing to offer)."""
+
+    def leave(self, slot: int, context: np.ndarray, prompt_len: int) -> None:  # noqa: B027 - most keep nothing
+        """Most drafters forget a sequence when another moves into its slot or joins it."""
 
 
 class Stateless(ChainsAndTrees):

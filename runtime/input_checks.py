@@ -25,7 +25,7 @@ def batched_refusal(manifest: Manifest, drafter: str, max_batch: int | None = No
     backend = backend or DEFAULT_BACKEND
     batches = target_batches(manifest, max_batch)
     refusal = slots_refusal(manifest, "target", backend, batches, need_graphs=True)
-    entry = manifest.drafters.get(drafter)
+    entry = manifest.drafter_entry(drafter)
     if refusal is not None or entry is None or not entry.signature.runs_model:
         return refusal
     model, fallback = entry.model or entry.name, BACKENDS[backend].fallback
@@ -71,10 +71,10 @@ def check_drafter(manifest: Manifest, drafter: str, max_batch: int | None, optio
                   backend: str | None = None) -> None:
     """Raise BadInput (led by ``option``, the CLI flag that chose it) when ``drafter`` is unknown
     to this directory or, for ``max_batch`` above 1 (None: the largest built), cannot run batched."""
-    entry, lead = manifest.drafters.get(drafter), f"{option}: " if option else ""
+    entry, lead = manifest.drafter_entry(drafter), f"{option}: " if option else ""
     if entry is None and drafter != "none":
         raise BadInput(f"{lead}unknown drafter '{drafter}'; this engine directory has: "
-                       f"{', '.join(['none', *manifest.drafters])}")
+                       f"{', '.join(['none', *manifest.runnable_drafters])}")
     if entry is None or max_batch == 1:
         return
     reason = batched_refusal(manifest, drafter, max_batch, backend)

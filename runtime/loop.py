@@ -247,6 +247,7 @@ class BatchLoop:
                 slot += 1
                 continue
             ended.append((seq.key, Finished(seq.context[len(seq.request.prompt) : seq.length].tolist(), seq.stats)))
+            self.drafter.leave(slot, seq.context[: seq.length], len(seq.request.prompt))
             last = self.running.pop()
             if last is not seq:
                 self.target.move(len(self.running), slot, last.length - 1)

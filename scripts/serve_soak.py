@@ -7,7 +7,9 @@ point may flip only a near-tie). ``--mix`` cycles each client through request ki
 plain greedy, greedy with penalties and a bias, JSON schema (bench/prompts/structured.jsonl),
 sampled with logprobs, and n = 2 sampled; a sampled response must be whole (every choice
 finished, a logprob per token) and a schema response must parse and validate. The server's
-resident memory is sampled throughout: after warm-up it must stay flat.
+resident memory is sampled throughout: after warm-up it must stay flat. With ``--drafter suffix``
+the store of earlier responses is sampled too (its tokens and index bytes from /metrics): flat once
+``--suffix-store-tokens`` is reached.
 
     .venv/bin/python scripts/serve_soak.py engines/smollm2-135m --clients 8 --minutes 5 \
         --out bench/reports/2026-11-30-serve
@@ -87,6 +89,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--mix", action="store_true", help="cycle through KINDS (default: greedy only)")
     parser.add_argument("--structured", type=Path, default=Path("bench/prompts/structured.jsonl"))
+    parser.add_argument("--suffix-store-tokens", type=int, default=None,
+                        help="the server's --suffix-store-tokens (a small budget is reached within a short soak)")
     args = parser.parse_args()
 
     from specexport.runtime import load
@@ -108,7 +112,10 @@ def main() -> None:
     stop_at = time.monotonic() + 60 * args.minutes
     memory: list[tuple[float, float]] = []  # (seconds since start, RSS MB)
 
-    with spawned_server(args.engines, args.drafter, args.out / "soak-server.log", threads=args.threads) as url:
+    store: list[tuple[float, float, float, float]] = []  # (seconds, store tokens, index bytes, responses)
+    extra = [] if args.suffix_store_tokens is None else ["--suffix-store-tokens", str(args.suffix_store_tokens)]
+    with spawned_server(args.engines, args.drafter, args.out / "soak-server.log", threads=args.threads,
+                        extra_args=extra) as url:
         pid = server_pid(int(url.rsplit(":", 1)[1]))
         started = time.monotonic()
 
@@ -150,6 +157,7 @@ def main() -> None:
             t.start()
         while any(t.is_alive() for t in threads):
             memory.append((time.monotonic() - started, rss_mb(pid)))
+            store.append((time.monotonic() - started, *_store_sample(url)))
             time.sleep(5)
         for t in threads:
             t.join()
@@ -171,10 +179,28 @@ def main() -> None:
               "responses_ok": results["ok"], "failed": results["failed"], "diverged": margins,
               "rss_mb_after_warmup_first": warm[0], "rss_mb_last": warm[-1], "rss_mb_max": max(warm),
               "rss_samples": memory}
+    if any(tokens for _, tokens, _, _ in store):
+        full = [b for _, tokens, b, _ in store if tokens >= 0.9 * (args.suffix_store_tokens or tokens)]
+        report |= {"store_bytes_when_full_first": full[0] if full else None,
+                   "store_bytes_max": max(b for _, _, b, _ in store), "store_bytes_last": store[-1][2],
+                   "store_samples": store}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "soak.json").write_text(json.dumps(report, indent=1))
     (args.out / "soak-metrics.txt").write_text(metrics)
-    print(json.dumps({k: v for k, v in report.items() if k != "rss_samples"}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("rss_samples", "store_samples")}, indent=1))
+
+
+def _store_sample(url: str) -> tuple[float, float, float]:
+    """The suffix store's tokens, index bytes and responses on /metrics (zeros without one)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {"tokens": 0.0, "bytes": 0.0, "responses": 0.0}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            key = sample.name.removeprefix("specexport_suffix_store_")
+            if key in values and key != sample.name:
+                values[key] += sample.value
+    return values["tokens"], values["bytes"], values["responses"]
 
 
 def _request(http: httpx.Client, url: str, body: dict) -> list[dict]:

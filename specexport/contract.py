@@ -210,6 +210,7 @@ class DrafterKind(str, Enum):
     ``entry.kind == "ngram"`` holds and manifests read and write the plain string."""
 
     NGRAM = "ngram"  # prompt lookup: no graphs
+    SUFFIX = "suffix"  # SuffixDecoding: a suffix trie over the context and earlier responses, no graphs
     MODEL = "model"  # a smaller draft model with its own decoder graphs and cache
     QUANTIZED_SELF = "quantized-self"  # an int4 copy of the target: the same graphs
     EAGLE3 = "eagle3"  # chain head over the target's taps
@@ -283,6 +284,7 @@ _BLOCK_INPUTS = (INPUT_IDS, CONTEXT_FEATURES, CONTEXT_VALID, CACHE_LENGTH, PAST)
 # the runtime drafter of each family (KindSignature.drafter): EAGLE-3 and MTP draft a chain from
 # the target's hidden states, DFlash and DSpark a block per call
 _LOOKUP_DRAFTER = "specexport.runtime.drafter_factories:ngram"
+_SUFFIX_DRAFTER = "specexport.runtime.suffix_drafter:make"
 _MODEL_DRAFTER = "specexport.runtime.drafter_factories:model"
 _CHAIN_DRAFTER = "specexport.runtime.chain_drafter:make"
 _BLOCK_DRAFTER = "specexport.runtime.block_drafter:make"
@@ -292,6 +294,7 @@ _BLOCK_DRAFTER = "specexport.runtime.block_drafter:make"
 # its runtime module (plus, for a head that reads the target's taps, exporter/heads/{kind}.py).
 DRAFTER_KINDS: dict[DrafterKind, KindSignature] = {
     DrafterKind.NGRAM: KindSignature(DrafterKind.NGRAM, DrafterFamily.LOOKUP, _LOOKUP_DRAFTER, roles=()),
+    DrafterKind.SUFFIX: KindSignature(DrafterKind.SUFFIX, DrafterFamily.LOOKUP, _SUFFIX_DRAFTER, roles=()),
     DrafterKind.MODEL: KindSignature(
         DrafterKind.MODEL, DrafterFamily.MODEL, _MODEL_DRAFTER, roles=_MODEL_ROLES,
         inputs=_DECODER_INPUTS, outputs=(LOGITS, NEXT_TOKENS, PRESENT)),
@@ -518,6 +521,13 @@ class DrafterParams:
     # ngram
     max_ngram: int = 3
     min_ngram: int = 1
+    # suffix (runtime/suffix_drafter.py says what each does)
+    index_depth: int = 24
+    max_match: int = 12
+    spec_factor: float = 2.0
+    min_token_prob: float = 0.1
+    store_tokens: int = 16384
+    store_prompts: bool = False
     # quantized-self (block_size also: block heads' block)
     bits: int | None = None
     block_size: int | None = None
@@ -553,7 +563,8 @@ class DrafterParams:
 
 
 _PARAM_TYPES: dict[str, type] = {
-    "max_ngram": int, "min_ngram": int, "bits": int, "block_size": int, "symmetric": bool, "accuracy_level": int,
+    "max_ngram": int, "min_ngram": int, "index_depth": int, "max_match": int, "spec_factor": float,
+    "min_token_prob": float, "store_tokens": int, "store_prompts": bool, "bits": int, "block_size": int, "symmetric": bool, "accuracy_level": int,
     "quantize_head": bool, "layout": str, "drafts": int, "from_anchor": bool, "heads_file": str, "markov": str,
     "confidence_with_markov": bool, "confidence_threshold": float,
 }
@@ -638,6 +649,20 @@ class Manifest:
              and (e.role is Role.TREE) == tree),
             key=lambda e: (e.batch, e.tokens),
         )
+
+    def drafter_entry(self, name: str) -> DrafterEntry | None:
+        """The drafter ``name`` runs as: the manifest's entry, else, for the name of a kind that
+        needs nothing built (ngram, suffix), that kind with its defaults; None: neither."""
+        if name in self.drafters:
+            return self.drafters[name]
+        built_free = {k.value: k for k, sig in DRAFTER_KINDS.items() if not sig.roles}
+        return DrafterEntry(name, built_free[name], None) if name in built_free else None
+
+    @property
+    def runnable_drafters(self) -> list[str]:
+        """Every name ``drafter_entry`` knows: the manifest's drafters, then the kinds without graphs."""
+        return [*self.drafters, *(k.value for k, sig in DRAFTER_KINDS.items()
+                                  if not sig.roles and k.value not in self.drafters)]
 
     def batch_sizes(self, model: str = "target") -> list[int]:
         """The batch sizes ``model`` has engines for (recipe shapes.batch)."""

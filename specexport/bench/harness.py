@@ -33,6 +33,7 @@ class BenchOptions:
     device_kv: bool = True  # tensorrt: KV cache on the GPU (False: host cache, copied every run)
     device: str = "cpu"  # onnxruntime's provider for our engines, and where the transformers peers run
     cpu_curve: Path | None = None  # off the CPU: an earlier CPU bench.json whose cost curve is shown beside
+    store_tokens: int | None = None  # a suffix drafter's store of earlier responses (0: off; None: the recipe's)
 
 
 def load_prompts(path: Path) -> list[dict]:
@@ -246,7 +247,7 @@ def run_bench(engine_dir: Path, options: BenchOptions, reporter) -> dict:
     from specexport.runtime import load
 
     pipe = load(engine_dir, threads=options.threads, backend=options.backend, device_kv=options.device_kv,
-                **load_options(options.device))
+                store_tokens=options.store_tokens, **load_options(options.device))
     prompts = load_prompts(options.prompts)
     drafters = ["none", *(options.drafters if options.drafters is not None else pipe.manifest.drafters)]
     for name in drafters:
@@ -297,8 +298,15 @@ def _run(pipe, options: BenchOptions, reporter, prompts: list[dict], drafters: l
                           tree_nodes=tree_setting(pipe, name, nodes, options), **sampling, **depth)
         for peer in peers:
             peer.run(first, 8)
+    for store in pipe.stores.values():  # a suffix drafter learns from what it saw: not from the warm-up
+        store.clear()
 
     records, peer_records = _interleaved_runs(pipe, options, reporter, prompts, drafters, ids, peers, sampling, depth)
+    # what the timed runs left in the suffix stores (their size, memory and hit rate); the
+    # untimed pass below starts from empty stores, so it does not draft from its own answers
+    stores = {name: store.stats() for name, store in pipe.stores.items()}
+    for store in pipe.stores.values():
+        store.clear()
 
     fixed_records: list[dict] = []
     if options.adaptive and options.temperature == 0.0:
@@ -328,4 +336,6 @@ def _run(pipe, options: BenchOptions, reporter, prompts: list[dict], drafters: l
     # the bench process (engines, caches; the peers run in processes of their own): peak and current RSS
     result["memory"] = memory()
     result["engine_costs"] = pipe.costs_source  # what adaptive depth read: "build" or "tuned (host, date)"
+    if stores:
+        result["suffix_stores"] = stores
     return result

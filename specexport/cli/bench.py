@@ -48,6 +48,10 @@ from specexport.cli.output import print_json
                    "this run on onnxruntime's CPU provider).")
 @click.option("--host-kv", is_flag=True,
               help="tensorrt: keep the KV cache in host memory, copied to the GPU on every run.")
+@click.option("--suffix-store-tokens", type=click.IntRange(min=0), default=None,
+              help="The suffix drafter's store of earlier responses: its token budget (0: none, each request's "
+                   "own context only; default: the recipe's). Runs of one drafter share it, in prompt order; "
+                   "with --repeats above 1 a repeat drafts from the earlier repeats' answers.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench/out"), show_default=True,
               help="Folder for bench.json, bench.md and the plots.")
 @click.option("--baseline", type=click.Path(path_type=Path), default=None,
@@ -62,6 +66,7 @@ from specexport.cli.output import print_json
 def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, drafters: str | None,
           peers: str | None, temperature: float, threads: int, draft_len: int | None, adaptive: bool,
           tree_nodes: str | None, backend: str | None, device: str, cpu_curve: Path | None, host_kv: bool,
+          suffix_store_tokens: int | None,
           out: Path, baseline: Path | None, update_baseline: bool, as_json: bool, batch: str | None) -> None:
     """Benchmark every drafter against the target alone (and peers) on ENGINE_DIR."""
     from specexport.bench.device import default_peers, load_options, peer_device
@@ -116,7 +121,7 @@ def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, dr
                            drafters=drafters.split(",") if drafters else None, temperature=temperature,
                            threads=threads, adaptive=adaptive, peers=chosen_peers, draft_len=draft_len,
                            backend=backend, device_kv=not host_kv, tree_nodes=_sizes(tree_nodes),
-                           device=device, cpu_curve=cpu_curve)
+                           device=device, cpu_curve=cpu_curve, store_tokens=suffix_store_tokens)
     result = run_bench(engine_dir, options, Reporter(quiet=as_json))
     files = write(result, out)
     if as_json:

@@ -101,10 +101,15 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None, tree_n
 @click.option("--special-tokens-in-content", is_flag=True,
               help="Encode a special token's text inside a message as that token, as transformers does (default: "
                    "messages are encoded as text, so content cannot forge a turn).")
+@click.option("--suffix-store-tokens", type=click.IntRange(min=0), default=None,
+              help="The suffix drafter's store of earlier responses, shared by every request: at most this many "
+                   "tokens, the oldest responses evicted first (0: no store, each request's own context only; "
+                   "default: the recipe's store_tokens, 16384 for a directory without a suffix entry).")
 def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int | None, max_waiting: int,
           threads: int | None, backend: str | None, api_key: str | None, served_model_name: str, no_schedule: bool, per_sequence: bool,
           adaptive: bool, fixed_prices: bool, use_ray: bool, replicas: int, autoscale: str | None, ray_address: str | None, log_level: str,
-          special_tokens_in_content: bool, tree_nodes: int | None, spec_metrics: str | None) -> None:
+          special_tokens_in_content: bool, tree_nodes: int | None, spec_metrics: str | None,
+          suffix_store_tokens: int | None) -> None:
     """Serve ENGINE_DIR over OpenAI's API: /v1/completions, /v1/chat/completions (streamed or
     not), /v1/models, /health and /metrics (Prometheus). One engine thread batches every
     request; depth follows the plan's draft.schedule, and each request's adaptive depth under it.
@@ -119,7 +124,8 @@ def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int |
 
     config = ServeConfig(str(engine_dir.resolve()), served_model_name, drafter, max_batch, max_waiting, threads,
                          api_key, not no_schedule, per_sequence, adaptive, special_tokens_in_content, tree_nodes,
-                         check_prices=not fixed_prices, spec_metrics=spec_metrics, backend=backend)
+                         check_prices=not fixed_prices, spec_metrics=spec_metrics, backend=backend,
+                         store_tokens=suffix_store_tokens)
     if use_ray:
         if importlib.util.find_spec("ray") is None:
             raise missing_extra("ray", "ray")

@@ -50,7 +50,8 @@ _SERVED_BY = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (
 def default_loader(config: ServeConfig):
     from specexport.runtime import load
 
-    return load(config.engine_dir, threads=config.threads, check_prices=config.check_prices, backend=config.backend)
+    return load(config.engine_dir, threads=config.threads, check_prices=config.check_prices, backend=config.backend,
+                store_tokens=config.store_tokens)
 
 
 class ServerState:
@@ -76,6 +77,7 @@ class ServerState:
                                    schedule=self.config.schedule, per_sequence=self.config.per_sequence,
                                    adaptive=self.config.adaptive, tree_nodes=self.config.tree_nodes)
             self.metrics = ServerMetrics(self.config.served_name, pipe.manifest.draft_len)
+            self.metrics.watch_stores(pipe.stores)
             engine = EngineThread(pipe, loop, self.metrics, self.config.max_waiting)
             engine.start()
             self.pipe, self.engine = pipe, engine

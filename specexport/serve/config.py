@@ -31,6 +31,7 @@ class ServeConfig:
     # vLLM's --per-request-spec-decode-metrics: "summary" or "detailed" adds metrics.speculative_decoding
     # to every response (runtime/spec_metrics.py); None: responses as OpenAI's
     spec_metrics: str | None = None
+    store_tokens: int | None = None  # a suffix drafter's store of earlier responses: its budget (0: off; None: the recipe's)
 
     @property
     def drafters(self) -> list[str]:

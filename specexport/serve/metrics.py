@@ -9,9 +9,14 @@ after a stop (EOS, stop string, max_tokens) were never output and are not counte
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from specexport.runtime.loop import RoundReport
+from specexport.runtime.suffix_store import ResponseStore
 
 PREFIX = "specexport"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -60,6 +65,11 @@ class ServerMetrics:
         for position in range(draft_len):  # present from the start, so rates are defined
             self.accepted_per_pos.labels(model, str(position))
 
+    def watch_stores(self, stores: Mapping[str, ResponseStore]) -> None:
+        """Report the suffix drafters' stores of earlier responses (read at each scrape; a store
+        made later, when its drafter is first used, shows up then)."""
+        self.registry.register(_StoreCollector(self.model, stores))
+
     def round(self, report: RoundReport) -> None:
         self.batch_size.set(report.rows)
         self.depth.set(report.depth)
@@ -81,3 +91,34 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _StoreCollector(Collector):
+    """The suffix stores' size and hit rate, labelled by drafter: tokens and responses held, an
+    estimate of their memory, the rounds that looked in the store and those it drafted."""
+
+    def __init__(self, model: str, stores: Mapping[str, ResponseStore]):
+        self.model, self.stores = model, stores
+
+    def collect(self) -> Iterator:
+        stores = list(self.stores.items())
+        if not stores:  # no suffix drafter with a store: no lines at all
+            return
+        labels = ["model_name", "drafter"]
+        gauges = {key: GaugeMetricFamily(f"{PREFIX}_suffix_store_{key}", doc, labels=labels) for key, doc in (
+            ("tokens", "Tokens of earlier responses in the suffix store."),
+            ("responses", "Responses in the suffix store."),
+            ("bytes", "Memory of the suffix store's index, estimated."),
+            ("hit_rate", "Share of the store's lookups whose draft was proposed."))}
+        counters = {key: CounterMetricFamily(f"{PREFIX}_suffix_store_{key}", doc, labels=labels) for key, doc in (
+            ("lookups", "Rounds that looked in the suffix store."),
+            ("hits", "Rounds whose draft came from the suffix store."),
+            ("evicted", "Responses evicted from the suffix store for its budget."))}
+        for name, store in stores:
+            stats = store.stats()
+            for key, gauge in gauges.items():
+                gauge.add_metric([self.model, name], stats[key])
+            for key, counter in counters.items():
+                counter.add_metric([self.model, name], stats[key])
+        yield from gauges.values()
+        yield from counters.values()

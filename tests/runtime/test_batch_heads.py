@@ -118,6 +118,9 @@ class RecordingRows:
     def accept(self, slot, n_accepted, next_token, target_out):
         self.inner.accept(slot, n_accepted, next_token, target_out)
 
+    def leave(self, slot, context, prompt_len):
+        self.inner.leave(slot, context, prompt_len)
+
     def move(self, src, dst):
         self._key[dst] = self._key[src]
         self.inner.move(src, dst)
