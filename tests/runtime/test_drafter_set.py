@@ -80,3 +80,16 @@ def test_an_unknown_member_is_refused(pipe):
     with pytest.raises(ValueError, match="draft-model"):
         loop.drafter.assign(0, "draft-model")
     assert np.array_equal(loop.drafter.needs, ())  # neither member reads the target's hidden states
+
+
+def test_a_finished_request_leaves_through_its_own_member(pipe):
+    """suffix decoding keeps what its requests wrote (Drafter.leave): a request of the set's other
+    member adds nothing to its store, one of its own adds its response."""
+    loop = pipe.batch_loop(drafter=["quantized-self", "suffix"], max_batch=4, adaptive=False)
+    store = pipe.stores["suffix"]
+    store.clear()
+    for name, responses in (("quantized-self", 0), ("suffix", 1)):
+        request, _ = pipe.batch_request(pipe.prompt_ids(PROMPTS[0]), max_new_tokens=8, drafter=name)
+        loop.submit(name, request)
+        list(loop.run())
+        assert store.stats()["responses"] == responses, name
