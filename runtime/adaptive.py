@@ -8,21 +8,27 @@ worth
 with E(k) from the acceptance estimate (runtime/acceptance_estimate.py) and T_round(k) the price
 of a round at depth k at this batch size (runtime/round_prices.py): the verify engine that holds
 1+k tokens plus the drafter's own round (``Drafter.round_cost``: a chain head's catch-up and
-steps, a block head's one call, a draft model's steps; k = 0 what skipping costs it, a later
-catch-up), from costs measured at build or by ``specexport tune``, and replaced by the clock's
-measurement where the two disagree. k = 0 (plain decoding) wins when drafts are too often wrong
-for what they cost, or when drafting is slower than the prices said: the floor that keeps
-speculation from being much slower than the target alone. Every ``probe_every`` rounds that
-chose 0 for a tag, a draft is verified anyway so the estimate can recover, the gap doubling after
-each probe that did not bring drafting back (up to ``max_probe_gap``). A probe is as deep as
-costs at most ``probe_budget`` plain rounds more than a plain round (at least one draft): a
-drafter cheap to run is probed at full depth, a draft model whose every step costs half a target
-step one or two drafts deep, for it pays for a probe with its catch-up of everything it skipped
-as well. That catch-up also makes a probe's time no price of its kind of round, so a probe of a
-drafter whose skipping costs something is not measured (``probed``). Every ``plain_every``
-rounds that drafted while drafting wins by less than ``close``, one plain round measures what
-the target alone costs now (a clear win needs no such check, and pays for none). A policy lives
-for one generation; the prices it reads are shared by the loop's sequences.
+steps, a block head's one call, a draft model's steps), from costs measured at build or by
+``specexport tune``, and replaced by the clock's measurement where the two disagree. k = 0 is
+the verify of one token alone: skipping costs a drafter nothing until it drafts again, and then
+its round also feeds it every token it skipped (``Drafter.catchup_cost``: a draft model's
+catch-up, a few ms a token), which is added to every drafting depth's price while rounds at
+depth 0 pile up. So a draft model that stopped for long comes back only for a clear win, and
+the round that resumes, catching up, is no measure of its kind of round (``resumed``: the loop
+does not check the prices with it). k = 0 wins when drafts are too often wrong for what they
+cost, or when drafting is slower than the prices said: the floor that keeps speculation from
+being much slower than the target alone.
+
+Probes: every ``probe_every`` rounds at depth 0 for a tag (the gap doubling after each probe that
+did not bring drafting back, up to ``max_probe_gap``), a draft is verified anyway so the estimate
+can recover, as deep as costs at most ``probe_share`` of the rounds at depth 0 before it, catch-up
+included. A cheap drafter is probed at full depth; a draft model, whose catch-up alone costs more
+than that share of every round it skipped, is not probed at all: a probe would pay for the whole
+gap before it, as much as drafting all along. A drafter measured slower than it pays comes back
+when its replaced price expires (RoundPrices.expire) and a round measures it anew. Every
+``plain_every`` rounds that drafted while drafting wins by less than ``close``, one plain round
+measures what the target alone costs now (a clear win needs no such check, and pays for none).
+A policy lives for one generation; the prices it reads are shared by the loop's sequences.
 """
 
 from __future__ import annotations
@@ -37,11 +43,14 @@ from specexport.runtime.round_prices import RoundPrices
 @dataclass
 class DepthPolicy:
     verify_cost: Callable[[int], float | None]  # tokens -> seconds of that verify (None: unknown)
-    # depth -> seconds of the drafter's round (Drafter.round_cost); at 0 what skipping costs it
+    # depth -> seconds of the drafter's round (Drafter.round_cost; depth 0 is not read: a skip
+    # costs the drafter nothing until it drafts again, catchup_cost)
     round_cost: Callable[[int], float] = lambda k: 0.0
+    # rounds skipped -> seconds the next drafting round spends catching up on them (Drafter.catchup_cost)
+    catchup_cost: Callable[[int], float] = lambda skipped: 0.0
     probe_every: int = 8
     max_probe_gap: int = 32
-    probe_budget: float = 1.0  # a probe costs at most this many plain rounds more than a plain round
+    probe_share: float = 0.1  # a probe costs at most this share of the rounds at depth 0 before it
     # a plain round after this many drafting rounds, while depth 0's measurement is young (then
     # eight times as seldom): what the target alone costs now
     plain_every: int = 4
@@ -52,7 +61,8 @@ class DepthPolicy:
     _skipped: dict[str, int] = field(default_factory=dict)  # per tag: rounds in a row that chose depth 0
     _gap: dict[str, int] = field(default_factory=dict)  # per tag: rounds of 0 before the next probe
     _drafted: int = 0  # rounds that drafted since the last plain one
-    probed: bool = False  # the last depth chosen was a probe's
+    _since_draft: int = 0  # rounds in a row at depth 0: what the drafter catches up on when it drafts
+    resumed: bool = False  # the last depth chosen drafts after rounds at depth 0, catching up on them
 
     def __post_init__(self) -> None:
         if self.prices is None:
@@ -60,14 +70,18 @@ class DepthPolicy:
 
     def priced(self, batch: int, depth: int) -> float | None:
         """A round's price from the engines' costs: the verify of 1+depth tokens and the drafter's
-        round (batch 1's, whatever the batch: a batched loop prices its own, runtime/policy.py)."""
+        round (batch 1's, whatever the batch: a batched loop prices its own, runtime/policy.py);
+        at depth 0 the verify alone (a skip's cost is the catch-up of the round that drafts next)."""
         verify = self.verify_cost(1 + depth)
-        return verify + self.round_cost(depth) if verify else None
+        if not verify:
+            return None
+        return verify + (self.round_cost(depth) if depth > 0 else 0.0)
 
     def best_depth(self, tag: str, limit: int, batch: int = 1, sunk: bool = False) -> int:
         """The depth <= limit with the best expected tokens per second in a round at ``batch``.
         ``sunk``: the drafts already exist, so only the verify cost counts."""
-        self.probed = self.probed and sunk  # a probe's chain trimmed (sunk) is still the probe's
+        if not sunk:  # a chain trimmed (sunk) keeps what its round was chosen as
+            self.resumed = False
         if limit <= 0:
             return 0
         assert self.prices is not None
@@ -76,34 +90,43 @@ class DepthPolicy:
         if not base:
             return limit
         expected = self.estimate.chain_lengths(tag, limit)  # [limit] E(k), k = 1..limit
+        # drafting now also feeds the drafter what it skipped (a draft model's catch-up)
+        catchup = self.catchup_cost(self._since_draft) if self._since_draft and not sunk else 0.0
         best_k, best_rate = 0, 1.0 / base
         for k in range(1, limit + 1):
             cost = price(k)
             if not cost:
                 return limit  # no measurement: draft as asked
-            rate = expected[k - 1] / cost
+            rate = expected[k - 1] / (cost + catchup)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if sunk:
             return best_k
 
         def probe() -> int:
-            return max([1] + [k for k in range(1, limit + 1) if price(k) <= (1 + self.probe_budget) * base])
-        return self._explore(tag, best_k, probe, batch, best_rate * base < self.close)
+            """The deepest probe costing at most ``probe_share`` of the skipped rounds, catch-up
+            included (0: none does; a drafter whose catch-up costs that share is not probed)."""
+            budget = self.probe_share * self._since_draft * base
+            return max((k for k in range(1, limit + 1) if price(k) - base + catchup <= budget), default=0)
+
+        chosen = self._explore(tag, best_k, probe, batch, best_rate * base < self.close)
+        self.resumed = chosen > 0 and catchup > 0
+        self._since_draft = 0 if chosen > 0 else self._since_draft + 1
+        return chosen
 
     def _explore(self, tag: str, best_k: int, probe: Callable[[], int], batch: int, close: bool = True) -> int:
-        """The chosen depth, or now and then a probe (of depth ``probe()``) after ``probe_every``
-        rounds of 0, or a plain round after ``plain_every`` rounds that drafted."""
+        """The chosen depth, or now and then a probe (of depth ``probe()``, when one is worth its
+        cost) after ``probe_every`` rounds of 0, or a plain round after ``plain_every`` rounds
+        that drafted."""
         if best_k == 0:
             self._drafted = 0
             self._skipped[tag] = self._skipped.get(tag, 0) + 1
             gap = self._gap.get(tag, self.probe_every)
-            if self._skipped[tag] >= gap:
+            depth = probe() if self._skipped[tag] >= gap else 0
+            if depth:
                 self._skipped[tag] = 0
                 self._gap[tag] = min(2 * gap, self.max_probe_gap)  # if this probe does not pay either
-                self.probed = True
-                return probe()
-            return 0
+            return depth
         self._skipped[tag] = 0
         self._gap.pop(tag, None)  # drafting pays again: probe soon if it stops
         self._drafted += 1

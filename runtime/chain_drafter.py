@@ -101,6 +101,13 @@ class ChainDrafter(ChainsAndTrees):
         catchup = costs.get("catchup", {})
         return (holding_cost(catchup, 1 + k) if catchup else step) / 1e3 + max(k - 1, 0) * step / 1e3
 
+    def catchup_cost(self, skipped: int) -> float:
+        """The skipped rounds' rows join the next catch-up call: its entry's cost over one row's."""
+        catchup = self.cost_ms.get("catchup", {})
+        if not catchup:
+            return skipped * self.round_cost(0)
+        return max(holding_cost(catchup, 1 + skipped) - holding_cost(catchup, 1), 0.0) / 1e3
+
     def cost_graphs(self) -> dict[str, tuple[object, list[int]]]:
         catchup = self.catchup.runners[0]
         round_sizes = sorted(t for t in self.cost_ms.get("catchup", {}) if t in catchup.decoding_sizes)

@@ -53,6 +53,9 @@ class DrafterSet:
         """The dearest member's (a round waits for every member's drafts)."""
         return max(m.round_cost(k, costs) for m in self.members.values())
 
+    def catchup_cost(self, skipped: int) -> float:
+        return max(m.catchup_cost(skipped) for m in self.members.values())
+
     def cost_graphs(self) -> dict[str, tuple[object, list[int]]]:
         return {f"{name}/{part}": graph for name, m in self.members.items() for part, graph in m.cost_graphs().items()}
 

@@ -87,6 +87,10 @@ class Drafter(Protocol):
         costs (``costs``: measured ones, by part; default the build's or tune's): the one cost
         model adaptive depth, the schedule and the bench's prediction read."""
 
+    def catchup_cost(self, skipped: int) -> float:
+        """Seconds a drafting round after ``skipped`` rounds at depth 0 costs this drafter beyond
+        its ``round_cost``: feeding what it skipped (0 for a drafter that skips for free)."""
+
     def cost_graphs(self) -> dict[str, tuple[object, list[int]]]:
         """part -> (a batch-1 runner with ``time_run(size)``, the sizes ``round_cost`` reads):
         what the bench times to predict with measured costs."""
@@ -141,6 +145,10 @@ class ChainsAndTrees(ABC):
 
     def leave(self, slot: int, context: np.ndarray, prompt_len: int) -> None:  # noqa: B027 - most keep nothing
         """Most drafters forget a sequence when another moves into its slot or joins it."""
+
+    def catchup_cost(self, skipped: int) -> float:
+        """Each skipped round at what ``round_cost(0)`` charges a skip."""
+        return skipped * self.round_cost(0)  # type: ignore[attr-defined]
 
 
 class Stateless(ChainsAndTrees):
@@ -305,6 +313,15 @@ class ModelDrafter(ChainsAndTrees):
         ms = (costs or {"step": self.cost_ms})["step"]
         step = ms.get(1, 0.0) / 1e3
         return k * step if k > 0 else ms.get(2, 2e3 * step) / 2e3
+
+    def catchup_cost(self, skipped: int) -> float:
+        """The first step feeds the skipped tokens with the last one: what feeding 1 + skipped
+        tokens costs over feeding 1, as the slot's runner plans it (a long gap runs in pieces)."""
+        runner = self.model.runners[0]
+        fed, alone = runner.planned_ms(1 + skipped), runner.planned_ms(1)
+        if fed is None or alone is None:
+            return skipped * self.round_cost(0)
+        return max(fed - alone, 0.0) / 1e3
 
     def cost_graphs(self) -> dict[str, tuple[object, list[int]]]:
         runner = self.model.runners[0]

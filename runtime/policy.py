@@ -142,7 +142,7 @@ class SpeculationPolicy:
                 built = [t for t in self.target.widths(batch) if t >= 1 + k]
                 seconds = self.target.costs.get((batch, built[0])) if built else None
                 if seconds:
-                    return seconds + drafter.round_cost(k)
+                    return seconds + (drafter.round_cost(k) if k > 0 else 0.0)
             return depth.priced(1, k)
         return priced
 
@@ -151,9 +151,9 @@ class SpeculationPolicy:
         """A chain round of these ``proposals`` at built batch ``batch`` took ``seconds``: its
         price before it was checked against them (None: unpriced), by its widest row. A round
         whose rows drafted with different drafters (a set's) is no measure of either drafter's
-        rounds, and a round that probes a drafter whose skipping costs it a catch-up is none of
-        its kind (it also caught up on every round it skipped): neither is measured. A round
-        without drafts measures the target alone for every drafter in it."""
+        rounds, and a round in which a row resumed drafting after rounds at depth 0 is none of
+        its kind (it also caught the drafter up on them, DepthPolicy.resumed): neither is
+        measured. A round without drafts measures the target alone for every drafter in it."""
         depth = max(p.size for p in proposals)
         drafting = {self.drafter_of(seq).name for seq, p in zip(running, proposals) if p.size}
         names = drafting or {self.drafter_of(seq).name for seq in running}
@@ -163,8 +163,7 @@ class SpeculationPolicy:
         priced = prices[0].seconds(batch, depth)
         if len(drafting) > 1:
             return priced
-        caught_up = any(seq.depth_policy is not None and seq.depth_policy.probed
-                        and self.drafter_of(seq).round_cost(0) > 0 for seq in running)
+        caught_up = any(seq.depth_policy is not None and seq.depth_policy.resumed for seq in running)
         if not caught_up:
             for price in prices:
                 price.observe(batch, depth, seconds)

@@ -34,20 +34,37 @@ def test_depth_zero_when_drafts_keep_failing():
     assert np.diff(probes).tolist()[-2:] == [32, 32], probes  # ever rarer, up to every 32 rounds
 
 
-def test_a_probe_drafts_only_as_deep_as_one_plain_round_more_pays_for():
-    """A drafter whose steps cost 12 ms each, next to a 20 ms plain round: a probe of 2 drafts
-    would cost 49.6 ms, more than two plain rounds, so probes draft 1; a free drafter's probe
-    drafts the full depth (8 tokens cost 30 ms)."""
-    for step, probe_depth in ((0.012, 1), (0.0, 7)):
-        policy = DepthPolicy(verify_cost, round_cost=lambda k, step=step: step * k, checked=False)
+def test_a_probe_costs_at_most_a_tenth_of_the_rounds_it_follows():
+    """Plain rounds cost 20 ms. A free drafter is probed at full depth on the 8th round at depth 0
+    (7 skipped: 8 tokens cost 10 ms more, within 14 ms); one whose steps cost 12 ms each on the
+    10th (1
+    draft, 17.6 ms more, fits 18 ms); a draft model whose catch-up costs 5 ms a skipped round
+    (a quarter of a plain round) never, for every probe would cost more than its share."""
+    for step, catchup, first in ((0.0, 0.0, (7, 7)), (0.012, 0.0, (9, 1)), (0.0, 0.005, None)):
+        policy = DepthPolicy(verify_cost, round_cost=lambda k, step=step: step * k,
+                             catchup_cost=lambda s, catchup=catchup: catchup * s, checked=False)
         for _ in range(30):
             policy.estimate.observe("bad", drafts(7), 0)
-        depths = [policy.best_depth("bad", 7) for _ in range(9)]
-        assert depths == [0] * 7 + [probe_depth, 0] and not policy.probed, depths
-    flags = []
-    for _ in range(16):
-        flags.append((policy.best_depth("bad", 7), policy.probed))
-    assert [depth for depth, probed in flags if probed] == [7], flags  # the probe says it is one
+        depths = [policy.best_depth("bad", 7) for _ in range(100)]
+        probes = [(i, d) for i, d in enumerate(depths) if d]
+        assert (probes[0] if probes else None) == first, probes
+
+
+def test_a_round_that_catches_up_says_so():
+    """The first drafting round after rounds at depth 0 also feeds the drafter what it skipped:
+    ``resumed`` (its time is no price of its kind); the next one does not. A drafter that skips
+    for free never resumes so."""
+    for catchup in (0.001, 0.0):
+        policy = DepthPolicy(verify_cost, catchup_cost=lambda s, catchup=catchup: catchup * s, checked=False)
+        for _ in range(30):
+            policy.estimate.observe("m", drafts(7), 0)
+        assert [policy.best_depth("m", 7) for _ in range(3)] == [0, 0, 0]
+        for _ in range(60):
+            policy.estimate.observe("m", drafts(7), 7)
+        flags = []
+        for _ in range(2):
+            flags.append((policy.best_depth("m", 7) > 0, policy.resumed))
+        assert flags == ([(True, True), (True, False)] if catchup else [(True, False), (True, False)]), flags
 
 
 def test_full_depth_when_drafts_are_kept():
