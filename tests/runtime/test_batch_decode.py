@@ -192,8 +192,9 @@ def test_batched_sampled_tokens_follow_the_target(batched_engines, drafter, prom
     exact = exact_sequence_probs(pipe, ids, sampling, length)
     draws = 800
     use_rule(monkeypatch, None if right_rule else wrong_rule)
+    # at the full depth every round: the rule under test, not adaptive depth, decides what is kept
     results = pipe.generate_batch([ids, other] * draws, drafter=drafter, max_new_tokens=length, temperature=1.5,
-                                  top_k=3, top_p=0.95, seed=0)
+                                  top_k=3, top_p=0.95, seed=0, adaptive=False)
     counts = dict.fromkeys(exact, 0)
     for result in results[::2]:
         counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
