@@ -46,21 +46,11 @@ class Store(Protocol):
     def restore(self, saved: Mapping[str, Any], batch: int, start: int) -> None: ...
 
 
-class HostStore:
-    """The cache arrays in host memory: past name -> [slots, n_kv, S_max, hd]."""
+class NamedTensors:
+    """What a store's tensors say of it, wherever they live: past name -> a tensor of shape
+    [slots, n_kv, S_max, hd] (numpy arrays here, device tensors in runtime/device_store.py)."""
 
-    def __init__(self, tensors: dict[str, np.ndarray]):
-        self._tensors = tensors
-        self._rows: dict[int, dict[str, np.ndarray]] = {}  # B -> views of the first B rows, made once
-        self._bound: dict[int, dict[str, np.ndarray]] = {}  # B -> present name -> those views
-
-    @classmethod
-    def allocate(cls, num_layers: int, shape: tuple[int, ...], dtype: str, fill: bool = False) -> HostStore:
-        """Zeros of ``shape`` [slots, n_kv, S_max, hd] per past input. ``fill``: written now
-        (np.full, not the lazily mapped np.zeros), so pages are faulted in at load, not inside
-        the first rounds that reach a row."""
-        make = (lambda: np.full(shape, 0, dtype=dtype)) if fill else (lambda: np.zeros(shape, dtype=dtype))
-        return cls({name: make() for name in past_names(num_layers)})
+    _tensors: Mapping[str, Any]
 
     @property
     def slots(self) -> int:
@@ -79,6 +69,24 @@ class HostStore:
     def presents(self) -> list[str]:
         """The present outputs an append graph returns for this cache."""
         return [present_of(name) for name in self._tensors]
+
+
+class HostStore(NamedTensors):
+    """The cache arrays in host memory: past name -> [slots, n_kv, S_max, hd]."""
+
+    def __init__(self, tensors: dict[str, np.ndarray]):
+        self._tensors = tensors
+        self._rows: dict[int, dict[str, np.ndarray]] = {}  # B -> views of the first B rows, made once
+        self._bound: dict[int, dict[str, np.ndarray]] = {}  # B -> present name -> those views
+
+    @classmethod
+    def allocate(cls, num_layers: int, shape: tuple[int, ...], dtype: str, fill: bool = False) -> HostStore:
+        """Zeros of ``shape`` [slots, n_kv, S_max, hd] per past input. ``fill``: written now
+        (np.full, not the lazily mapped np.zeros), so pages are faulted in at load, not inside
+        the first rounds that reach a row."""
+        make = (lambda: np.full(shape, 0, dtype=dtype)) if fill else (lambda: np.zeros(shape, dtype=dtype))
+        return cls({name: make() for name in past_names(num_layers)})
+
 
     def rows(self, batch: int | None = None) -> dict[str, np.ndarray]:
         """The feeds of a graph over the first ``batch`` rows (None: all): views, not copies,

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from specexport.contract import past_names, present_of
-from specexport.runtime.cache_store import Written
+from specexport.runtime.cache_store import NamedTensors, Written
 from specexport.runtime.copy_counter import CopyCounter
 from specexport.runtime.onnx_bytes import copy_positions_graph
 
@@ -129,7 +129,7 @@ def positions(rows: Sequence[int], heads: int, starts: Sequence[int], counts: Se
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros((0, 3), dtype=np.int64)
 
 
-class DeviceStore:
+class DeviceStore(NamedTensors):
     """The cache's tensors on the device: past name -> DeviceTensor [slots, n_kv, S_max, hd];
     cache_store.HostStore's verbs."""
 
@@ -148,24 +148,8 @@ class DeviceStore:
                    PositionCopier(device, counter))
 
     @property
-    def slots(self) -> int:
-        return next(iter(self._tensors.values())).shape[0] if self._tensors else 0
-
-    @property
-    def max_seq_len(self) -> int:
-        return next(iter(self._tensors.values())).shape[2] if self._tensors else 0
-
-    @property
     def heads(self) -> int:
         return next(iter(self._tensors.values())).shape[1]
-
-    @property
-    def names(self) -> list[str]:
-        return list(self._tensors)
-
-    @property
-    def presents(self) -> list[str]:
-        return [present_of(name) for name in self._tensors]
 
     def rows(self, batch: int | None = None) -> dict[str, DeviceTensor]:
         """The first ``batch`` rows (None: all) of each tensor, the same dict each time."""
