@@ -23,8 +23,9 @@ Probes: every ``probe_every`` rounds at depth 0 for a tag (the gap doubling afte
 did not bring drafting back, up to ``max_probe_gap``), a draft is verified anyway so the estimate
 can recover, as deep as costs at most ``probe_share`` of the rounds at depth 0 before it, catch-up
 included. A cheap drafter is probed at full depth; a draft model, whose catch-up alone costs more
-than that share of every round it skipped, is not probed at all: a probe would pay for the whole
-gap before it, as much as drafting all along. A drafter measured slower than it pays comes back
+than that share of every round it skipped, is probed once (a tag's first probe is exempt: what
+stopped it may be a miss or two on little evidence) and then not again: a probe would pay for
+the whole gap before it, as much as drafting all along. A drafter measured slower than it pays comes back
 when its replaced price expires (RoundPrices.expire) and a round measures it anew. Every
 ``plain_every`` rounds that drafted while drafting wins by less than ``close``, one plain round
 measures what the target alone costs now (a clear win needs no such check, and pays for none).
@@ -60,6 +61,7 @@ class DepthPolicy:
     checked: bool = True  # check the prices against the clock (False: fixed, a seeded run's choices repeat)
     _skipped: dict[str, int] = field(default_factory=dict)  # per tag: rounds in a row that chose depth 0
     _gap: dict[str, int] = field(default_factory=dict)  # per tag: rounds of 0 before the next probe
+    _probes: dict[str, int] = field(default_factory=dict)  # per tag: probes made
     _drafted: int = 0  # rounds that drafted since the last plain one
     _since_draft: int = 0  # rounds in a row at depth 0: what the drafter catches up on when it drafts
     resumed: bool = False  # the last depth chosen drafts after rounds at depth 0, catching up on them
@@ -105,7 +107,12 @@ class DepthPolicy:
 
         def probe() -> int:
             """The deepest probe costing at most ``probe_share`` of the skipped rounds, catch-up
-            included (0: none does; a drafter whose catch-up costs that share is not probed)."""
+            included (0: none does; a drafter whose catch-up costs that share is not probed). A
+            tag's first probe is the exception: what stopped it may be a round or two of misses
+            on little evidence, so it is probed once whatever its catch-up, as deep as costs one
+            plain round more than a plain round."""
+            if not self._probes.get(tag):
+                return max([1] + [k for k in range(1, limit + 1) if price(k) <= 2 * base])
             budget = self.probe_share * self._since_draft * base
             return max((k for k in range(1, limit + 1) if price(k) - base + catchup <= budget), default=0)
 
@@ -124,6 +131,7 @@ class DepthPolicy:
             gap = self._gap.get(tag, self.probe_every)
             depth = probe() if self._skipped[tag] >= gap else 0
             if depth:
+                self._probes[tag] = self._probes.get(tag, 0) + 1
                 self._skipped[tag] = 0
                 self._gap[tag] = min(2 * gap, self.max_probe_gap)  # if this probe does not pay either
             return depth
