@@ -135,7 +135,12 @@ def test_a_cuda_device_without_onnxruntime_gpu_names_the_swap_in_one_line(tiny_e
 def make_install(venv, target: str = "install", **variables) -> list[str]:
     """The commands `make TARGET` would run for a venv at ``venv`` (make -n: nothing runs)."""
     args = [f"{k}={v}" for k, v in {"VENV": venv, **variables}.items()]
-    done = subprocess.run(["make", "-n", target, *args], cwd=REPO, capture_output=True, text=True, check=True)
+    # under `make test` the parent's MAKEFLAGS and MAKELEVEL would make this make print its directory
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+    done = subprocess.run(
+        ["make", "--no-print-directory", "-n", target, *args],
+        cwd=REPO, env=env, capture_output=True, text=True, check=True,
+    )
     return done.stdout.splitlines()
 
 
