@@ -17,7 +17,8 @@ depth 0 pile up. So a draft model that stopped for long comes back only for a cl
 the round that resumes, catching up, is no measure of its kind of round (``resumed``: the loop
 does not check the prices with it). k = 0 wins when drafts are too often wrong for what they
 cost, or when drafting is slower than the prices said: the floor that keeps speculation from
-being much slower than the target alone.
+being much slower than the target alone. A depth wins over 0 only by ``min_gain`` (3%): at a
+break-even estimate, drafting's expected gain is nothing and its spread is a loss.
 
 Probes: every ``probe_every`` rounds at depth 0 for a tag (the gap doubling after each probe that
 did not bring drafting back, up to ``max_probe_gap``), a draft is verified anyway so the estimate
@@ -51,7 +52,12 @@ class DepthPolicy:
     catchup_cost: Callable[[int], float] = lambda skipped: 0.0
     probe_every: int = 8
     max_probe_gap: int = 32
-    probe_share: float = 0.1  # a probe costs at most this share of the rounds at depth 0 before it
+    # a probe costs at most this share of the rounds at depth 0 before it: the floor is 0.95x the
+    # target alone, and probes are what a drafter that keeps losing still costs
+    probe_share: float = 0.03
+    # drafting must beat depth 0's expected rate by this factor: a gain of a few percent is inside
+    # the estimate's error and what the prices leave out, while the loss when it is wrong is not
+    min_gain: float = 1.03
     # a plain round after this many drafting rounds, while depth 0's measurement is young (then
     # eight times as seldom): what the target alone costs now
     plain_every: int = 4
@@ -79,22 +85,29 @@ class DepthPolicy:
             return None
         return verify + (self.round_cost(depth) if depth > 0 else 0.0)
 
+    def _sunk_price(self, batch: int, depth: int) -> float | None:
+        """A round's price when its drafts exist: the checked price less the drafter's own round
+        (already paid), so prompt lookup's trimmed chains follow what the clock says too."""
+        assert self.prices is not None
+        price = self.prices.seconds(batch, depth)
+        return max(price - self.round_cost(depth), 1e-6) if price and depth > 0 else price
+
     def best_depth(self, tag: str, limit: int, batch: int = 1, sunk: bool = False) -> int:
         """The depth <= limit with the best expected tokens per second in a round at ``batch``.
-        ``sunk``: the drafts already exist, so only the verify cost counts."""
+        ``sunk``: the drafts already exist, so only the verify (the round less the drafter's) counts."""
         if not sunk:  # a chain trimmed (sunk) keeps what its round was chosen as
             self.resumed = False
         if limit <= 0:
             return 0
         assert self.prices is not None
-        price = (lambda k: self.verify_cost(1 + k)) if sunk else (lambda k: self.prices.seconds(batch, k))
+        price = (lambda k: self._sunk_price(batch, k)) if sunk else (lambda k: self.prices.seconds(batch, k))
         base = price(0)
         if not base:
             return limit
         expected = self.estimate.chain_lengths(tag, limit)  # [limit] E(k), k = 1..limit
         # drafting now also feeds the drafter what it skipped (a draft model's catch-up)
         catchup = self.catchup_cost(self._since_draft) if self._since_draft and not sunk else 0.0
-        best_k, best_rate = 0, 1.0 / base
+        best_k, best_rate = 0, self.min_gain / base
         for k in range(1, limit + 1):
             cost = price(k)
             if not cost:

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from specexport.runtime.acceptance_estimate import AcceptanceEstimate
 from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.drafters import NgramDrafter
 from specexport.runtime.policy import trim_chain
@@ -34,14 +35,15 @@ def test_depth_zero_when_drafts_keep_failing():
     assert np.diff(probes).tolist()[-2:] == [32, 32], probes  # ever rarer, up to every 32 rounds
 
 
-def test_a_probe_costs_at_most_a_tenth_of_the_rounds_it_follows():
+def test_a_probe_costs_at_most_its_share_of_the_rounds_it_follows():
     """Plain rounds cost 20 ms. A tag's first probe comes on the 8th round at depth 0 whatever its
     catch-up, as deep as one plain round more pays for (7 drafts for a free drafter, 1 for one
-    whose steps cost 12 ms). Later probes cost at most a tenth of the rounds before them: the
-    free drafter's next one 16 rounds on at full depth (8 tokens cost 10 ms more, within 30 ms), the
-    dearer one's 2 deep (29.6 ms);
-    a draft model whose catch-up costs 5 ms a skipped round (a quarter of a plain round) none."""
-    for step, catchup, want in ((0.0, 0.0, [(7, 7), (23, 7)]), (0.012, 0.0, [(7, 1), (23, 2)]),
+    whose steps cost 12 ms). Later probes cost at most 3% of the rounds before them: the free
+    drafter's next one 16 rounds on, 3 deep (4 tokens cost 5.6 ms more, within 9.6 ms; 8 tokens
+    10 ms), the one after 32 rounds on at full depth (within 19.2 ms); the dearer one's next when
+    the 30 rounds since its last pay for one 1 deep (17.6 ms); a draft model whose catch-up costs 5 ms a skipped round (a
+    quarter of a plain round) none."""
+    for step, catchup, want in ((0.0, 0.0, [(7, 7), (23, 3), (55, 7)]), (0.012, 0.0, [(7, 1), (38, 1)]),
                                 (0.0, 0.005, [(7, 7)])):
         policy = DepthPolicy(verify_cost, round_cost=lambda k, step=step: step * k,
                              catchup_cost=lambda s, catchup=catchup: catchup * s, checked=False)
@@ -120,3 +122,37 @@ def test_ngram_drafts_are_tagged_by_match_length():
     drafter = NgramDrafter(max_ngram=3)
     draft = drafter.chain(np.array([1, 2, 3, 9, 1, 2, 3]), 2)
     assert draft.tag == "ngram/n3" and draft.tokens.tolist() == [9, 1]
+
+
+def test_drafting_must_win_by_the_minimum_gain():
+    """One draft verified costs 25.6 ms against a plain round's 20 (1.28x): expected to commit
+    1.30 tokens it is 1.6% ahead, inside ``min_gain`` (3%), so the round stays plain; at 1.35,
+    5.5% ahead, it drafts. Without the margin (1.0) the first drafts too."""
+
+    def first(e1: float, **margin) -> int:
+        return DepthPolicy(verify_cost, estimate=Expected([e1]), checked=False, **margin).best_depth("t", 1)
+
+    assert (first(1.30), first(1.35), first(1.30, min_gain=1.0)) == (0, 1, 1)
+
+
+def test_a_trimmed_chain_follows_the_measured_prices():
+    """Prompt lookup's chains are trimmed once drafted (``sunk``): by the prices the clock
+    checked, not the engines' costs. Priced, 3 drafts (4 tokens: 25.6 ms) expected to commit 1.7
+    tokens are kept; once rounds at depth 3 measure 60 ms, drafting at any depth loses to a plain
+    round (20 ms) and the chain is cut to nothing."""
+    policy = DepthPolicy(verify_cost, estimate=Expected([1.5, 1.6, 1.7]))
+    before = policy.best_depth("ngram/n2", 3, sunk=True)
+    for _ in range(3):
+        policy.prices.observe(1, 3, 0.060)
+    assert (before, policy.best_depth("ngram/n2", 3, sunk=True)) == (3, 0)
+
+
+class Expected(AcceptanceEstimate):
+    """An estimate that expects fixed chain lengths E(1), E(2), ... whatever is observed."""
+
+    def __init__(self, lengths: list[float]):
+        super().__init__()
+        self.lengths = lengths
+
+    def chain_lengths(self, tag, depth):
+        return np.array(self.lengths[:depth])
