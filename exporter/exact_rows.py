@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from specexport.errors import BadInput
 from specexport.exporter.attention_pad import GQA, has_tree_inputs, pad_attention_rows
@@ -51,8 +51,7 @@ def kernels_in(model: onnx.ModelProto) -> list[Kernel]:
             found.append(FloatMatMul(int(k), int(n)))
         elif node.op_type == GQA:
             past = shapes.get(node.input[3]) or []  # [B, n_kv, S_max, hd]
-            cos = inits.get(node.input[7]) if len(node.input) > 7 and node.input[7] else None
-            head_dim = int(past[3]) if len(past) == 4 and past[3] else int(numpy_helper.to_array(cos).shape[1] * 2)
+            head_dim = int(past[3])  # the cache's static dims: every ort-gqa graph's
             found.append(Attention(attrs["num_heads"], attrs["kv_num_heads"], head_dim, int(past[2]),
                                    round(float(attrs.get("scale", 0.0)), 7), attrs.get("do_rotary", 0),
                                    round(float(attrs.get("softcap", 0.0)), 7), max(attrs.get("local_window_size", 0), 0),

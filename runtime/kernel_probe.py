@@ -33,13 +33,12 @@ ONE_ROW_CHECKS = 3  # rows compared alone against the same rows inside bigger ca
 
 
 def _session(model: bytes, threads: int | None):
+    """A session as the runtime makes one: on the process's shared thread pool, optimized alike."""
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    if threads:
-        options.intra_op_num_threads = threads
-    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    from specexport.runtime.ort_engine import session_options
+
+    return ort.InferenceSession(model, session_options(ort, threads), providers=["CPUExecutionProvider"])
 
 
 @dataclass(frozen=True)
@@ -265,8 +264,15 @@ def _probe_cached(kernels: tuple[Kernel, ...], threads: int | None, max_rows: in
 
 
 def probe(kernels: Sequence[Kernel], threads: int | None, max_rows: int, max_tokens: int) -> Probe:
-    """Each distinct kernel run on this machine (memoized per process: the answer is the CPU's)."""
-    return _probe_cached(tuple(dict.fromkeys(kernels)), threads, max_rows, max_tokens)
+    """Each distinct kernel run on this machine, on the threads the process's sessions run on
+    (its shared pool: made at ``threads`` where it is new; memoized per process: the answer is
+    the CPU's)."""
+    import onnxruntime as ort
+
+    from specexport.runtime.ort_engine import SHARED_POOL, physical_cores
+
+    pool = SHARED_POOL.threads_for(ort, threads or physical_cores())
+    return _probe_cached(tuple(dict.fromkeys(kernels)), pool, max_rows, max_tokens)
 
 
 Prober = Callable[..., Probe]  # probe's signature: (kernels, threads, max_rows, max_tokens)

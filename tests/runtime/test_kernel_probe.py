@@ -69,6 +69,8 @@ def test_the_probe_graph_computes_matmulnbits_as_its_weights_say():
     accuracy level 1 (fp32 compute) it computes x @ the dequantized weight."""
     import onnxruntime as ort
 
+    from specexport.runtime.ort_engine import session_options
+
     kernel = QuantMatMul(64, 48, 4, 32, 1)
     graph = kernel.model(np.random.default_rng(0))
     rng = np.random.default_rng(0)  # the same draws as model()
@@ -76,7 +78,7 @@ def test_the_probe_graph_computes_matmulnbits_as_its_weights_say():
     scales = rng.random((48, 2), dtype=np.float32) * 0.02 + 0.001
     zero_points = rng.integers(0, 256, (48, 1), dtype=np.uint8)
     x = np.random.default_rng(1).standard_normal((5, 64)).astype(np.float32)  # [5, K]
-    session = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(graph, session_options(ort, None), providers=["CPUExecutionProvider"])
     got = session.run(None, {"x": x})[0]  # [5, N]
     np.testing.assert_allclose(got, x @ _dequantized(codes, scales, zero_points, 64), rtol=1e-4, atol=1e-5)
 
