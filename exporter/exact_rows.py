@@ -111,5 +111,6 @@ class RowExactness:
         for probe in self.probes:
             for kernel, row in zip((k for k, _ in probe.kernels), probe.record()["kernels"]):
                 kernels.setdefault(kernel, row)
-        return {"pad": self.least_pad, "threads": self.threads, "max_rows": self.max_rows,
+        threads = self.probes[0].threads if self.probes else self.threads  # what the sessions ran on
+        return {"pad": self.least_pad, "threads": threads, "max_rows": self.max_rows,
                 "max_tokens": self.max_tokens, "cpu_flags": cpu_flags(), "kernels": list(kernels.values())}

@@ -297,3 +297,15 @@ def check_engine(record: dict | None, threads: int | None, label: str, prober: P
                 f"from verify's ({'; '.join(differs)}), so decode would not be exact: rebuild the engine on this "
                 f"CPU (specexport build RECIPE; the probe then pads '{here.pad}')")
     return None
+
+
+def exactness_summary(quantization: dict | None) -> dict | None:
+    """What a quantized model's manifest says its one-token calls pad, and which probed kernels
+    differ alone (bench's report); None for a model that is not quantized."""
+    if quantization is None:
+        return None
+    record = quantization.get("exactness")
+    if not record:
+        return {"pad": "all", "differs_alone": [], "cpu_flags": [], "probed": False}
+    return {"pad": record["pad"], "probed": True, "cpu_flags": record.get("cpu_flags", []),
+            "differs_alone": [describe(kernel_of(k)) for k in record["kernels"] if not k.get("one_row_equal", True)]}

@@ -131,3 +131,18 @@ def test_this_cpus_probe_runs_every_kernel_once():
     first = kernel_probe.probe([MATMUL, MATMUL, FloatMatMul(64, 8)], 1, 8, 4)
     assert [k for k, _ in first.kernels] == [MATMUL, FloatMatMul(64, 8)]
     assert kernel_probe.probe([MATMUL, FloatMatMul(64, 8)], 1, 8, 4) is first
+
+
+def test_bench_says_what_each_quantized_model_pads_and_why():
+    from specexport.bench.report import _exactness_lines
+    from specexport.runtime.kernel_probe import exactness_summary
+
+    record = {**_record("attention"), "cpu_flags": ["avx512_vnni"]}
+    record["kernels"][1].update(one_row_equal=False)  # the attention differs alone
+    summaries = {"target": exactness_summary({"exactness": record}), "old": exactness_summary({"bits": 4}),
+                 "fp32": exactness_summary(None)}
+    assert summaries["fp32"] is None
+    lines = _exactness_lines({"exactness": {k: v for k, v in summaries.items() if v}})
+    assert lines[0] == ("Exactness: target's one-token calls pad attention (differs alone: GroupQueryAttention "
+                        "4/2 heads of 16; CPU flags avx512_vnni).")
+    assert lines[1] == "Exactness: old's one-token calls pad all (built before the probe)."
