@@ -36,6 +36,7 @@ from specexport.contract import (
 )
 from specexport.errors import BadInput, SpecexportError
 from specexport.exporter.archs import read_decoder
+from specexport.exporter.exact_rows import RowExactness
 from specexport.exporter.gpu_build import mark_host_nodes
 from specexport.exporter.graph_model import StaticDecoder, attention_refusal
 from specexport.exporter.heads import HeadContext, LoadedHead, load_head, merged_taps
@@ -275,6 +276,8 @@ class Builder:
         shared = self.recipe.attention == "ort-gqa" and state is None
         if shared:  # one file serves every size: verify exactly what a round drafted
             graphs = graphs.every_verify_size()
+        if quantizer is not None:  # its pad decided by this machine's kernels at the engine's largest call
+            quantizer.exactness = RowExactness(name, self.threads, *self._largest_call(graphs))
         # ort-gqa trees: the target's one graph verifies trees too (its chain entries are fed a
         # chain's offsets and mask by the backend, contract.CHAIN_TREE_INPUTS), so trees cost no
         # second session and no second prepacked copy of the weights
@@ -414,6 +417,14 @@ class Builder:
         store.save(proto, path)
         onnx.checker.check_model(str(path))
         return proto, path
+
+    def _largest_call(self, graphs: GraphSet) -> tuple[int, int]:
+        """(rows, tokens): the most rows (batch × tokens) and tokens one call of ``graphs`` runs,
+        a tree verify's included."""
+        tree = self.recipe.draft.tree.max_nodes + 1 if self.recipe.draft.tree.max_nodes else 0
+        tokens = max(*graphs.sizes, tree)
+        batched = max([t for t in graphs.sizes if graphs.batched(t)] + [tree, 1])
+        return max(tokens, max(self.recipe.shapes.batches) * batched), tokens
 
     def _precision_refusal(self, parts, precision: str) -> str | None:
         """Why ``precision`` cannot be built for this model; None when it can."""

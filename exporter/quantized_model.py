@@ -1,5 +1,6 @@
 """A model built at `precision: int4 | int8`: its graph's weights quantized, its GGUF blocks
-kept where they map, its one-row calls padded, and the reference it is validated against.
+kept where they map, its one-row calls padded as the machine's kernels need (exact_rows), and
+the reference it is validated against.
 
 The build validates a quantized graph against transformers running the same model with every
 quantized weight replaced by what the kernel computes with (``dequantized_reference``): the
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from specexport.exporter.exact_rows import RowExactness
 from specexport.exporter.gguf_blocks import RowIndex
 from specexport.exporter.quantize import WeightQuant, dequantized, quantize_weights, report_rows
 from specexport.exporter.recipe import GgufSource, Quantization
@@ -35,8 +37,11 @@ def channel_keys(weight: np.ndarray) -> list[bytes]:
 class Quantizer:
     """Quantizes one model's exported graph(s) as the recipe says, and reports what it did."""
 
-    def __init__(self, options: Quantization, precision: str, source, base: Path, model: str):
+    def __init__(self, options: Quantization, precision: str, source, base: Path, model: str,
+                 exactness: RowExactness | None = None):
+        """``exactness``: what decides each graph's pad (None: padded in full, row_pad)."""
         self.options = options
+        self.exactness = exactness
         self.precision = precision
         bits = BITS[precision]
         head = {"int4": 4, "int8": 8, "fp32": None}[options.head] if options.head else bits
@@ -65,7 +70,10 @@ class Quantizer:
                 row["why"] = self._why(row)
         self.rows = rows
         self.weights = dequantized(model, {r["weight"]: r.pop("offsets") for r in rows if "offsets" in r})
-        pad_single_rows(model, max_seq_len)
+        if self.exactness is not None:
+            self.exactness.pad(model, max_seq_len)
+        else:
+            pad_single_rows(model, max_seq_len)
         return model
 
     def _why(self, row: dict) -> str:
@@ -96,12 +104,16 @@ class Quantizer:
     def summary(self) -> str:
         kept = sum(r["kept"] for r in self.rows)
         return (f"{len(self.rows)} MatMulNBits ({self.precision}, block {self.spec.block_size}, accuracy level "
-                f"{self.spec.accuracy_level}), {kept} kept from GGUF blocks, one-row calls padded")
+                f"{self.spec.accuracy_level}), {kept} kept from GGUF blocks, one-row calls {self._padded()}")
+
+    def _padded(self) -> str:
+        return self.exactness.describe() if self.exactness is not None else "padded to two rows"
 
     def manifest_info(self) -> dict:
         return {"precision": self.precision, "bits": self.spec.bits, "head_bits": self.spec.head_bits,
                 "block_size": self.spec.block_size, "symmetric": self.spec.symmetric,
-                "accuracy_level": self.spec.accuracy_level, "one_row_calls": "padded to two rows",
+                "accuracy_level": self.spec.accuracy_level, "one_row_calls": self._padded(),
+                **({"exactness": self.exactness.record()} if self.exactness is not None else {}),
                 "weights": self.report()}
 
     @property

@@ -46,33 +46,10 @@ def pad_single_rows(model: onnx.ModelProto, max_seq_len: int) -> None:
     graph = model.graph
     if any(n.output and n.output[0] == PADDED for n in graph.node):
         return
-    consts = {
-        "rowpad_two": np.array([2], dtype=np.int64),
-        "rowpad_zero": np.array([0], dtype=np.int64),
-        "rowpad_one": np.array([1], dtype=np.int64),
-        "rowpad_zeros3": np.zeros(3, dtype=np.int64),
-        "rowpad_seq": np.array([max_seq_len], dtype=np.int64),
-    }
-    graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in consts.items())
-    nodes = [
-        helper.make_node("Shape", [INPUT_IDS], ["rowpad_shape"]),  # [2]: B, T
-        helper.make_node("Gather", ["rowpad_shape", "rowpad_one"], ["rowpad_tokens"], axis=0),  # [1]: T
-        helper.make_node("Sub", ["rowpad_two", "rowpad_tokens"], ["rowpad_short"]),
-        helper.make_node("Max", ["rowpad_short", "rowpad_zero"], ["rowpad_want"]),  # [1]: 1 for one token, else 0
-        # room past the call's tokens in the cache: max_seq_len - (cache_length + T), at least 0
-        helper.make_node("ReduceMax", [CACHE_LENGTH], ["rowpad_filled"], keepdims=1),  # [1]
-        helper.make_node("Add", ["rowpad_filled", "rowpad_tokens"], ["rowpad_end"]),
-        helper.make_node("Sub", ["rowpad_seq", "rowpad_end"], ["rowpad_room_signed"]),
-        helper.make_node("Max", ["rowpad_room_signed", "rowpad_zero"], ["rowpad_room"]),
-        helper.make_node("Min", ["rowpad_want", "rowpad_room"], ["rowpad_count"]),
+    nodes = pad_count_nodes(graph, max_seq_len)
+    nodes += [
         helper.make_node("Concat", ["rowpad_zeros3", "rowpad_count"], ["rowpad_pads"], axis=0),  # [4]
         helper.make_node("Pad", [INPUT_IDS, "rowpad_pads"], [PADDED], mode="constant"),  # [B, T + pad]
-        # the pad token counts as real in every row that has tokens (an idle row stays idle, writing
-        # nothing): GroupQueryAttention's path for rows marked padding rounds differently from its
-        # path for full rows, and int8 activations magnify that
-        helper.make_node("Greater", [VALID_TOKENS, "rowpad_zero"], ["rowpad_busy"]),  # [B] bool
-        helper.make_node("Cast", ["rowpad_busy"], ["rowpad_busy_count"], to=onnx.TensorProto.INT64),
-        helper.make_node("Mul", ["rowpad_busy_count", "rowpad_count"], ["rowpad_added"]),  # [B]
         helper.make_node("Add", [VALID_TOKENS, "rowpad_added"], [VALID_PADDED]),  # [B]
     ]
     renamed = {INPUT_IDS: PADDED, VALID_TOKENS: VALID_PADDED}
@@ -99,6 +76,39 @@ def pad_single_rows(model: onnx.ModelProto, max_seq_len: int) -> None:
     graph.node.extend(nodes[head:])
     for node in reversed(nodes[:head]):
         graph.node.insert(0, node)
+
+
+def pad_count_nodes(graph: onnx.GraphProto, max_seq_len: int) -> list[onnx.NodeProto]:
+    """Nodes (and their constants, added to ``graph``) computing what a pad adds to a call:
+    rowpad_tokens [1] (the call's T), rowpad_count [1] (1 for a one-token call with room in the
+    cache past it, else 0) and rowpad_added [B] (rowpad_count for each row with tokens, 0 for an
+    idle row, which stays idle and writes nothing)."""
+    consts = {
+        "rowpad_two": np.array([2], dtype=np.int64),
+        "rowpad_zero": np.array([0], dtype=np.int64),
+        "rowpad_one": np.array([1], dtype=np.int64),
+        "rowpad_zeros3": np.zeros(3, dtype=np.int64),
+        "rowpad_seq": np.array([max_seq_len], dtype=np.int64),
+    }
+    graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in consts.items())
+    return [
+        helper.make_node("Shape", [INPUT_IDS], ["rowpad_shape"]),  # [2]: B, T
+        helper.make_node("Gather", ["rowpad_shape", "rowpad_one"], ["rowpad_tokens"], axis=0),  # [1]: T
+        helper.make_node("Sub", ["rowpad_two", "rowpad_tokens"], ["rowpad_short"]),
+        helper.make_node("Max", ["rowpad_short", "rowpad_zero"], ["rowpad_want"]),  # [1]: 1 for one token, else 0
+        # room past the call's tokens in the cache: max_seq_len - (cache_length + T), at least 0
+        helper.make_node("ReduceMax", [CACHE_LENGTH], ["rowpad_filled"], keepdims=1),  # [1]
+        helper.make_node("Add", ["rowpad_filled", "rowpad_tokens"], ["rowpad_end"]),
+        helper.make_node("Sub", ["rowpad_seq", "rowpad_end"], ["rowpad_room_signed"]),
+        helper.make_node("Max", ["rowpad_room_signed", "rowpad_zero"], ["rowpad_room"]),
+        helper.make_node("Min", ["rowpad_want", "rowpad_room"], ["rowpad_count"]),
+        # the pad token counts as real in every row that has tokens (an idle row stays idle, writing
+        # nothing): GroupQueryAttention's path for rows marked padding rounds differently from its
+        # path for full rows, and int8 activations magnify that
+        helper.make_node("Greater", [VALID_TOKENS, "rowpad_zero"], ["rowpad_busy"]),  # [B] bool
+        helper.make_node("Cast", ["rowpad_busy"], ["rowpad_busy_count"], to=onnx.TensorProto.INT64),
+        helper.make_node("Mul", ["rowpad_busy_count", "rowpad_count"], ["rowpad_added"]),  # [B]
+    ]
 
 
 def _padded_tree_inputs(graph: onnx.GraphProto) -> list[onnx.NodeProto]:

@@ -10,7 +10,9 @@ of a round at depth k at this batch size (runtime/round_prices.py): the verify e
 1+k tokens plus the drafter's own round (``Drafter.round_cost``: a chain head's catch-up and
 steps, a block head's one call, a draft model's steps), from costs measured at build or by
 ``specexport tune``, and replaced by the clock's measurement where the two disagree. k = 0 is
-the verify of one token alone: skipping costs a drafter nothing until it drafts again, and then
+the verify of one token alone (priced as two where the graph pads a one-token call to two rows,
+``one_token_rows``: depth 1 is then free against it and depth 0 wins only for a drafter whose
+own round costs more than its drafts bring): skipping costs a drafter nothing until it drafts again, and then
 its round also feeds it every token it skipped (``Drafter.catchup_cost``: a draft model's
 catch-up, a few ms a token), which is added to every drafting depth's price while rounds at
 depth 0 pile up. So a draft model that stopped for long comes back only for a clear win, and
@@ -65,6 +67,9 @@ class DepthPolicy:
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     prices: RoundPrices | None = None  # None: priced from the costs above, checked by this sequence alone
     checked: bool = True  # check the prices against the clock (False: fixed, a seeded run's choices repeat)
+    # rows a one-token verify runs (ModelEntry.one_token_rows): at 2 the graph pads it, so depth 1's
+    # verify costs no more than depth 0's and its draft rides in the row the pad would idle
+    one_token_rows: int = 1
     _skipped: dict[str, int] = field(default_factory=dict)  # per tag: rounds in a row that chose depth 0
     _gap: dict[str, int] = field(default_factory=dict)  # per tag: rounds of 0 before the next probe
     _probes: dict[str, int] = field(default_factory=dict)  # per tag: probes made
@@ -80,10 +85,14 @@ class DepthPolicy:
         """A round's price from the engines' costs: the verify of 1+depth tokens and the drafter's
         round (batch 1's, whatever the batch: a batched loop prices its own, runtime/policy.py);
         at depth 0 the verify alone (a skip's cost is the catch-up of the round that drafts next)."""
-        verify = self.verify_cost(1 + depth)
+        verify = self._verify(1 + depth)
         if not verify:
             return None
         return verify + (self.round_cost(depth) if depth > 0 else 0.0)
+
+    def _verify(self, tokens: int) -> float | None:
+        """A verify of ``tokens``, priced at the rows it runs (a padded one-token call: two)."""
+        return self.verify_cost(max(tokens, self.one_token_rows))
 
     def _sunk_price(self, batch: int, depth: int) -> float | None:
         """A round's price when its drafts exist: the checked price less the drafter's own round

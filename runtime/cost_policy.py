@@ -47,4 +47,5 @@ class EngineCosts:
             ms = target.planned_ms(tokens)
             return ms / 1e3 if ms else None
 
-        return DepthPolicy(verify_cost, drafter.round_cost, drafter.catchup_cost, checked=self.check_prices)
+        return DepthPolicy(verify_cost, drafter.round_cost, drafter.catchup_cost, checked=self.check_prices,
+                           one_token_rows=self.manifest.models["target"].one_token_rows)

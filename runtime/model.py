@@ -51,6 +51,7 @@ from specexport.runtime.engine import (
     open_row_store,
 )
 from specexport.runtime.graph_call import GraphCall
+from specexport.runtime.kernel_probe import check_engine
 from specexport.runtime.kv_cache import CacheLength, KVCache
 from specexport.runtime.runner import PAD_ID, ModelRunner, StepOutput, time_interleaved
 
@@ -287,6 +288,11 @@ def open_model(manifest: Manifest, model: str, backend: str, options: EngineOpti
     if not singles:
         raise BadInput(f"{manifest.root}: model '{model}' has no {backend} graphs"
                        + (f" of roles {sorted(r.value for r in roles)}" if roles else ""))
+    if backend == "onnxruntime" and options.device == "cpu":  # are this CPU's kernels as exact as the build's?
+        refusal = check_engine(info.info.get("quantization", {}).get("exactness"), options.threads,
+                               f"{manifest.root}: model '{model}'")
+        if refusal is not None:
+            raise BadInput(refusal)
     runners = []
     for slot, cache in enumerate(caches.slots):
         engines = [LazyEngine(e, manifest.root, options, cache, sessions) for e in singles]

@@ -1,19 +1,21 @@
 """A few ONNX graphs written as protobuf bytes by hand: the runtime imports neither ``onnx`` nor
 ``protobuf``, and the device store's copies (runtime/device_store.py) need graphs of two ops.
 
-Only the fields these graphs use are written (onnx.proto's field numbers): a model of an opset,
-a graph of nodes without attributes, and inputs/outputs with an element type and named dims.
+Only the fields these graphs use are written (onnx.proto's field numbers): a model of an opset
+(and com.microsoft's), a graph of nodes with int and float attributes, raw-data initializers, and
+inputs/outputs with an element type and named dims.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-# onnx.TensorProto.DataType of the dtypes a cache or an index has
-ELEMENT_TYPES = {"float32": 1, "int64": 7, "float16": 10, "bfloat16": 16}
+# onnx.TensorProto.DataType of the dtypes a cache, an index or a quantized weight has
+ELEMENT_TYPES = {"float32": 1, "uint8": 2, "int32": 6, "int64": 7, "float16": 10, "bfloat16": 16}
 IR_VERSION = 8
 OPSET = 16
 
@@ -62,23 +64,48 @@ class Value:
         return _text(1, self.name) + _field(2, _field(1, tensor))
 
 
+def _attribute(name: str, value: int | float) -> bytes:
+    """AttributeProto{name=1, f=2 (fixed32), i=3, type=20 (FLOAT=1, INT=2)}; ints >= 0 only."""
+    if isinstance(value, float):
+        return _text(1, name) + _varint(2 << 3 | 5) + struct.pack("<f", value) + _int(20, 1)
+    if value < 0:
+        raise ValueError(f"attribute {name}: negative ints are not written ({value})")
+    return _text(1, name) + _int(3, value) + _int(20, 2)
+
+
 @dataclass(frozen=True)
 class Node:
     op: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    domain: str = ""  # "com.microsoft" for onnxruntime's contrib ops
+    attributes: tuple[tuple[str, int | float], ...] = ()
 
-    def encode(self) -> bytes:  # NodeProto{input=1, output=2, name=3, op_type=4}
+    def encode(self) -> bytes:  # NodeProto{input=1, output=2, name=3, op_type=4, attribute=5, domain=7}
         return (b"".join(_text(1, i) for i in self.inputs) + b"".join(_text(2, o) for o in self.outputs)
-                + _text(3, f"{self.op}_{self.outputs[0]}") + _text(4, self.op))
+                + _text(3, f"{self.op}_{self.outputs[0]}") + _text(4, self.op)
+                + b"".join(_field(5, _attribute(k, v)) for k, v in self.attributes)
+                + (_text(7, self.domain) if self.domain else b""))
 
 
-def model_bytes(name: str, nodes: Sequence[Node], inputs: Sequence[Value], outputs: Sequence[Value]) -> bytes:
-    """A serialized ModelProto of one graph in the default domain at OPSET."""
+def tensor_bytes(name: str, array: np.ndarray) -> bytes:
+    """A TensorProto{dims=1, data_type=2, name=8, raw_data=9} holding ``array`` (little-endian)."""
+    array = np.ascontiguousarray(array)
+    return (b"".join(_int(1, d) for d in array.shape) + _int(2, element_type(array.dtype)) + _text(8, name)
+            + _field(9, array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()))
+
+
+def model_bytes(name: str, nodes: Sequence[Node], inputs: Sequence[Value], outputs: Sequence[Value],
+                initializers: dict[str, np.ndarray] | None = None) -> bytes:
+    """A serialized ModelProto of one graph in the default domain at OPSET (and com.microsoft
+    at 1 where a node is of that domain)."""
     graph = (b"".join(_field(1, n.encode()) for n in nodes) + _text(2, name)
+             + b"".join(_field(5, tensor_bytes(k, v)) for k, v in (initializers or {}).items())
              + b"".join(_field(11, v.encode()) for v in inputs) + b"".join(_field(12, v.encode()) for v in outputs))
-    opset = _text(1, "") + _int(2, OPSET)  # OperatorSetIdProto{domain=1, version=2}
-    return _int(1, IR_VERSION) + _text(2, "specexport") + _field(7, graph) + _field(8, opset)
+    opsets = _field(8, _text(1, "") + _int(2, OPSET))  # OperatorSetIdProto{domain=1, version=2}
+    if any(n.domain == "com.microsoft" for n in nodes):
+        opsets += _field(8, _text(1, "com.microsoft") + _int(2, 1))
+    return _int(1, IR_VERSION) + _text(2, "specexport") + _field(7, graph) + opsets
 
 
 def copy_positions_graph(count: int, dtype: str) -> bytes:

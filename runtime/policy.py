@@ -136,10 +136,11 @@ class SpeculationPolicy:
 
     def _priced(self, depth: DepthPolicy, drafter: Drafter) -> Callable[[int, int], float | None]:
         """(batch, depth) -> a round's price: at a built batch size B > 1 the batched verify
-        graph that runs (its measured cost, where measured) and the drafter's round."""
+        graph that runs (its measured cost, where measured) and the drafter's round; depth 0 at
+        the rows a one-token call runs (DepthPolicy.one_token_rows)."""
         def priced(batch: int, k: int) -> float | None:
             if batch > 1:
-                built = [t for t in self.target.widths(batch) if t >= 1 + k]
+                built = [t for t in self.target.widths(batch) if t >= max(1 + k, depth.one_token_rows)]
                 seconds = self.target.costs.get((batch, built[0])) if built else None
                 if seconds:
                     return seconds + (drafter.round_cost(k) if k > 0 else 0.0)

@@ -29,7 +29,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-
 Kind = tuple[int, int]  # (built batch size, depth: drafts per row, the round's widest)
 
 

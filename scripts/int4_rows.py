@@ -89,7 +89,9 @@ def main() -> None:
     prompts = [json.loads(line) for line in (REPO / "bench/prompts/dev.jsonl").read_text().splitlines() if line]
     with tempfile.TemporaryDirectory() as tmp:
         model = onnx.load(str(args.engines / "target.onnx"), load_external_data=False)
-        pad = next(t for t in model.graph.initializer if t.name == "rowpad_two")
+        pad = next((t for t in model.graph.initializer if t.name == "rowpad_two"), None)
+        if pad is None:
+            raise SystemExit(f"{args.engines}: target.onnx pads nothing (its probe found every kernel agrees alone)")
         pad.CopyFrom(numpy_helper.from_array(np.array([1], dtype=np.int64), "rowpad_two"))  # never pads
         onnx.save(model, str(Path(tmp) / "target.onnx"))
         shutil.copy(args.engines / "target.weights", Path(tmp) / "target.weights")

@@ -512,6 +512,16 @@ class ModelEntry:
         quantized model's rows agree bit for bit between calls only on that path (exporter/row_pad.py)."""
         return "quantization" in self.info
 
+    @property
+    def one_token_rows(self) -> int:
+        """Rows a one-token call of this model computes: 2 where its whole graph pads a one-token
+        call (exporter/row_pad.py; the probe's "all", and every quantized engine from before the
+        probe), else 1. Where it is 2, a one-token step costs what depth 1 does."""
+        quantization = self.info.get("quantization")
+        if quantization is None:
+            return 1
+        return 2 if quantization.get("exactness", {}).get("pad", "all") == "all" else 1
+
 
 @dataclass(frozen=True)
 class DrafterParams:

@@ -20,6 +20,18 @@ def _memory_line(result: dict) -> list[str]:
             f"engine costs: {result.get('engine_costs', 'build')}.", ""]
 
 
+def _exactness_lines(result: dict) -> list[str]:
+    """Per quantized model: what its one-token calls pad, as the build's probe of its kernels said."""
+    lines = []
+    for model, summary in (result.get("exactness") or {}).items():
+        why = ("built before the probe" if not summary["probed"] else
+               f"differs alone: {'; '.join(summary['differs_alone'])}" if summary["differs_alone"] else
+               "every probed kernel agrees alone")
+        flags = f"; CPU flags {', '.join(summary['cpu_flags'])}" if summary["cpu_flags"] else ""
+        lines.append(f"Exactness: {model}'s one-token calls pad {summary['pad']} ({why}{flags}).")
+    return [*lines, ""] if lines else []
+
+
 def markdown(result: dict) -> str:
     s = result["settings"]
     lines = [
@@ -30,6 +42,7 @@ def markdown(result: dict) -> str:
         f"{' (adaptive)' if s['adaptive'] else ' (fixed)'}; tokens/s exclude the prefill.",
         "",
         *_memory_line(result),
+        *_exactness_lines(result),
         "Predicted: the speedup equation at this run's acceptance (E[L] and draft sizes) with costs "
         "measured apart from the runs (below); engines only, so host time is outside it. "
         "Host: decode time outside all engines.",

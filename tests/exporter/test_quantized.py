@@ -13,6 +13,7 @@ import pytest
 from onnx import numpy_helper
 
 from specexport.contract import CACHE_LENGTH, INPUT_IDS, LOGITS, VALID_TOKENS
+from specexport.exporter.exact_rows import DESCRIPTIONS
 from specexport.runtime import load
 from specexport.runtime.acceptance import Sampling
 from tests.conftest import (
@@ -59,7 +60,9 @@ def test_the_manifest_says_what_was_quantized_and_validated(int4_dir):
     for model in ("target", "near-copy"):
         quant = manifest["models"][model]["quantization"]
         assert quant["precision"] == "int4" and quant["accuracy_level"] == 4 and quant["bits"] == 4
-        assert quant["one_row_calls"] == "padded to two rows"
+        # padded as this CPU's kernels need (exporter/exact_rows.py; each verdict: test_exact_rows.py)
+        assert quant["one_row_calls"] == DESCRIPTIONS[quant["exactness"]["pad"]]
+        assert {k["op"] for k in quant["exactness"]["kernels"]} >= {"MatMulNBits", "GroupQueryAttention"}
         assert sum(kind["weights"] for kind in quant["weights"].values()) > 0
     graph = onnx.load(str(int4_dir / "target.onnx"), load_external_data=False)
     ops = {n.op_type for n in graph.graph.node}
@@ -85,7 +88,7 @@ def _one_token_against_rows(path, unpad: bool, tmp_path) -> float:
     from specexport.runtime.ort_engine import session_options
 
     model = onnx.load(str(path), load_external_data=False)
-    if unpad:  # the pad wants max(2 - T, 0) rows: with 1 in place of 2 it never pads
+    if unpad:  # the pad (whole graph or attention) wants max(2 - T, 0) rows: with 1 in place of 2 it never pads
         init = next(t for t in model.graph.initializer if t.name == "rowpad_two")
         init.CopyFrom(numpy_helper.from_array(np.array([1], dtype=np.int64), "rowpad_two"))
     copy = tmp_path / ("unpadded.onnx" if unpad else "padded.onnx")

@@ -156,3 +156,28 @@ class Expected(AcceptanceEstimate):
 
     def chain_lengths(self, tag, depth):
         return np.array(self.lengths[:depth])
+
+
+def test_a_draft_rides_in_the_pad_row_of_a_padded_one_token_call():
+    """Where the graph pads a one-token call to two rows (ModelEntry.one_token_rows = 2), depth 0
+    costs what depth 1's verify does: a draft kept a fifth of the time pays. Where a one-token
+    call runs one row, the same draft costs 28% more than the plain round for 20% more tokens."""
+    chosen = {}
+    for rows in (1, 2):
+        policy = DepthPolicy(verify_cost, checked=False, one_token_rows=rows)
+        for i in range(60):
+            policy.estimate.observe("fifth", drafts(1), 1 if i % 5 == 0 else 0)
+        chosen[rows] = [policy.best_depth("fifth", 1) for _ in range(6)]
+    assert chosen[1].count(0) >= 5 and chosen[2] == [1] * 6, chosen
+
+
+def test_only_a_fully_padded_quantized_model_runs_two_rows_a_token():
+    from specexport.contract import KVLayout, ModelEntry
+
+    def entry(info):
+        return ModelEntry("target", "target", KVLayout(1, 1, 8, 16, "float32"), 10, info=info)
+
+    assert entry({}).one_token_rows == 1  # fp32
+    assert entry({"quantization": {"bits": 4}}).one_token_rows == 2  # built before the probe: padded in full
+    assert entry({"quantization": {"exactness": {"pad": "all"}}}).one_token_rows == 2
+    assert entry({"quantization": {"exactness": {"pad": "attention"}}}).one_token_rows == 1
