@@ -131,10 +131,10 @@ class DepthPolicy:
             """The deepest probe costing at most ``probe_share`` of the skipped rounds, catch-up
             included (0: none does; a drafter whose catch-up costs that share is not probed). A
             tag's first probe is the exception: what stopped it may be a round or two of misses
-            on little evidence, so it is probed once whatever its catch-up, as deep as costs one
-            plain round more than a plain round."""
+            on little evidence, so it is probed once whatever its catch-up, as deep as costs half a
+            plain round more than a plain round (one draft at least)."""
             if not self._probes.get(tag):
-                return max([1] + [k for k in range(1, limit + 1) if price(k) <= 2 * base])
+                return max([1] + [k for k in range(1, limit + 1) if price(k) <= 1.5 * base])
             budget = self.probe_share * self._since_draft * base
             return max((k for k in range(1, limit + 1) if price(k) - base + catchup <= budget), default=0)
 
