@@ -10,8 +10,8 @@ Q4_1 offsets were about 420 of the graph's 794 nodes). Two rewrites cut them:
   one output row, so concatenating rows keeps every row's codes, scales and zero points as they
   were: the kernel computes each output column the same way, one node or several.
 - ``add_offset_terms``: Q4_1's per-block offset m (w = d·q + m) as x·m = Σ_blocks m_b·sum(x_b):
-  the input's block sums by a Reshape and a ReduceSum over the block axis (no dense 0/1 MatMul),
-  then one small MatMul by the offsets [K/32, N] and an Add.
+  the input's block sums by one pooling node (no dense [K, K/32] 0/1 MatMul), then one small
+  MatMul by the offsets [K/32, N] and an Add.
 
 Why the offsets stay beside the kernel: MatMulNBits' integer zero points give d·(q − z) with z
 in 0..15, which is d·q + m only where m/d is a whole number in that range; Q4_1's m is its
@@ -109,47 +109,59 @@ def _fuse(graph: onnx.GraphProto, members: list[onnx.NodeProto], inits: dict,
 
 def add_offset_terms(model: onnx.ModelProto, offsets: dict[str, np.ndarray]) -> None:
     """After each MatMulNBits whose weight carries Q4_1 offsets [N, K/32] (by ``node_source``),
-    add x·m: the input's sums over each block of 32 [.., K/32] (Reshape [.., K/32, 32], ReduceSum)
-    times the offsets [K/32, N] (fp32, a thirty-second of the weight's size). An input read by
-    several such nodes is summed once."""
+    add x·m: the input's block sums [.., K/32] times the offsets [K/32, N] (one small fp32 MatMul;
+    a thirty-second of the weight's size), then an Add. An input read by several such nodes is
+    summed once (``_block_sums``)."""
     graph = model.graph
-    sums: dict[str, str] = {}  # input tensor -> its block sums
-    shapes: set[tuple[int, int]] = set()  # (rank, K) of the block shapes made
+    sums: dict[str, tuple[str, float]] = {}  # input tensor -> (its block sums, what they are scaled by)
     for node in [n for n in graph.node if n.op_type == "MatMulNBits" and node_source(n) in offsets]:
         source = node_source(node)
         x, y = node.input[0], node.output[0]
-        k = _attrs(node)["K"]
-        rank = _rank(graph, x)
         new: list[onnx.NodeProto] = []
-        shape = f"gguf_blocks_of_{k}_rank{rank}"
-        if (rank, k) not in shapes:  # [.., K] -> [.., K/32, 32]: 0 keeps a leading dimension
-            graph.initializer.append(numpy_helper.from_array(
-                np.array([0] * (rank - 1) + [k // BLOCK, BLOCK], dtype=np.int64), shape))
-            shapes.add((rank, k))
-        if "gguf_block_axis" not in {t.name for t in graph.initializer}:
-            graph.initializer.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), "gguf_block_axis"))
         if x not in sums:
-            sums[x] = f"{x}__block_sums"
-            new += [helper.make_node("Reshape", [x, shape], [f"{x}__blocks"]),  # [B, T, K/32, 32]
-                    helper.make_node("ReduceSum", [f"{x}__blocks", "gguf_block_axis"], [sums[x]],
-                                     keepdims=0)]  # [B, T, K/32]
-        graph.initializer.append(numpy_helper.from_array(
-            np.ascontiguousarray(offsets[source].T, dtype=np.float32), f"{source}_offsets"))  # [K/32, N]
+            nodes, scale = _block_sums(graph, x, _attrs(node)["K"])
+            sums[x] = (f"{x}__block_sums", scale)
+            new += nodes
+        name, scale = sums[x]
+        table = offsets[source].T.astype(np.float32) * np.float32(scale)  # [K/32, N]; × 32: exact
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(table), f"{source}_offsets"))
         node.output[0] = f"{y}__codes"
-        new += [helper.make_node("MatMul", [sums[x], f"{source}_offsets"], [f"{y}__offsets"]),  # [B, T, N]
+        new += [helper.make_node("MatMul", [name, f"{source}_offsets"], [f"{y}__offsets"]),  # [B, T, N]
                 helper.make_node("Add", [f"{y}__codes", f"{y}__offsets"], [y])]
         at = list(graph.node).index(node) + 1
         for i, extra in enumerate(new):
             graph.node.insert(at + i, extra)
 
 
-def _rank(graph: onnx.GraphProto, name: str) -> int:
-    """``name``'s rank where the graph records it (value_info or an input); 3 otherwise: every
-    projection input of our graphs is [batch, tokens, features]."""
+def _block_sums(graph: onnx.GraphProto, x: str, k: int) -> tuple[list[onnx.NodeProto], float]:
+    """Nodes computing ``x``'s sums over each block of 32 as ``{x}__block_sums`` [.., K/32], and
+    the factor the sums come out divided by (the offsets are scaled by it).
+
+    A [B, T, K] input (every projection input of our graphs): one AveragePool over the last
+    axis, whose means are the sums / 32 exactly (a power of two), and whose sums round as the
+    dense 0/1 MatMul this replaces did (the same outputs, bit for bit, on SmolLM2). Any other
+    rank: a Reshape to [.., K/32, 32] and a ReduceSum (two nodes; its sums round differently)."""
+    out = f"{x}__block_sums"
+    rank = _rank(graph, x) or 3  # unrecorded: [batch, tokens, features], as every graph of ours
+    if rank == 3:
+        return [helper.make_node("AveragePool", [x], [out], kernel_shape=[BLOCK], strides=[BLOCK])], float(BLOCK)
+    shape, axis = f"gguf_blocks_of_{k}_rank{rank}", "gguf_block_axis"
+    have = {t.name for t in graph.initializer}
+    if shape not in have:  # 0 keeps a leading dimension
+        graph.initializer.append(numpy_helper.from_array(
+            np.array([0] * (rank - 1) + [k // BLOCK, BLOCK], dtype=np.int64), shape))
+    if axis not in have:
+        graph.initializer.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), axis))
+    return [helper.make_node("Reshape", [x, shape], [f"{x}__blocks"]),  # [.., K/32, 32]
+            helper.make_node("ReduceSum", [f"{x}__blocks", axis], [out], keepdims=0)], 1.0  # [.., K/32]
+
+
+def _rank(graph: onnx.GraphProto, name: str) -> int | None:
+    """``name``'s rank where the graph records it (value_info or an input), else None."""
     for info in (*graph.value_info, *graph.input):
         if info.name == name and info.type.tensor_type.HasField("shape"):
             return len(info.type.tensor_type.shape.dim)
-    return 3
+    return None
 
 
 def lighten(model: onnx.ModelProto, offsets: dict[str, np.ndarray]) -> list[list[str]]:

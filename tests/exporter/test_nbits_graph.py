@@ -19,10 +19,10 @@ from tests.exporter.test_gguf_blocks import K, N, gguf_tensor, run
 pytest.importorskip("onnxruntime")
 
 
-def siblings_model(*weights_kn: np.ndarray) -> onnx.ModelProto:
-    """y_i = x @ W_i for each weight, all reading x [1, T, K] (as gate and up read one norm)."""
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", K])
-    outputs = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [1, "T", w.shape[1]])
+def siblings_model(*weights_kn: np.ndarray, lead: tuple = (1, "T")) -> onnx.ModelProto:
+    """y_i = x @ W_i for each weight, all reading x [*lead, K] (as gate and up read one norm)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, K])
+    outputs = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [*lead, w.shape[1]])
                for i, w in enumerate(weights_kn)]
     nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"], name=f"proj{i}") for i in range(len(weights_kn))]
     inits = [numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(weights_kn)]
@@ -64,19 +64,21 @@ def test_fused_siblings_compute_what_the_separate_nodes_did(accuracy_level):
         assert np.array_equal(got, want)
 
 
-def test_q4_1_offsets_are_block_sums_not_a_dense_matmul():
-    """Two kept Q4_1 siblings: fused, their offsets added from the input's block sums (a Reshape
-    and a ReduceSum, once per input; no [K, K/32] 0/1 matrix), and x·w equal to the GGUF's own
-    weights' product (accuracy level 1: fp32 activations)."""
+@pytest.mark.parametrize("lead, summed_by", [((1, "T"), ["AveragePool"]), (("T",), ["Reshape", "ReduceSum"])])
+def test_q4_1_offsets_are_block_sums_not_a_dense_matmul(lead, summed_by):
+    """Two kept Q4_1 siblings: fused, their offsets added from the input's block sums (an
+    AveragePool over [B, T, K], or a Reshape and a ReduceSum at another rank; once per input, no
+    [K, K/32] 0/1 matrix), and x·w equal to the GGUF's own weights' product (accuracy level 1:
+    fp32 activations)."""
     weights, index = q4_1_pair()
-    model, rows = quantize_weights(siblings_model(*weights), WeightQuant(4, 32, False, 1, 4), gguf=index)
+    model, rows = quantize_weights(siblings_model(*weights, lead=lead), WeightQuant(4, 32, False, 1, 4), gguf=index)
     assert all(r["kept"] and "offsets" in r for r in rows)
     ops = collections.Counter(n.op_type for n in model.graph.node)
-    assert ops == {"MatMulNBits": 1, "Reshape": 1, "ReduceSum": 1, "MatMul": 1, "Add": 1, "Split": 1}, ops
+    assert ops == {"MatMulNBits": 1, **dict.fromkeys(summed_by, 1), "MatMul": 1, "Add": 1, "Split": 1}, ops
     offsets = {r["weight"]: r["offsets"] for r in rows}
     kernel = dequantized(model, {"w0+w1": np.concatenate([offsets["w0"], offsets["w1"]])})["w0+w1"]  # [K, 2N]
     assert np.array_equal(kernel, np.concatenate(weights, axis=1))  # the GGUF's weights, bit for bit
-    x = np.random.default_rng(2).standard_normal((1, 3, K)).astype(np.float32)
+    x = np.random.default_rng(2).standard_normal((*lead[:-1], 3, K)).astype(np.float32)  # [1, 3, K] or [3, K]
     for got, weight in zip(run_all(model, x), weights, strict=True):
         assert np.allclose(got, x @ weight, rtol=1e-4, atol=1e-4)
 
