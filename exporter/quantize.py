@@ -18,6 +18,7 @@ from onnx import numpy_helper
 
 from specexport.exporter.gguf_blocks import BLOCK, Blocks, RowIndex
 from specexport.exporter.graph_model import HEAD_WEIGHT
+from specexport.exporter.nbits_graph import lighten, node_source
 
 # Weights that stay fp32: the rotary rotate-half matrix (entries 0 and ±1 must stay exact, and
 # it is tiny; the target graph calls it rope_rotate, a head's graph rotate).
@@ -46,11 +47,14 @@ def quantize_int4(model: onnx.ModelProto, block_size: int, symmetric: bool, accu
 
 
 def quantize_weights(model: onnx.ModelProto, spec: WeightQuant, heads: tuple[str, ...] = (HEAD_WEIGHT,),
-                     gguf: RowIndex | None = None) -> tuple[onnx.ModelProto, list[dict]]:
+                     gguf: RowIndex | None = None, light: bool = True) -> tuple[onnx.ModelProto, list[dict]]:
     """``model`` with its MatMul weights quantized as ``spec`` says; ``heads``: the output
     head's weight names (a Gemm head is rewritten as a MatMul first). ``gguf``: the source's
     exact blocks, copied where a weight is one of them at the same bits and block size. Returns
-    the model and a row per quantized weight (report_rows)."""
+    the model and a row per quantized weight (report_rows; a kept Q4_1 weight's row carries its
+    ``offsets`` [N, K/32]). ``light``: siblings fused and the offsets added (nbits_graph.lighten);
+    else one MatMulNBits per weight and no offset terms yet, for ``dequantized`` to read weight
+    by weight before the caller lightens the graph."""
     heads = (*heads, *gemm_heads_to_matmul(model)) if spec.head_bits is not None else heads
     weights = _matmul_weights(model)  # initializer name -> [K, N] fp32, before quantization
     head_nodes = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in heads]
@@ -60,12 +64,11 @@ def quantize_weights(model: onnx.ModelProto, spec: WeightQuant, heads: tuple[str
         model = _run_quantizer(model, spec.head_bits, spec, include=head_nodes)
     rows = []
     inits = {t.name: t for t in model.graph.initializer}
-    offsets: dict[str, tuple[onnx.NodeProto, np.ndarray]] = {}  # source weight -> (its node, Q4_1 offsets [N, nb])
     for node in model.graph.node:
         if node.op_type != "MatMulNBits":
             continue
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        source = node.input[1].rsplit("_Q", 1)[0]  # the quantizer names B "<weight>_Q4"
+        source = node_source(node)  # the quantizer names B "<weight>_Q4"
         row = {"weight": source, "head": source in heads, "bits": attrs["bits"], "kept": False}
         found = gguf.find(weights[source].T) if gguf is not None and source in weights else None
         if found is not None:
@@ -80,14 +83,14 @@ def quantize_weights(model: onnx.ModelProto, spec: WeightQuant, heads: tuple[str
                 _copy_blocks(model, node, inits, blocks)
                 row["kept"] = True
                 if blocks.offsets is not None:
-                    offsets[source] = (node, blocks.offsets)
-                    row["offsets"] = blocks.offsets
+                    row["offsets"] = blocks.offsets  # [N, nb]
         rows.append(row)
-    _add_offset_terms(model, offsets)
     exact_8bit = {r["weight"] for r in rows if r["kept"] and r["bits"] == 8 and "offsets" not in r}
     for row in rows:
         if row["weight"] in exact_8bit and _gather_from_blocks(model, row["weight"]):
             row["embedding"] = "gathered from the same blocks"
+    if light:
+        lighten(model, {r["weight"]: r["offsets"] for r in rows if "offsets" in r})
     return model, rows
 
 
@@ -169,35 +172,6 @@ def _gather_from_blocks(model: onnx.ModelProto, source: str) -> bool:
     graph.node.insert(index + 1, onnx.helper.make_node("Transpose", [rows], [gather.output[0]], perm=[1, 0]))  # [hidden, n]
     graph.initializer.remove(inits[source])
     return True
-
-
-def _add_offset_terms(model: onnx.ModelProto, offsets: dict[str, tuple[onnx.NodeProto, np.ndarray]]) -> None:
-    """After each MatMulNBits whose GGUF blocks carry an offset per block (Q4_1: w = d·q + m), add
-    x·m: the input's sums over each block of 32 [.., K/32] (one MatMul with a 0/1 matrix) times
-    the offsets [K/32, N] (fp32, a thirty-second of the weight's size). An input shared by
-    several weights (q, k and v; gate and up) is summed once."""
-    graph = model.graph
-    sums: dict[str, str] = {}  # input tensor -> its block sums
-    summers: set[int] = set()  # K of the 0/1 block-sum matrices made
-    for source, (node, table) in offsets.items():
-        x, y = node.input[0], node.output[0]
-        k = next(onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "K")
-        new: list[onnx.NodeProto] = []
-        if k not in summers:
-            ones = np.kron(np.eye(k // BLOCK, dtype=np.float32), np.ones((BLOCK, 1), dtype=np.float32))  # [K, K/32]
-            graph.initializer.append(numpy_helper.from_array(ones, f"gguf_block_sums_{k}"))
-            summers.add(k)
-        if x not in sums:
-            sums[x] = f"{x}__block_sums"
-            new.append(onnx.helper.make_node("MatMul", [x, f"gguf_block_sums_{k}"], [sums[x]]))  # [B, T, K/32]
-        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(table.T, dtype=np.float32),
-                                                         f"{source}_offsets"))  # [K/32, N]
-        node.output[0] = f"{y}__codes"
-        new += [onnx.helper.make_node("MatMul", [sums[x], f"{source}_offsets"], [f"{y}__offsets"]),  # [B, T, N]
-                onnx.helper.make_node("Add", [f"{y}__codes", f"{y}__offsets"], [y])]
-        at = list(graph.node).index(node) + 1
-        for i, extra in enumerate(new):
-            graph.node.insert(at + i, extra)
 
 
 def _matmul_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -285,7 +259,7 @@ def dequantized(model: onnx.ModelProto, offsets: dict[str, np.ndarray] | None = 
             zero = np.full((n, nb), 1 << (bits - 1), dtype=np.float32)
         scales = inits[node.input[2]].reshape(n, nb)
         w = (codes.reshape(n, nb, bs).astype(np.float32) - zero[:, :, None]) * scales[:, :, None]
-        source = node.input[1].rsplit("_Q", 1)[0]
+        source = node_source(node)  # a fused node's: its weights joined by "+"
         if offsets and source in offsets:
             w = w + offsets[source][:, :, None]
         out[source] = np.ascontiguousarray(w.reshape(n, nb * bs)[:, :k].T)  # [K, N]

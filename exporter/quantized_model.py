@@ -1,6 +1,6 @@
 """A model built at `precision: int4 | int8`: its graph's weights quantized, its GGUF blocks
-kept where they map, its one-row calls padded as the machine's kernels need (exact_rows), and
-the reference it is validated against.
+kept where they map, the graph lightened (nbits_graph), its one-row calls padded as the
+machine's kernels need (exact_rows), and the reference it is validated against.
 
 The build validates a quantized graph against transformers running the same model with every
 quantized weight replaced by what the kernel computes with (``dequantized_reference``): the
@@ -19,7 +19,14 @@ import onnx
 
 from specexport.exporter.exact_rows import RowExactness
 from specexport.exporter.gguf_blocks import RowIndex
-from specexport.exporter.quantize import WeightQuant, dequantized, quantize_weights, report_rows
+from specexport.exporter.nbits_graph import lighten
+from specexport.exporter.quantize import (
+    WeightQuant,
+    count_quantized,
+    dequantized,
+    quantize_weights,
+    report_rows,
+)
 from specexport.exporter.recipe import GgufSource, Quantization
 from specexport.exporter.row_pad import pad_single_rows
 
@@ -56,6 +63,8 @@ class Quantizer:
         # fp32 output channel (by value) -> (the graph weight holding it, its column there)
         self.channels: dict[bytes, tuple[str, int]] = {}
         self.weights: dict[str, np.ndarray] = {}  # source name -> [K, N] as the kernel computes with it
+        self.fused: list[list[str]] = []  # weights computed by one MatMulNBits (nbits_graph.fuse_siblings)
+        self.nodes = 0  # MatMulNBits nodes in the quantized graph
 
     def apply(self, proto: onnx.ModelProto, max_seq_len: int) -> onnx.ModelProto:
         inits = {t.name: t for t in proto.graph.initializer}
@@ -64,12 +73,15 @@ class Quantizer:
             if weight.ndim == 2:
                 for column, key in enumerate(channel_keys(weight.T)):
                     self.channels.setdefault(key, (name, column))
-        model, rows = quantize_weights(proto, self.spec, gguf=self.gguf)
+        model, rows = quantize_weights(proto, self.spec, gguf=self.gguf, light=False)
         for row in rows:
             if not row["kept"] and "why" not in row:
                 row["why"] = self._why(row)
         self.rows = rows
-        self.weights = dequantized(model, {r["weight"]: r.pop("offsets") for r in rows if "offsets" in r})
+        offsets = {r["weight"]: r.pop("offsets") for r in rows if "offsets" in r}
+        self.weights = dequantized(model, offsets)  # weight by weight, before siblings fuse
+        self.fused = lighten(model, offsets)
+        self.nodes = count_quantized(model)
         if self.exactness is not None:
             self.exactness.pad(model, max_seq_len)
         else:
@@ -103,8 +115,10 @@ class Quantizer:
 
     def summary(self) -> str:
         kept = sum(r["kept"] for r in self.rows)
-        return (f"{len(self.rows)} MatMulNBits ({self.precision}, block {self.spec.block_size}, accuracy level "
-                f"{self.spec.accuracy_level}), {kept} kept from GGUF blocks, one-row calls {self._padded()}")
+        fused = f", {len(self.fused)} groups of siblings fused" if self.fused else ""
+        return (f"{len(self.rows)} weights in {self.nodes} MatMulNBits ({self.precision}, block {self.spec.block_size}, "
+                f"accuracy level {self.spec.accuracy_level}), {kept} kept from GGUF blocks{fused}, one-row calls "
+                f"{self._padded()}")
 
     def _padded(self) -> str:
         return self.exactness.describe() if self.exactness is not None else "padded to two rows"
@@ -114,7 +128,7 @@ class Quantizer:
                 "block_size": self.spec.block_size, "symmetric": self.spec.symmetric,
                 "accuracy_level": self.spec.accuracy_level, "one_row_calls": self._padded(),
                 **({"exactness": self.exactness.record()} if self.exactness is not None else {}),
-                "weights": self.report()}
+                "weights": self.report(), "fused": ["+".join(group) for group in self.fused]}
 
     @property
     def tolerance_key(self) -> str:
