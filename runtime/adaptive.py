@@ -79,15 +79,17 @@ class DepthPolicy:
             return None
         return verify + (self.round_cost(depth) if depth > 0 else 0.0)
 
-    def best_depth(self, tag: str, limit: int, batch: int = 1, sunk: bool = False) -> int:
+    def best_depth(self, tag: str, limit: int, batch: int = 1, sunk: bool = False, checked: bool = False) -> int:
         """The depth <= limit with the best expected tokens per second in a round at ``batch``.
-        ``sunk``: the drafts already exist, so only the verify cost counts."""
+        ``sunk``: the drafts already exist, so only the verify cost counts: the engines' figure, or
+        with ``checked`` the round prices' (checked against the clock) less the drafter's round."""
         if not sunk:  # a chain trimmed (sunk) keeps what its round was chosen as
             self.resumed = False
         if limit <= 0:
             return 0
         assert self.prices is not None
-        price = (lambda k: self.verify_cost(1 + k)) if sunk else (lambda k: self.prices.seconds(batch, k))
+        price = (lambda k: self.prices.seconds(batch, k)) if not sunk else self._sunk_price(batch) if checked \
+            else (lambda k: self.verify_cost(1 + k))
         base = price(0)
         if not base:
             return limit
@@ -120,6 +122,16 @@ class DepthPolicy:
         self.resumed = chosen > 0 and catchup > 0
         self._since_draft = 0 if chosen > 0 else self._since_draft + 1
         return chosen
+
+    def _sunk_price(self, batch: int) -> Callable[[int], float | None]:
+        """depth -> a round's checked price without the drafter's round (its drafts exist)."""
+        assert self.prices is not None
+        prices = self.prices
+
+        def price(k: int) -> float | None:
+            seconds = prices.seconds(batch, k)
+            return seconds - self.round_cost(k) if seconds and k > 0 else seconds
+        return price
 
     def _explore(self, tag: str, best_k: int, probe: Callable[[], int], batch: int, close: bool = True) -> int:
         """The chosen depth, or now and then a probe (of depth ``probe()``, when one is worth its
