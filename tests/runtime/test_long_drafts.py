@@ -12,6 +12,7 @@ from specexport.runtime import load
 from specexport.runtime.acceptance_estimate import AcceptanceEstimate
 from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.runner import ModelRunner
+from specexport.runtime.suffix_drafter import SuffixDrafter
 from tests.conftest import tiny_recipe, tuned_copy
 
 D = 2  # the plan's depth: verify entries of 2 and 3 tokens
@@ -20,8 +21,9 @@ PROMPTS = ["a b a b a b a b a b a", "The cat sat on the mat. The cat sat on the"
 
 
 def cost_of(entry) -> float:
-    """ms rising with the rows a call runs: a long entry pays only where most drafts are kept."""
-    return 1.0 + 0.25 * entry.tokens * entry.batch
+    """ms rising with the tokens a call runs: a long entry pays only where most drafts are kept
+    (the same at every batch size, so batched rows draft too)."""
+    return 1.0 + 0.25 * entry.tokens
 
 
 def build_with_probes(root, attention: str):
@@ -78,21 +80,22 @@ def test_a_long_drafter_alone_drafts_past_d_in_one_long_verify_and_equals_the_ta
     assert not [asked for asked, verify, size in picks if not verify and size in PROBES]  # prefill never runs a probe
 
 
-def test_batched_rows_keep_d_and_a_row_left_alone_drafts_long(engines):
+def test_batched_rows_keep_d_and_a_row_left_alone_drafts_long(engines, monkeypatch):
     pipe = load(engines, threads=2, check_prices=False)
-    rounds = []
-    loop = pipe.batch_loop(drafter="suffix", max_batch=2, on_round=rounds.append)
-    for prompt in PROMPTS[:2]:  # the store first holds both answers, so both rows draft from it
-        pipe.generate(prompt_ids=pipe.prompt_ids(prompt), drafter="suffix", max_new_tokens=40)
+    asked: list[tuple[int, list[int]]] = []  # each round's rows and the depths it asked the drafter for
+    propose = SuffixDrafter.propose
+    monkeypatch.setattr(SuffixDrafter, "propose", lambda self, rows, budget:
+                        asked.append((len(rows), list(budget.depths))) or propose(self, rows, budget))
+    loop = pipe.batch_loop(drafter="suffix", max_batch=2)
     for key, (prompt, tokens) in enumerate(zip(PROMPTS[:2], (16, 40))):  # the first leaves early
         loop.submit(key, pipe.batch_request(pipe.prompt_ids(prompt), max_new_tokens=tokens)[0])
     for _ in loop.run():
         pass
-    together = [r for r in rounds if r.rows == 2]
-    alone = [r for r in rounds if r.rows == 1]
+    together = [depths for rows, depths in asked if rows == 2]
+    alone = [depths for rows, depths in asked if rows == 1]
     assert together and alone
-    assert max(d for r in together for d in r.proposed) <= D
-    assert max(d for r in alone for d in r.proposed) > D
+    assert 0 < max(d for depths in together for d in depths) <= D
+    assert max(d for depths in alone for d in depths) > D
 
 
 def test_long_depths_are_priced_at_the_probe_entry_that_runs_them(engines):
