@@ -40,11 +40,11 @@ class EngineCosts:
     def depth_policy(self, drafter: Drafter, target: ModelRunner) -> DepthPolicy:
         """A fresh adaptive-depth policy: the target's verify costs and the drafter's own round
         cost. A verify of 1+k tokens is priced at what the target's runner runs for it (its
-        decoding entries by the same costs, ModelRunner.planned_ms), never at a probe's figure
-        nor at a larger entry than the one it picks."""
+        decoding entries by the same costs, ModelRunner.verify_ms; past every verify entry the
+        probe entry a long verify runs in), never at a larger entry than the one it picks."""
 
         def verify_cost(tokens: int) -> float | None:
-            ms = target.planned_ms(tokens)
+            ms = target.verify_ms(tokens)
             return ms / 1e3 if ms else None
 
         return DepthPolicy(verify_cost, drafter.round_cost, drafter.catchup_cost, checked=self.check_prices,

@@ -76,6 +76,10 @@ class Drafter(Protocol):
     name: str
     needs: tuple[str, ...]  # target outputs it reads (a head's aux_hidden_states); empty for most
     builds_trees: bool  # whether ``propose`` gives trees for a tree budget (else chains)
+    # whether its chains may run past D: drafts that cost nothing to make and whose length follows
+    # the evidence (suffix decoding's match length); a row alone then drafts up to the target's
+    # longest verify entry and the chain's tag decides how much of it is verified (runtime/policy.py)
+    drafts_long: bool
 
     @property
     def engine_seconds(self) -> float:
@@ -129,6 +133,7 @@ class ChainsAndTrees(ABC):
     drafter ``builds_trees``."""
 
     builds_trees = True
+    drafts_long = False
 
     def propose(self, rows: Sequence[DraftRow], budget: DraftBudget) -> list[DraftTree]:
         if budget.trees and self.builds_trees:

@@ -209,22 +209,34 @@ class Model:
         batch = self.batch_for(rows)
         return sorted(t for b, t in self.calls if b == batch)
 
-    def graph(self, rows: int, tokens: int) -> tuple[int, int]:
+    def graph(self, rows: int, tokens: int, verify: bool = False) -> tuple[int, int]:
         """(B, T) of the graph a run of ``tokens`` per row over ``rows`` rows calls: the smallest
-        holding them, else the largest (one row: its runner's, which chunks a longer input)."""
+        holding them, else the largest (one row: its runner's, which chunks a longer input, or
+        for a ``verify`` past every verify entry runs it in a long size, runtime/runner.py)."""
+        if verify and self.batch_for(rows) == 1:
+            return 1, self.runners[0].verify_size(tokens)
         widths = self.widths(rows)
         return self.batch_for(rows), next((t for t in widths if t >= tokens), widths[-1])
+
+    @property
+    def long_depth(self) -> int:
+        """The most drafts one row alone can verify in one call: its runner's widest long size
+        minus the root (0: no long size; runtime/runner.py)."""
+        sizes = self.runners[0].long_sizes
+        return sizes[-1] - 1 if sizes else 0
 
     def holds(self, rows: int, tokens: int) -> int:
         """How many of ``tokens`` per row one run over ``rows`` rows takes (one row: all, its
         runner chunks them)."""
         return tokens if self.batch_for(rows) == 1 else min(tokens, self.graph(rows, tokens)[1])
 
-    def run(self, rows: int, feed: Mapping[int, Row], want_logits: bool, want: Sequence[str] = ()) -> dict[str, np.ndarray]:
+    def run(self, rows: int, feed: Mapping[int, Row], want_logits: bool, want: Sequence[str] = (),
+            verify: bool = False) -> dict[str, np.ndarray]:
         """One step over the first ``rows`` slots, the slots in ``feed`` fed their tokens at
-        their cache lengths (the rest idle): name -> [B, T, ...], row r valid for its tokens."""
+        their cache lengths (the rest idle): name -> [B, T, ...], row r valid for its tokens.
+        ``verify``: a verify pass (a row alone may run a long size, runtime/runner.py)."""
         if self.batch_for(rows) == 1:
-            return self._row_by_row(rows, feed, want_logits, want)
+            return self._row_by_row(rows, feed, want_logits, want, verify)
         longest = max(len(tokens) for _, tokens, _ in feed.values())
         return self.calls[self.graph(rows, longest)].run(feed, want_logits, want)
 
@@ -236,13 +248,13 @@ class Model:
         return as_batch(runner.forward(tokens, want_logits, inputs, want))
 
     def _row_by_row(self, rows: int, feed: Mapping[int, Row], want_logits: bool,
-                    want: Sequence[str]) -> dict[str, np.ndarray]:
+                    want: Sequence[str], verify: bool = False) -> dict[str, np.ndarray]:
         """Each fed row through its slot's runner: one row as it is, more stacked into [rows, T, ...]."""
         outs = {}
         for slot, (length, tokens, inputs) in feed.items():
             runner = self.runners[slot]
             runner.cache.set_length(length)
-            outs[slot] = as_batch(runner.forward(tokens, want_logits, inputs, want))
+            outs[slot] = as_batch(runner.forward(tokens, want_logits, inputs, want, verify))
         if rows == 1:
             return outs[0]
         longest = max(out[NEXT_TOKENS].shape[1] for out in outs.values())
@@ -305,7 +317,7 @@ def open_model(manifest: Manifest, model: str, backend: str, options: EngineOpti
             runners.append(make_runner(label, engines, cache, singles))
             continue
         runners.append(ModelRunner(label, engines, cache, {e.name: e.tokens for e in singles},
-                                   {e.tokens: cost_ms(e) for e in singles if e.role.decoding} if cost_ms else None,
+                                   {e.tokens: cost_ms(e) for e in singles} if cost_ms else None,
                                    frozenset(e.name for e in singles if e.kv_update == KVUpdate.IN_PLACE),
                                    roles={e.name: e.role for e in singles}, full_rows=info.full_rows))
     calls = {}

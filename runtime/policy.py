@@ -4,9 +4,10 @@ One interface over what decides the amount of speculation, asked at three points
 
 - ``plan``, before drafting: the round's depth cap (the draft length, under the batch-size
   schedule), each row's depth within its cache and token budget, as its own adaptive depth
-  chooses (runtime/adaptive.py), and whether the round drafts token trees (the loop has a tree
-  verifier, the batch size has a tree graph and every row's cache holds it) with their node
-  budget and, for a sequence alone, the size its tree will be cut to;
+  chooses (runtime/adaptive.py; a long drafter's row alone past D, below), and whether the
+  round drafts token trees (the loop has a tree verifier, the batch size has a tree graph and
+  every row's cache holds it) with their node budget and, for a sequence alone, the size its
+  tree will be cut to;
 - ``fit``, after drafting: the proposals cut to what one pass should hold: a chain at the
   widest verify graph, or at the batch-wide width with the most expected tokens per second of
   verify (``SharedWidth``, runtime/goodput.py); trees at their best shared size
@@ -14,6 +15,15 @@ One interface over what decides the amount of speculation, asked at three points
 - ``observe``, after acceptance: what each row kept, for its acceptance estimate
   (runtime/acceptance_estimate.py: one estimator for depth, width and tree size) and the shared
   width's pooled one; and ``price_round``, what the round took, for the round prices.
+
+A drafter whose drafts cost nothing and follow the evidence (``Drafter.drafts_long``: suffix
+decoding, whose draft grows with its match) drafts past D when its row runs alone and adaptive
+depth chose to draft: as deep as the target's widest long verify size holds (the probe entries
+past every verify entry, runtime/runner.py), within the request's own cap, its cache and its
+token budget. Its chain's tag (the match length) then cuts it to the prefix with the most
+expected tokens per second, each depth priced as the round prices price it (the probe entry that
+would run it, checked against the clock), so a long draft is verified only where its expected
+accepted tokens pay for the larger verify. Batched rows, tree rounds and the shared width keep D.
 
 A round is priced from the engines' costs (tuned, built, or timed on first ask) and the price
 is checked against the clock by the kind of round (runtime/round_prices.py): a price off by
@@ -185,7 +195,21 @@ class SpeculationPolicy:
                 # an adaptive row alone has its drafter stop growing where the size below would cut
                 hints = [self._size_hint(seq) if n == 1 else None for seq in running]
                 return RoundPlan(cap, depths, trees, nodes, self.tree_top_k, hints)
-        return RoundPlan(cap, self._depths(running, cap), self.chains)
+        return RoundPlan(cap, self._long(running, self._depths(running, cap)), self.chains)
+
+    def _long(self, running: Sequence[Running], depths: list[int]) -> list[int]:
+        """The depths with a long drafter's row alone (adaptive, chose to draft) let past D: as
+        deep as the target's widest long size holds, within its request's cap, its cache and its
+        token budget (the module docstring). Batched rows and the shared width keep theirs."""
+        long_depth = self.target.long_depth
+        if len(running) != 1 or self.shared is not None or long_depth <= depths[0] or depths[0] == 0:
+            return depths
+        seq = running[0]
+        if seq.depth_policy is None or not self.drafter_of(seq).drafts_long:
+            return depths
+        request = seq.request
+        return [min(long_depth, request.max_depth if request.max_depth is not None else long_depth,
+                    self.target.max_seq_len - seq.length, request.max_new_tokens - seq.stats.tokens - 1)]
 
     def chain_round(self, plan: RoundPlan) -> RoundPlan:
         """A tree round in which no row drafted a node, as a chain round: the roots alone are
@@ -214,7 +238,10 @@ class SpeculationPolicy:
 
     def trim(self, seq: Running, chain: DraftTree) -> DraftTree:
         """A chain that exists, cut to the prefix the row's adaptive depth keeps."""
-        return chain if seq.depth_policy is None else trim_chain(seq.depth_policy, chain, self.drafter_of(seq).name)
+        if seq.depth_policy is None:
+            return chain
+        # a long chain (past D) is priced as its rounds are, by the entry that runs it, checked by the clock
+        return trim_chain(seq.depth_policy, chain, self.drafter_of(seq).name)
 
     def fit(self, running: Sequence[Running], proposals: list[DraftTree], plan: RoundPlan) -> list[DraftTree]:
         """The proposals cut to what the round's pass should hold."""
@@ -268,7 +295,7 @@ def tree_tag(drafter: Drafter) -> str:
 def trim_chain(depth: DepthPolicy, chain: DraftTree, planned_tag: str) -> DraftTree:
     """A chain that exists, cut to the best prefix worth verifying when its tag says more than
     the one its depth was planned with (prompt lookup: the match length it found). The drafts
-    are sunk, so only the verify cost counts."""
+    are sunk, so only the verify counts, as the round prices (checked by the clock) price it."""
     if not chain.tag or chain.tag == planned_tag:
         return chain
     return chain.prefix(depth.best_depth(chain.tag, chain.size, sunk=True))

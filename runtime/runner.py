@@ -8,6 +8,12 @@ of pieces that costs least by the build's measured costs (a long prompt: prefill
 verify: the one engine that holds it), or without costs the smallest engine that holds the
 input. Feed buffers are allocated once per engine and updated in place.
 
+A verify longer than every verify entry (a drafter that drafts past D at batch 1, a long
+suffix-decoding match: ``forward(..., verify=True)``) runs in one call of the smallest probe
+entry that holds it, padded as a short verify is, where one does and it fits the cache: its
+*long* sizes. Prefill and everything else never run a probe, so they cost and compute exactly as
+before.
+
 Some graphs take or give more than tokens: a chain drafter's graphs take a feature row per token
 (``inputs={DRAFT_FEATURES: [n, F]}``), and a target that feeds a hidden-state drafter returns its
 tapped hidden states when asked (``want=(AUX_HIDDEN_STATES,)``): rows are padded and sliced
@@ -47,7 +53,8 @@ class ModelRunner(TimedCalls):
                  cost_ms: dict[int, float] | None = None, in_place: frozenset[str] = frozenset(),
                  roles: Mapping[str, Role] | None = None, full_rows: bool = False):
         """``roles``: engine name -> its manifest role; engines of a non-decoding role (probes)
-        are only timed, never chosen by ``forward``. None: every engine decodes. ``full_rows``:
+        are only timed, never chosen by ``forward`` but for a long verify. None: every engine
+        decodes. ``cost_ms``: tokens -> ms of the engines (probes too: a long verify's price). ``full_rows``:
         a call's padding rows count as tokens (``valid_tokens`` = T; ModelEntry.full_rows), so
         that a row's result does not depend on how many rows were real."""
         self.name = name
@@ -59,9 +66,18 @@ class ModelRunner(TimedCalls):
         self._engines = [(t, e) for t, e in everything if roles is None or Role(roles[e.name]).decoding]
         if not self._engines:
             raise ValueError(f"model {name} has no engines to decode with")
+        # the widest verify entry (decode, verify, catchup; not prefill), and the probes wider than it
+        # that a longer verify runs in (runtime/policy.py drafts that deep only for a long drafter)
+        short = [t for t, e in everything if roles is None or Role(roles[e.name]) in _VERIFY_ROLES]
+        self.verify_limit = max(short, default=self._engines[0][0])
+        self._long = [(t, e) for t, e in everything
+                      if roles is not None and Role(roles[e.name]) is Role.PROBE and t > self.verify_limit]
+        self._long_ms = {t: (cost_ms or {}).get(t) for t, _ in self._long}
         # tokens -> ms of the cheapest pieces running them (None: no costs), the plan's own figures
         self._planned_ms: list[float] | None = None
-        self._first_piece = self._plan_pieces(monotone_costs(cost_ms or {}), cache.max_seq_len)
+        decoding = {t for t, _ in self._engines}
+        self._first_piece = self._plan_pieces(monotone_costs({t: ms for t, ms in (cost_ms or {}).items()
+                                                              if t in decoding}), cache.max_seq_len)
         # engines that update the cache in place (attention: ort-gqa) get it bound as their
         # present outputs and return only tokens (and logits); the others return the new K/V
         self._in_place = in_place
@@ -85,6 +101,23 @@ class ModelRunner(TimedCalls):
     def decoding_sizes(self) -> list[int]:
         """The token counts ``forward`` chooses from."""
         return [t for t, _ in self._engines]
+
+    @property
+    def long_sizes(self) -> list[int]:
+        """The probe sizes wider than every verify entry that a longer verify runs in (smallest first)."""
+        return [t for t, _ in self._long]
+
+    def verify_size(self, tokens: int) -> int:
+        """Token count of the engine a verify of ``tokens`` runs first (``forward(verify=True)``),
+        whatever the cache holds now."""
+        long = self._long_entry(tokens)
+        return long[0] if long is not None else self.engine_size(tokens)
+
+    def verify_ms(self, tokens: int) -> float | None:
+        """ms of a verify of ``tokens`` as ``forward(verify=True)`` runs it: ``planned_ms`` up to
+        the widest verify entry, past it the probe entry that holds it (None: unmeasured)."""
+        long = self._long_entry(tokens)
+        return self._long_ms[long[0]] if long is not None else self.planned_ms(tokens)
 
     def is_open(self, size: int) -> bool:
         """Whether the engine of ``size`` tokens holds a session (lazy engines open on first use)."""
@@ -148,7 +181,16 @@ class ModelRunner(TimedCalls):
             return size, self._by_size[size]
         return next(((t, e) for t, e in self._engines if t >= remaining), self._engines[-1])
 
-    def _pick(self, remaining: int) -> tuple[int, Engine]:
+    def _long_entry(self, tokens: int) -> tuple[int, Engine] | None:
+        """The smallest long size holding ``tokens``, for a verify wider than every verify entry."""
+        if tokens <= self.verify_limit:
+            return None
+        return next(((t, e) for t, e in self._long if t >= tokens), None)
+
+    def _pick(self, remaining: int, verify: bool = False) -> tuple[int, Engine]:
+        long = self._long_entry(remaining) if verify else None
+        if long is not None and (long[1].name not in self._in_place or long[0] <= self.cache.free):
+            return long  # one call; an in-place graph whose padding the cache cannot hold chunks instead
         choice = self._plan(remaining)
         if choice[1].name in self._in_place and choice[0] > self.cache.free:
             # an in-place (GroupQueryAttention) graph checks the padded length against the cache: take one that fits
@@ -164,9 +206,11 @@ class ModelRunner(TimedCalls):
         return [NEXT_TOKENS, *([LOGITS] if want_logits else []), *self._states, *want]
 
     def forward(self, tokens: Sequence[int], want_logits: bool = False,
-                inputs: Mapping[str, np.ndarray] | None = None, want: Sequence[str] = ()) -> StepOutput:
+                inputs: Mapping[str, np.ndarray] | None = None, want: Sequence[str] = (),
+                verify: bool = False) -> StepOutput:
         """``inputs``: extra per-token inputs, name -> [n, F] rows (padded with zeros);
-        ``want``: extra outputs to return in ``extras``, name -> [n, ...]."""
+        ``want``: extra outputs to return in ``extras``, name -> [n, ...]; ``verify``: a verify
+        pass, which may run a long size (the module docstring)."""
         n = len(tokens)
         if n > self.cache.free:
             raise ValueError(f"{self.name}: {n} tokens do not fit in the {self.cache.free} free cache slots")
@@ -180,7 +224,7 @@ class ModelRunner(TimedCalls):
         extra_parts: dict[str, list[np.ndarray]] = {name: [] for name in want}
         done = 0
         while done < n:
-            size, engine = self._pick(n - done)
+            size, engine = self._pick(n - done, verify)
             count = min(size, n - done)
             call = self._calls[size]
             # full rows: the padding's K/V lands past the length, never read
@@ -199,6 +243,9 @@ class ModelRunner(TimedCalls):
         next_tokens = _joined(next_parts)
         logits = _joined(logit_parts) if want_logits else None
         return StepOutput(next_tokens, logits, {name: _joined(parts) for name, parts in extra_parts.items()})
+
+
+_VERIFY_ROLES = frozenset({Role.DECODE, Role.VERIFY, Role.CATCHUP})  # the graphs a verify pass runs today
 
 
 def monotone_costs(cost_ms: Mapping[int, float | None]) -> dict[int, float | None]:

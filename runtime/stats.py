@@ -16,7 +16,7 @@ class DecodeStats:
     tokens: int = 0  # generated tokens
     proposed: int = 0  # draft tokens offered to the target
     accepted: int = 0  # draft tokens the target kept
-    accepted_at: list[int] = field(default_factory=list)  # [D] rounds that kept draft position i
+    accepted_at: list[int] = field(default_factory=list)  # [D] rounds that kept draft position i (longer past D)
     round_drafts: list[int] = field(default_factory=list)  # [rounds] drafts each round offered (a tree: its depth)
     round_accepted: list[int] = field(default_factory=list)  # [rounds] of them kept
     proposed_at: list[int] = field(default_factory=list)  # [D] rounds that offered position i
@@ -49,6 +49,9 @@ class DecodeStats:
         self.accepted += accepted
         self.round_drafts.append(proposed)
         self.round_accepted.append(accepted)
+        if proposed > len(self.proposed_at):  # a long drafter's round past D (runtime/policy.py)
+            grow = [0] * (proposed - len(self.proposed_at))
+            self.proposed_at, self.accepted_at = self.proposed_at + grow, self.accepted_at + grow
         for i in range(proposed):
             self.proposed_at[i] += 1
             self.accepted_at[i] += i < accepted

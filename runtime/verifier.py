@@ -47,7 +47,8 @@ class Verifier(Protocol):
 
 class ChainVerifier:
     """Chains through the target's own graphs (runtime/model.py): one row runs through its
-    slot's runner, more through the batched verify graph that holds the longest, right-padded."""
+    slot's runner (a chain past every verify entry in a long size, runtime/runner.py), more
+    through the batched verify graph that holds the longest, right-padded."""
 
     def __init__(self, target: Model):
         self.target = target
@@ -62,9 +63,9 @@ class ChainVerifier:
         feed = {r: (length, np.concatenate(([root], chain.tokens)), {})  # [1+k] root, then the drafts
                 for r, ((length, root), chain) in enumerate(zip(rows, proposals))}
         before = target.seconds
-        out = target.run(n, feed, want_logits, want)  # name -> [B, T, ...]
+        out = target.run(n, feed, want_logits, want, verify=True)  # name -> [B, T, ...]
         seconds = target.seconds - before
-        batch, width = target.graph(n, 1 + max(chain.size for chain in proposals))
+        batch, width = target.graph(n, 1 + max(chain.size for chain in proposals), verify=True)
         names = [NEXT_TOKENS, *([LOGITS] if want_logits else []), *want]  # not an append graph's presents
         return Verified([{name: out[name][r] for name in names} for r in range(n)], batch, width, seconds)
 

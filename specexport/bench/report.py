@@ -160,7 +160,9 @@ def plots(result: dict, out: Path) -> list[Path]:
         depth = max((len(r["acceptance_by_position"]) for r in rows), default=0)
         rates = []
         for i in range(depth):
-            values = [r["acceptance_by_position"][i] for r in rows if r["acceptance_by_position"][i] is not None]
+            # a long drafter's rows are as long as their deepest round (past D): the others end sooner
+            values = [r["acceptance_by_position"][i] for r in rows
+                      if i < len(r["acceptance_by_position"]) and r["acceptance_by_position"][i] is not None]
             rates.append(sum(values) / len(values) if values else None)
         xs = [i + 1 for i, v in enumerate(rates) if v is not None]
         ax.plot(xs, [v for v in rates if v is not None], "o-", label=drafter)

@@ -35,6 +35,8 @@ def predict_speedup(tokens: int, rounds: int, proposed_at: list[int], verify_ms:
     costs measured apart: verify_ms[k], the pass that verifies k drafts; draft_ms[k], drafting
     k tokens in one round (None: a drafter without engines)."""
     per_size = rounds_by_draft_size(rounds, proposed_at)
+    if len(per_size) > len(verify_ms):  # a long drafter's rounds past D: no cost measured apart for them
+        return None
     seconds = sum(n * (verify_ms[k] + (draft_ms[k] if draft_ms else 0.0)) for k, n in enumerate(per_size))
     return tokens * verify_ms[0] / seconds if seconds and tokens else None
 
@@ -63,9 +65,9 @@ def _per_prompt(records: list[dict], baseline: dict[str, dict], costs: dict,
         tps = _median([r["tokens"] / r["total_s"] for r in runs if r["total_s"]])
         base = baseline[prompt_id]
         el = tokens / rounds if rounds else 0.0
-        depth = len(runs[0]["accepted_at"])
-        accepted = [sum(r["accepted_at"][i] for r in runs) for i in range(depth)]
-        proposed = [sum(r["proposed_at"][i] for r in runs) for i in range(depth)]
+        depth = max(len(r["accepted_at"]) for r in runs)  # D, or more where a long drafter drafted past it
+        accepted = [sum(r["accepted_at"][i] for r in runs if i < len(r["accepted_at"])) for i in range(depth)]
+        proposed = [sum(r["proposed_at"][i] for r in runs if i < len(r["proposed_at"])) for i in range(depth)]
         trees = sum(r.get("tree_nodes", 0) for r in runs)
         # the equation's costs are a chain's: a run with tree rounds is not predicted
         predicted = None if trees else predict_speedup(tokens, rounds, proposed, costs["verify_ms"],

@@ -46,7 +46,14 @@ class MarkovRunner:
     def engine_size(self, tokens: int) -> int:
         return tokens
 
-    def forward(self, tokens, want_logits: bool = False, inputs=None, want=()) -> StepOutput:
+    def verify_size(self, tokens: int) -> int:
+        return tokens
+
+    @property
+    def long_sizes(self) -> list[int]:
+        return []
+
+    def forward(self, tokens, want_logits: bool = False, inputs=None, want=(), verify: bool = False) -> StepOutput:
         """As ModelRunner.forward: a ValueError past the cache; no input runs nothing (no call
         counted) and returns empty outputs of the usual dtypes."""
         tokens = [int(t) for t in tokens]

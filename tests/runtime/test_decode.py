@@ -125,7 +125,7 @@ def test_stats_agree_with_the_output(table, name):
 class _ClockedRunner(MarkovRunner):
     """A Markov runner whose every forward counts 1 s of engine time (a fake clock)."""
 
-    def forward(self, tokens, want_logits=False, inputs=None, want=()):
+    def forward(self, tokens, want_logits=False, inputs=None, want=(), verify=False):
         self.seconds += 1.0
         return super().forward(tokens, want_logits)
 

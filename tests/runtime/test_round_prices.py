@@ -92,7 +92,7 @@ class SleepyRunner(MarkovRunner):
 
     delay = 0.004
 
-    def forward(self, tokens, want_logits=False, inputs=None, want=()):
+    def forward(self, tokens, want_logits=False, inputs=None, want=(), verify=False):
         if len(tokens):
             time.sleep(self.delay)
         return super().forward(tokens, want_logits, inputs, want)

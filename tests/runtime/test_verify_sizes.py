@@ -39,8 +39,8 @@ def test_a_round_at_depth_k_runs_the_entry_of_1_plus_k_rows(tuned, monkeypatch):
     runner = pipe.target
     depth = pipe.manifest.draft_len
     picked = []  # (tokens asked, engine size run)
-    monkeypatch.setattr(runner, "_pick", lambda remaining, pick=runner._pick:
-                        picked.append((remaining, pick(remaining)[0])) or pick(remaining))
+    monkeypatch.setattr(runner, "_pick", lambda remaining, verify=False, pick=runner._pick:
+                        picked.append((remaining, pick(remaining, verify)[0])) or pick(remaining, verify))
     motif = [7, 21, 35, 49, 63]
     prompt = motif * 6  # the n-gram drafter finds continuations of every length
     alone = pipe.generate(prompt_ids=prompt, max_new_tokens=24, drafter="none")
