@@ -136,4 +136,3 @@ def test_a_long_draft_is_verified_only_where_its_expected_tokens_pay_for_the_lar
     for _ in range(slow.prices.window):
         slow.prices.observe(1, longest, 0.040)
     assert slow.best_depth(tag, longest, sunk=True) < longest
-    assert slow.best_depth(tag, longest, sunk=True) == longest  # the engines' figure alone: unchecked
