@@ -91,6 +91,7 @@ class RowExactness:
         self.fix = fix
         self.probes: list[Probe] = []
         self.applied: list[str] = []  # the pad each graph got
+        self.held = True  # False: the graphs are only observed, not held to agree (observe)
 
     def pad(self, model: onnx.ModelProto, max_seq_len: int, largest: tuple[int, int] | None = None) -> str:
         """Pad ``model`` in place as the probe says; returns the pad applied (PADS). ``largest``:
@@ -115,6 +116,16 @@ class RowExactness:
         self.applied.append(pad)
         return pad
 
+    def observe(self, model: onnx.ModelProto) -> Probe:
+        """Probe and record ``model``'s kernels without padding it or refusing it: a graph not held
+        to agree row for row (the quantized-self drafter: a drafter's rows do not decide the output)."""
+        prober = self.prober or kernel_probe.probe
+        probe = prober(kernels_in(model), self.threads, self.max_rows, self.max_tokens)
+        self.probes.append(probe)
+        self.applied.append("none")
+        self.held = False
+        return probe
+
     @property
     def least_pad(self) -> str:
         """The least any graph of the model was padded: what a CPU at load must not need more of."""
@@ -131,4 +142,5 @@ class RowExactness:
                 kernels.setdefault(kernel, row)
         threads = self.probes[0].threads if self.probes else self.threads  # what the sessions ran on
         return {"pad": self.least_pad, "threads": threads, "max_rows": self.max_rows,
-                "max_tokens": self.max_tokens, "cpu_flags": cpu_flags(), "kernels": list(kernels.values())}
+                "max_tokens": self.max_tokens, "cpu_flags": cpu_flags(), "kernels": list(kernels.values()),
+                **({} if self.held else {"held": False})}

@@ -28,7 +28,8 @@ def _exactness_lines(result: dict) -> list[str]:
     for model, summary in (result.get("exactness") or {}).items():
         exact = Counter(name.split(" ", 1)[0] for name in summary.get("agrees_alone", []))
         why = ("built before the probe" if not summary["probed"] else "; ".join(
-            ([f"exact alone: {', '.join(f'{n} {op}' for op, n in exact.items())}"] if exact else [])
+            ([] if summary.get("held", True) else ["a drafter not held to agree row for row"])
+            + ([f"exact alone: {', '.join(f'{n} {op}' for op, n in exact.items())}"] if exact else [])
             + ([f"differs alone: {'; '.join(summary['differs_alone'])}"] if summary["differs_alone"] else [])))
         flags = f"; CPU flags {', '.join(summary['cpu_flags'])}" if summary["cpu_flags"] else ""
         lines.append(f"Exactness: {model}'s one-token calls pad {summary['pad']} ({why}{flags}).")

@@ -128,3 +128,31 @@ def test_an_int8_head_on_this_cpu(tmp_path, monkeypatch):
     builder = _build_head(tmp_path, monkeypatch, None)
     record = builder.models["e"].exactness
     assert record["pad"] == "none" and all(k["one_row_equal"] and k["rows_equal"] for k in record["kernels"])
+
+
+# -- the quantized-self drafter: observed, never padded ---------------------------------------------
+
+def test_the_quantized_self_drafter_is_probed_and_recorded_but_not_padded(tmp_path, monkeypatch):
+    """Its rows do not decide the output: even where a matmul differs alone it is not padded, its
+    record says so (held: false), the load check leaves it alone, and bench reports it."""
+    from specexport.bench.report import _exactness_lines
+    from specexport.exporter.builder import build
+    from specexport.progress import Reporter
+    from specexport.runtime import load
+    from specexport.runtime.kernel_probe import model_exactness_summary
+
+    monkeypatch.setattr(kernel_probe, "probe", _forced("all"))
+    recipe = tiny_recipe(tmp_path / "r.yaml", attention="ort-gqa", drafters=[{"kind": "quantized-self"}], **TINY_SHAPE)
+    engines = tmp_path / "engines"
+    build(recipe, engines, False, Reporter(quiet=True))
+    info = _models(engines)["quantized-self"]
+    record = info["exactness"]
+    assert record["pad"] == "none" and record["held"] is False
+    assert "MatMulNBits" in {k["op"] for k in record["kernels"]}
+    outputs = {o for n in onnx.load(str(engines / "quantized-self.onnx"), load_external_data=False).graph.node
+               for o in n.output}
+    assert "input_ids__padded" not in outputs and "attnpad_pads" not in outputs
+    load(engines, threads=2).model("quantized-self")  # not held: no refusal however the CPU differs
+    line = _exactness_lines({"exactness": {"quantized-self": model_exactness_summary(info)}})[0]
+    assert line.startswith("Exactness: quantized-self's one-token calls pad none (a drafter not held to agree")
+    assert "differs alone: MatMulNBits" in line
