@@ -278,6 +278,8 @@ class Builder:
             graphs = graphs.every_verify_size()
         if quantizer is not None:  # its pad decided by this machine's kernels at the engine's largest call
             quantizer.exactness = RowExactness(name, self.threads, *self._largest_call(graphs))
+        # the int4 copy's kernels: probed and recorded for bench, never padded (a drafter's rows need not agree)
+        observed = RowExactness(int4[0], self.threads, *self._largest_call(int4[2])) if int4 is not None else None
         # ort-gqa trees: the target's one graph verifies trees too (its chain entries are fed a
         # chain's offsets and mask by the backend, contract.CHAIN_TREE_INPUTS), so trees cost no
         # second session and no second prepacked copy of the weights
@@ -312,6 +314,8 @@ class Builder:
                         drop_outputs(copy, {AUX_HIDDEN_STATES})  # the heads read the fp32 target's taps
                         quantized = quantize_int4(copy, q_spec.block_size, q_spec.symmetric, q_spec.accuracy_level,
                                                   keep_head=not q_spec.quantize_head)
+                        if observed is not None:
+                            observed.observe(quantized)
                         s.detail = f"{count_quantized(quantized)} MatMulNBits, block {q_spec.block_size}"
                     quantized = self._cast(quantized, precision, q_label)  # the target's cache type
                     self._save(tmp, q_name, tokens, "quantized-self", quantized, stores[q_name], q_graphs,
@@ -346,8 +350,9 @@ class Builder:
             untapped = {k: v for k, v in summary.items() if k != "taps"}  # its graphs dropped the taps
             quant = {"bits": q_spec.bits, "block_size": q_spec.block_size, "symmetric": q_spec.symmetric,
                      "accuracy_level": q_spec.accuracy_level, "quantized_head": q_spec.quantize_head}
+            probed = {"exactness": observed.record()} if observed is not None else {}
             self.models[q_name] = ModelEntry(q_name, "quantized-self", kv, vocab, f"{q_name}.weights",
-                                             self.recipe.attention, {**untapped, **quant}, state)
+                                             self.recipe.attention, {**untapped, **quant, **probed}, state)
 
     def _cast(self, proto: onnx.ModelProto, precision: str, label: str) -> onnx.ModelProto:
         """``proto`` in ``precision`` where that is fp16 or bf16 (exporter/low_precision.py); for

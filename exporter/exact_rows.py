@@ -32,6 +32,8 @@ PAD_REWRITES: dict[str, Callable[[onnx.ModelProto, int], None]] = {
 DESCRIPTIONS = {"none": "not padded (this CPU's kernels compute a row alone as in verify)",
                 "attention": "attention padded to two query rows",
                 "all": "padded to two rows"}
+# a drafter head's graph (exporter/heads/) has no pad rewrite: its probe must find nothing to pad
+HEAD_REWRITES = {"none": PAD_REWRITES["none"]}
 CPU_FLAGS = ("avx512_vnni", "avx512f", "avx_vnni", "avx2")  # what decides MLAS's kernels
 
 
@@ -71,31 +73,58 @@ def cpu_flags() -> list[str]:
 
 class RowExactness:
     """Pads each graph of one model as the build machine's kernels need, and records what it did.
-    ``prober``: kernel_probe.probe (a test passes its own verdicts)."""
+    ``prober``: kernel_probe.probe (a test passes its own verdicts). ``rewrites``: the pads this
+    kind of graph can take (PAD_REWRITES for a decoder's ort-gqa graphs, HEAD_REWRITES for a
+    head's); a verdict beyond them is refused in one line, whose fix is ``fix``."""
 
     def __init__(self, model: str, threads: int | None, max_rows: int, max_tokens: int,
-                 prober: Callable[..., Probe] | None = None):
+                 prober: Callable[..., Probe] | None = None,
+                 rewrites: dict[str, Callable[[onnx.ModelProto, int], None]] = PAD_REWRITES,
+                 label: str | None = None, fix: str = "use precision: fp32"):
         self.model = model
         self.threads = threads
         self.max_rows = max_rows
         self.max_tokens = max_tokens
         self.prober = prober
+        self.rewrites = rewrites
+        self.label = label or f"model '{model}' at this quantization"
+        self.fix = fix
         self.probes: list[Probe] = []
         self.applied: list[str] = []  # the pad each graph got
+        self.held = True  # False: the graphs are only observed, not held to agree (observe)
 
-    def pad(self, model: onnx.ModelProto, max_seq_len: int) -> str:
-        """Pad ``model`` in place as the probe says; returns the pad applied (PADS)."""
+    def pad(self, model: onnx.ModelProto, max_seq_len: int, largest: tuple[int, int] | None = None) -> str:
+        """Pad ``model`` in place as the probe says; returns the pad applied (PADS). ``largest``:
+        (rows, tokens) of this graph's largest call where it is not the model's (a head's graphs
+        differ); the record keeps the largest probed."""
+        if largest is not None:
+            self.max_rows, self.max_tokens = max(self.max_rows, largest[0]), max(self.max_tokens, largest[1])
+        rows, tokens = largest or (self.max_rows, self.max_tokens)
         prober = self.prober or kernel_probe.probe
-        probe = prober(kernels_in(model), self.threads, self.max_rows, self.max_tokens)
+        probe = prober(kernels_in(model), self.threads, rows, tokens)
         if probe.refusal is not None:
-            raise BadInput(f"recipe: model '{self.model}' at this quantization: {probe.refusal}")
+            raise BadInput(f"recipe: {self.label}: {probe.refusal}")
         pad = probe.pad
         if pad == "attention" and has_tree_inputs(model.graph):
             pad = "all"  # the attention pad handles chains; a tree graph takes row_pad's
-        PAD_REWRITES[pad](model, max_seq_len)
+        if pad not in self.rewrites:
+            differs = "; ".join(kernel_probe.describe(k) for k, agreed in probe.kernels if not agreed.one_row_equal)
+            raise BadInput(f"recipe: {self.label}: on this CPU a row alone differs from the same row in a "
+                           f"multi-row call ({differs}) and this graph has no pad that makes them agree: {self.fix}")
+        self.rewrites[pad](model, max_seq_len)
         self.probes.append(probe)
         self.applied.append(pad)
         return pad
+
+    def observe(self, model: onnx.ModelProto) -> Probe:
+        """Probe and record ``model``'s kernels without padding it or refusing it: a graph not held
+        to agree row for row (the quantized-self drafter: a drafter's rows do not decide the output)."""
+        prober = self.prober or kernel_probe.probe
+        probe = prober(kernels_in(model), self.threads, self.max_rows, self.max_tokens)
+        self.probes.append(probe)
+        self.applied.append("none")
+        self.held = False
+        return probe
 
     @property
     def least_pad(self) -> str:
@@ -113,4 +142,5 @@ class RowExactness:
                 kernels.setdefault(kernel, row)
         threads = self.probes[0].threads if self.probes else self.threads  # what the sessions ran on
         return {"pad": self.least_pad, "threads": threads, "max_rows": self.max_rows,
-                "max_tokens": self.max_tokens, "cpu_flags": cpu_flags(), "kernels": list(kernels.values())}
+                "max_tokens": self.max_tokens, "cpu_flags": cpu_flags(), "kernels": list(kernels.values()),
+                **({} if self.held else {"held": False})}

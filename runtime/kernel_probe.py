@@ -300,13 +300,29 @@ def check_engine(record: dict | None, threads: int | None, label: str, prober: P
     return None
 
 
-def exactness_summary(quantization: dict | None) -> dict | None:
+def exactness_summary(quantization: dict | None, unprobed_pad: str = "all") -> dict | None:
     """What a quantized model's manifest says its one-token calls pad, and which probed kernels
-    differ alone (bench's report); None for a model that is not quantized."""
+    agree alone and which differ (bench's report); None for a model that is not quantized.
+    ``unprobed_pad``: what an engine from before the probe pads (a target's graphs: all; a head's:
+    none)."""
     if quantization is None:
         return None
     record = quantization.get("exactness")
     if not record:
-        return {"pad": "all", "differs_alone": [], "cpu_flags": [], "probed": False}
-    return {"pad": record["pad"], "probed": True, "cpu_flags": record.get("cpu_flags", []),
-            "differs_alone": [describe(kernel_of(k)) for k in record["kernels"] if not k.get("one_row_equal", True)]}
+        return {"pad": unprobed_pad, "agrees_alone": [], "differs_alone": [], "cpu_flags": [], "probed": False}
+    kernels = [(describe(kernel_of(k)), k.get("one_row_equal", True)) for k in record["kernels"]]
+    return {"pad": record["pad"], "probed": True, "held": record.get("held", True),
+            "cpu_flags": record.get("cpu_flags", []),
+            "agrees_alone": [name for name, equal in kernels if equal],
+            "differs_alone": [name for name, equal in kernels if not equal]}
+
+
+def model_exactness_summary(info: dict) -> dict | None:
+    """exactness_summary of one manifest model's info: a quantized model's ``quantization`` (padded
+    in full before the probe), an int8 head's ``weights_quantized`` (never padded), or the
+    quantized-self drafter's observed record (never padded, not held to agree)."""
+    if "quantization" in info:
+        return exactness_summary(info["quantization"])
+    if "exactness" in info:
+        return exactness_summary(info)
+    return exactness_summary(info.get("weights_quantized"), unprobed_pad="none")

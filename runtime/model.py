@@ -301,7 +301,7 @@ def open_model(manifest: Manifest, model: str, backend: str, options: EngineOpti
         raise BadInput(f"{manifest.root}: model '{model}' has no {backend} graphs"
                        + (f" of roles {sorted(r.value for r in roles)}" if roles else ""))
     if backend == "onnxruntime" and options.device == "cpu":  # are this CPU's kernels as exact as the build's?
-        refusal = check_engine(info.info.get("quantization", {}).get("exactness"), options.threads,
+        refusal = check_engine(info.exactness, options.threads,
                                f"{manifest.root}: model '{model}'")
         if refusal is not None:
             raise BadInput(refusal)

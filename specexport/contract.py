@@ -513,6 +513,14 @@ class ModelEntry:
         return "quantization" in self.info
 
     @property
+    def exactness(self) -> dict | None:
+        """The build's probe of this model's quantized kernels (exporter/exact_rows.py): a
+        quantized model's ``quantization.exactness``, an int8 head's ``weights_quantized.exactness``;
+        None where none was recorded (not quantized, or built before the probe)."""
+        quantized = self.info.get("quantization") or self.info.get("weights_quantized") or {}
+        return quantized.get("exactness")
+
+    @property
     def one_token_rows(self) -> int:
         """Rows a one-token call of this model computes: 2 where its whole graph pads a one-token
         call (exporter/row_pad.py; the probe's "all", and every quantized engine from before the

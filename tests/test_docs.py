@@ -148,7 +148,7 @@ def test_recipe_page_renders_each_key_s_type_default_and_comment():
 
 # Maps keyed by data (drafter names) or written by other code (the manifest's plan, versions, a
 # peer's own settings): documented as a whole, not key by key.
-_OPAQUE = {"plan", "toolchain", "costs.draft_ms", "costs.draft_parts_ms", "peers[].settings"}
+_OPAQUE = {"plan", "toolchain", "costs.draft_ms", "costs.draft_parts_ms", "peers[].settings", "exactness"}
 
 
 def key_paths(data, prefix: str = "") -> set[str]:

@@ -21,6 +21,7 @@ import torch
 
 from specexport.backends import ONNXRUNTIME
 from specexport.contract import DrafterEntry, EngineEntry, KVUpdate, ModelEntry, Role, engine_name
+from specexport.exporter.exact_rows import HEAD_REWRITES, RowExactness
 from specexport.exporter.gpu_build import mark_host_nodes
 from specexport.exporter.onnx_export import WeightStore, tensor_specs
 from specexport.exporter.validate import reference_ids
@@ -75,6 +76,7 @@ class HeadContext:
     precision: str = "fp32"  # the drafter's `precision:`: int8 / int4 graphs read MatMulNBits weights
     _hidden: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict)
     _quantized: dict[str, Any] = field(default_factory=dict)  # what quantize_head_graph did, for the model entry
+    _exactness: RowExactness | None = None  # the probe of the quantized graphs' kernels (made at the first)
 
     @property
     def recipe(self):
@@ -123,7 +125,7 @@ class HeadContext:
         count -> role): a graph with a symbolic token count serves them all from one session.
         Returns engine name -> path."""
         path = self.tmp / f"{file_stem}.onnx"
-        proto = self._quantize(proto)
+        proto = self._quantize(proto, max(sizes))
         if self.recipe.device == "cuda":  # its host arithmetic may stay on the CPU (runtime/placement.py)
             proto = mark_host_nodes(proto)
         specs = {t: (tensor_specs(proto, "inputs", t), tensor_specs(proto, "outputs", t)) for t in sizes}
@@ -141,9 +143,11 @@ class HeadContext:
             paths[name] = path
         return paths
 
-    def _quantize(self, proto: onnx.ModelProto) -> onnx.ModelProto:
+    def _quantize(self, proto: onnx.ModelProto, tokens: int) -> onnx.ModelProto:
         """The graph at the drafter's precision (its inputs and outputs unchanged): every graph of
-        the head quantized alike, so the weights file holds each tensor once."""
+        the head quantized alike, so the weights file holds each tensor once. Its kernels are
+        probed on this machine at its largest call (``tokens`` rows, at every batch size): a
+        head's graph has no pad, so one whose row alone differs from verify's is refused."""
         if self.precision == "fp32":
             return proto
         from specexport.exporter.quantize import WeightQuant, quantize_head_graph
@@ -154,9 +158,18 @@ class HeadContext:
         with self.step("quantize", f"{self.name} graph ({self.precision})") as s:
             proto, done = quantize_head_graph(proto, spec)
             self._quantized = {**done, "matmuls": max(done["matmuls"], self._quantized.get("matmuls", 0))}
+            exactness = self._row_exactness()
+            exactness.pad(proto, self.max_seq_len, (tokens * max([1, *self.batches]), tokens))
             s.detail = (f"{done['matmuls']} MatMulNBits, block {spec.block_size}, embedding "
-                        f"{'8-bit blocks' if done['embedding_bits'] else 'fp32'}")
+                        f"{'8-bit blocks' if done['embedding_bits'] else 'fp32'}, one-row calls {exactness.describe()}")
         return proto
+
+    def _row_exactness(self) -> RowExactness:
+        if self._exactness is None:
+            self._exactness = RowExactness(self.name, self.threads, 1, 1, rewrites=HEAD_REWRITES,
+                                           label=f"drafter '{self.name}' at precision {self.precision}",
+                                           fix="use precision: fp32 for this drafter")
+        return self._exactness
 
     def save_batched(self, proto: onnx.ModelProto, path: Path, sizes: dict[int, Role], store: WeightStore,
                      kv_update: KVUpdate = KVUpdate.APPEND) -> dict[str, tuple[int, int]]:
@@ -179,8 +192,10 @@ class HeadContext:
 
     def add_model(self, entry: ModelEntry) -> None:
         if self._quantized:
+            probed = ({"one_row_calls": self._exactness.describe(), "exactness": self._exactness.record()}
+                      if self._exactness is not None else {})
             entry = replace(entry, info={**entry.info, "weights_quantized": {"precision": self.precision,
-                                                                            **self._quantized}})
+                                                                            **self._quantized, **probed}})
         self.builder.models[entry.name] = entry
 
     def record_parity(self, graph: str, figures: dict[str, Any], reference: str, precision: str = "fp32") -> None:

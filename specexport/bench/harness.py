@@ -330,15 +330,15 @@ def _run(pipe, options: BenchOptions, reporter, prompts: list[dict], drafters: l
                               draft_len=options.draft_len or pipe.manifest.draft_len)
 
     from specexport.bench.summary import summarize
-    from specexport.runtime.kernel_probe import exactness_summary
+    from specexport.runtime.kernel_probe import model_exactness_summary
     from specexport.runtime.memory import memory
 
     result = summarize(pipe, options, prompts, drafters, records, peer_records, skipped, costs, fixed_records)
     # the bench process (engines, caches; the peers run in processes of their own): peak and current RSS
     result["memory"] = memory()
     result["engine_costs"] = pipe.costs_source  # what adaptive depth read: "build" or "tuned (host, date)"
-    exactness = {name: exactness_summary(entry.info.get("quantization")) for name, entry in pipe.manifest.models.items()}
-    if any(exactness.values()):  # per quantized model: what its one-token calls pad, and why (kernel_probe)
+    exactness = {name: model_exactness_summary(entry.info) for name, entry in pipe.manifest.models.items()}
+    if any(exactness.values()):  # per quantized model or head: what its one-token calls pad, and why (kernel_probe)
         result["exactness"] = {name: summary for name, summary in exactness.items() if summary}
     if stores:
         result["suffix_stores"] = stores

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 from specexport import atomic
@@ -21,12 +22,15 @@ def _memory_line(result: dict) -> list[str]:
 
 
 def _exactness_lines(result: dict) -> list[str]:
-    """Per quantized model: what its one-token calls pad, as the build's probe of its kernels said."""
+    """Per quantized model (target, draft model, int8 head): what its one-token calls pad, and
+    which kernels the build's probe found exact alone (by op) and which not."""
     lines = []
     for model, summary in (result.get("exactness") or {}).items():
-        why = ("built before the probe" if not summary["probed"] else
-               f"differs alone: {'; '.join(summary['differs_alone'])}" if summary["differs_alone"] else
-               "every probed kernel agrees alone")
+        exact = Counter(name.split(" ", 1)[0] for name in summary.get("agrees_alone", []))
+        why = ("built before the probe" if not summary["probed"] else "; ".join(
+            ([] if summary.get("held", True) else ["a drafter not held to agree row for row"])
+            + ([f"exact alone: {', '.join(f'{n} {op}' for op, n in exact.items())}"] if exact else [])
+            + ([f"differs alone: {'; '.join(summary['differs_alone'])}"] if summary["differs_alone"] else [])))
         flags = f"; CPU flags {', '.join(summary['cpu_flags'])}" if summary["cpu_flags"] else ""
         lines.append(f"Exactness: {model}'s one-token calls pad {summary['pad']} ({why}{flags}).")
     return [*lines, ""] if lines else []

@@ -135,14 +135,22 @@ def test_this_cpus_probe_runs_every_kernel_once():
 
 def test_bench_says_what_each_quantized_model_pads_and_why():
     from specexport.bench.report import _exactness_lines
-    from specexport.runtime.kernel_probe import exactness_summary
+    from specexport.runtime.kernel_probe import model_exactness_summary
 
     record = {**_record("attention"), "cpu_flags": ["avx512_vnni"]}
     record["kernels"][1].update(one_row_equal=False)  # the attention differs alone
-    summaries = {"target": exactness_summary({"exactness": record}), "old": exactness_summary({"bits": 4}),
-                 "fp32": exactness_summary(None)}
+    head = {**_record("none"), "kernels": [kernel_record(MATMUL), kernel_record(QuantMatMul(48, 64, 8, 32, 4))]}
+    summaries = {"target": model_exactness_summary({"quantization": {"exactness": record}}),
+                 "old": model_exactness_summary({"quantization": {"bits": 4}}),
+                 "head": model_exactness_summary({"weights_quantized": {"bits": 8, "exactness": head}}),
+                 "old-head": model_exactness_summary({"weights_quantized": {"bits": 8}}),
+                 "fp32": model_exactness_summary({})}
     assert summaries["fp32"] is None
+    assert summaries["head"]["agrees_alone"] == [kernel_probe.describe(MATMUL),
+                                                 kernel_probe.describe(QuantMatMul(48, 64, 8, 32, 4))]
     lines = _exactness_lines({"exactness": {k: v for k, v in summaries.items() if v}})
-    assert lines[0] == ("Exactness: target's one-token calls pad attention (differs alone: GroupQueryAttention "
-                        "4/2 heads of 16; CPU flags avx512_vnni).")
+    assert lines[0] == ("Exactness: target's one-token calls pad attention (exact alone: 1 MatMulNBits; differs "
+                        "alone: GroupQueryAttention 4/2 heads of 16; CPU flags avx512_vnni).")
     assert lines[1] == "Exactness: old's one-token calls pad all (built before the probe)."
+    assert lines[2] == "Exactness: head's one-token calls pad none (exact alone: 2 MatMulNBits)."
+    assert lines[3] == "Exactness: old-head's one-token calls pad none (built before the probe)."
