@@ -41,6 +41,14 @@ def _session(model: bytes, threads: int | None):
     return ort.InferenceSession(model, session_options(ort, threads), providers=["CPUExecutionProvider"])
 
 
+def _matmul_agreement(kernel: QuantMatMul | FloatMatMul, threads: int | None, max_rows: int) -> Agreement:
+    """A matmul's rows [rows, K] alone against the same rows inside bigger calls."""
+    rng = np.random.default_rng(SEED)
+    session = _session(kernel.model(rng), threads)
+    x = rng.standard_normal((max(max_rows, 2), kernel.k)).astype(np.float32)  # [rows, K]
+    return _row_agreement(lambda rows: session.run(None, {"x": rows})[0], x)
+
+
 @dataclass(frozen=True)
 class QuantMatMul:
     """One MatMulNBits as a graph uses it: weight [K, N] in blocks of ``block_size``."""
@@ -70,10 +78,7 @@ class QuantMatMul:
                            [Value("y", "float32", ("rows", self.n))], weights)
 
     def agreement(self, threads: int | None, max_rows: int, max_tokens: int) -> Agreement:
-        rng = np.random.default_rng(SEED)
-        session = _session(self.model(rng), threads)
-        x = rng.standard_normal((max(max_rows, 2), self.k)).astype(np.float32)  # [rows, K]
-        return _row_agreement(lambda rows: session.run(None, {"x": rows})[0], x)
+        return _matmul_agreement(self, threads, max_rows)
 
 
 @dataclass(frozen=True)
@@ -92,10 +97,7 @@ class FloatMatMul:
                            [Value("y", "float32", ("rows", self.n))], {"w": weight})
 
     def agreement(self, threads: int | None, max_rows: int, max_tokens: int) -> Agreement:
-        rng = np.random.default_rng(SEED)
-        session = _session(self.model(rng), threads)
-        x = rng.standard_normal((max(max_rows, 2), self.k)).astype(np.float32)  # [rows, K]
-        return _row_agreement(lambda rows: session.run(None, {"x": rows})[0], x)
+        return _matmul_agreement(self, threads, max_rows)
 
 
 @dataclass(frozen=True)
