@@ -30,7 +30,8 @@ import numpy as np
 BLOCK = 32  # weights per block of Q4_0 and Q8_0
 # type name -> (bits, zero point, bytes per block)
 EXACT = {"Q4_0": (4, 8, 2 + BLOCK // 2), "Q8_0": (8, 128, 2 + BLOCK), "Q4_1": (4, 0, 4 + BLOCK // 2)}
-OFFSET_TYPES = ("Q4_1",)  # d · q + m: a float offset per block beside the codes
+OFFSET_TYPES = ("Q4_1",)
+DEFAULT_ZERO_POINT = {4: 8, 8: 128}  # MatMulNBits' zero point where a node has no zero-point input  # d · q + m: a float offset per block beside the codes
 WHY_NOT = {
     "Q5_0": "5-bit codes: the build makes 4- and 8-bit MatMulNBits only",
     "Q5_1": "5-bit codes: the build makes 4- and 8-bit MatMulNBits only",
@@ -62,6 +63,19 @@ class Blocks:
         if self.offsets is not None:
             values = values + self.offsets[:, :, None]
         return values.reshape(rows, cols)
+
+    def centered(self) -> Blocks:
+        """Q4_1's blocks at MatMulNBits' default 4-bit zero point: d·(q − 8) + (m + 8d), the same
+        weights (each is one rounding of the same sum), but a node with no zero-point input
+        runs about 40% faster on the CPU (a [576, 3072] call, AVX512-VNNI: 14 against 24 us;
+        scripts/int4_kernels.py --profile). Only where every m + 8d is exact in fp32; else self."""
+        if self.offsets is None or self.bits != 4 or self.zero_point != 0:
+            return self
+        shifted = self.offsets + np.float32(8) * self.scales  # [rows, cols / 32] fp32
+        exact = shifted.astype(np.float64) == self.offsets.astype(np.float64) + 8.0 * self.scales.astype(np.float64)
+        if not exact.all():
+            return self
+        return Blocks(self.name, self.type, self.bits, DEFAULT_ZERO_POINT[4], self.codes, self.scales, shifted)
 
 
 def tensor_kind(name: str) -> str:
