@@ -6,8 +6,8 @@ Two measurements, each printed as one JSON line per case:
    whether a row computed alone (the one-row kernel) equals the same row inside a call of 2, 3
    and 8 rows bit for bit, and the median cost of a call at each row count.
 2. ``graphs`` (with --graphs A.onnx B.onnx ...): the cost of one call of each decoder graph at
-   1, 2 and 3 tokens over a 200-token past, I/O bound as the runtime binds it (ours: the cache
-   in place; onnxruntime-genai's: past and present apart). A graph of ours pads a one-token
+   1, 2 and 3 tokens over a 200-token past, I/O bound as each runtime binds it (the cache in
+   place: ours, and onnxruntime-genai's with its past_present_share_buffer). A graph of ours pads a one-token
    call to two rows (exporter/row_pad.py); genai's takes the one-row kernel.
 
     .venv/bin/python scripts/int4_kernels.py
@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+GENAI_ROOM = 64  # genai's shared cache buffer: this many positions past the past
 
 
 def _median_us(run, repeats: int) -> float:
@@ -84,15 +86,15 @@ def _session(path: str, threads: int, profile: str | None = None):
 
 
 def _bound(session, path: str, tokens: int, past: int):
-    """An IOBinding for one call of ``tokens`` tokens over a ``past``-token cache, bound as the
-    runtime binds it (ours: the cache in place; onnxruntime-genai's: past and present apart).
+    """An IOBinding for one call of ``tokens`` tokens over a ``past``-token cache, bound as each
+    runtime binds it: the cache in place (ours; onnxruntime-genai's with past_present_share_buffer).
     Returns (binding, the arrays it reads, which must outlive it)."""
     import onnxruntime as ort
 
     from specexport.contract import CACHE_LENGTH, INPUT_IDS, PRESENT, VALID_TOKENS, present_of
 
     names = [i.name for i in session.get_inputs()]
-    genai = "attention_mask" in names  # onnxruntime-genai's export: past and present apart
+    genai = "attention_mask" in names  # onnxruntime-genai's export
     binding, keep = session.io_binding(), []
     for value in session.get_inputs():
         name = value.name
@@ -104,20 +106,22 @@ def _bound(session, path: str, tokens: int, past: int):
             array = np.array([past], dtype=np.int64)
         elif name == VALID_TOKENS:
             array = np.array([tokens], dtype=np.int64)
-        else:  # a past key or value: [1, n_kv, length, head_dim]
-            length = past if genai else int(value.shape[2])
+        else:  # a past key or value: [1, n_kv, length, head_dim], the present the same buffer
+            # (ours: the cache in place; genai's runtime: past_present_share_buffer, a buffer
+            # of its max length)
+            length = past + GENAI_ROOM if genai else int(value.shape[2])
             array = np.random.default_rng(0).random((1, int(value.shape[1]), length, _head_dim(path, value)),
                                                     dtype=np.float32) * 0.1
-            if not genai:  # ours: the present is the same buffer (the cache in place)
-                ortvalue = ort.OrtValue.ortvalue_from_numpy(array)
-                keep.append(ortvalue)
-                binding.bind_ortvalue_input(name, ortvalue)
-                binding.bind_ortvalue_output(present_of(name), ortvalue)
-                continue
+            ortvalue = ort.OrtValue.ortvalue_from_numpy(array)
+            keep.append(ortvalue)
+            binding.bind_ortvalue_input(name, ortvalue)
+            present = name.replace("past_key_values", "present") if genai else present_of(name)
+            binding.bind_ortvalue_output(present, ortvalue)
+            continue
         keep.append(array)
         binding.bind_cpu_input(name, array)
     for output in session.get_outputs():
-        if genai or not output.name.startswith(PRESENT):
+        if not output.name.startswith(PRESENT):
             binding.bind_output(output.name)
     return binding, keep
 
