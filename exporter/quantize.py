@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from specexport.exporter.gguf_blocks import BLOCK, Blocks, RowIndex
+from specexport.exporter.gguf_blocks import BLOCK, DEFAULT_ZERO_POINT, Blocks, RowIndex
 from specexport.exporter.graph_model import HEAD_WEIGHT
 from specexport.exporter.nbits_graph import lighten, node_source
 
@@ -80,6 +80,7 @@ def quantize_weights(model: onnx.ModelProto, spec: WeightQuant, heads: tuple[str
                 row["why"] = (f"{blocks.type} is {blocks.bits}-bit blocks of {BLOCK}; the recipe asks "
                               f"{attrs['bits']}-bit blocks of {attrs['block_size']}")
             else:
+                blocks = blocks.centered() if attrs["bits"] == 4 else blocks
                 _copy_blocks(model, node, inits, blocks)
                 row["kept"] = True
                 if blocks.offsets is not None:
@@ -219,9 +220,17 @@ def _copy_blocks(model: onnx.ModelProto, node: onnx.NodeProto, inits: dict, bloc
         zero = np.full((n, nb), blocks.zero_point, dtype=np.uint8)
     _set(inits, node.input[1], packed)
     _set(inits, node.input[2], scales.astype(np.float32))
-    if len(node.input) > 3 and node.input[3]:
+    default = blocks.zero_point == DEFAULT_ZERO_POINT[blocks.bits]
+    if len(node.input) > 3 and node.input[3] and default and blocks.bits == 4:
+        # no zero-point input: the kernel's faster path (gguf_blocks.Blocks.centered), same weights
+        model.graph.initializer.remove(inits.pop(node.input[3]))
+        if len(node.input) == 4:
+            del node.input[3]
+        else:  # g_idx or a bias follows: keep its position
+            node.input[3] = ""
+    elif len(node.input) > 3 and node.input[3]:
         _set(inits, node.input[3], zero)
-    elif blocks.zero_point != 1 << (blocks.bits - 1):  # a symmetric recipe's node: the default would be 2^(bits-1)
+    elif not default:  # a symmetric recipe's node: the default would be 2^(bits-1)
         name = f"{node.input[1]}_gguf_zero_points"
         model.graph.initializer.append(numpy_helper.from_array(zero, name))
         node.input.append(name)

@@ -38,6 +38,20 @@ def test_parsed_blocks_dequantize_as_gguf_does_bit_for_bit(kind):
     assert np.array_equal(tensor.blocks.dequantized(), values)
 
 
+def test_q4_1_centered_is_the_same_weights_at_the_default_zero_point():
+    """d·(q − 8) + (m + 8d) dequantizes to gguf's d·q + m bit for bit; where some m + 8d is not
+    exact in fp32 the blocks stay as they are (offsets unchanged)."""
+    _, tensor, values = gguf_tensor("Q4_1")
+    assert tensor.blocks is not None
+    centered = tensor.blocks.centered()
+    assert centered.zero_point == 8 and not np.array_equal(centered.offsets, tensor.blocks.offsets)
+    assert np.array_equal(centered.dequantized(), values)
+    blocks = tensor.blocks
+    tiny = Blocks(blocks.name, blocks.type, 4, 0, blocks.codes, blocks.scales * np.float32(2.0 ** -30),
+                  blocks.offsets)  # 8d far below m's last bit: m + 8d rounds
+    assert tiny.centered() is tiny
+
+
 def matmul_model(weight_kn: np.ndarray) -> onnx.ModelProto:
     """y = x @ W, x [1, T, K] (the graphs' rank), W [K, N] an initializer."""
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", K])
@@ -72,6 +86,9 @@ def test_a_graph_weight_keeps_its_gguf_blocks(kind, permuted):
     offsets = {r["weight"]: r["offsets"] for r in rows if "offsets" in r}
     assert ("Q4_1" == kind) == bool(offsets)
     assert np.array_equal(dequantized(model, offsets)["w"], weight.T)  # [K, N], bit for bit
+    node = next(n for n in model.graph.node if n.op_type == "MatMulNBits")
+    # 4-bit blocks at the default zero point 8 (Q4_1's centered) run with no zero-point input
+    assert (len(node.input) > 3 and bool(node.input[3])) == (kind == "Q8_0")
     x = np.random.default_rng(2).standard_normal((1, 3, K)).astype(np.float32)
     assert np.allclose(run(model, x), x @ weight.T, rtol=1e-4, atol=1e-4)
 
