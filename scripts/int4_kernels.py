@@ -115,8 +115,7 @@ def _bound(session, path: str, tokens: int, past: int):
             ortvalue = ort.OrtValue.ortvalue_from_numpy(array)
             keep.append(ortvalue)
             binding.bind_ortvalue_input(name, ortvalue)
-            present = name.replace("past_key_values", "present") if genai else present_of(name)
-            binding.bind_ortvalue_output(present, ortvalue)
+            binding.bind_ortvalue_output(present_of(name), ortvalue)  # genai names its cache as ours
             continue
         keep.append(array)
         binding.bind_cpu_input(name, array)

@@ -95,7 +95,7 @@ def test_runtime_never_imports_the_exporter_stack(tiny_engines):
     script = (
         "import sys\n"
         "from specexport.runtime import load\n"
-        f"pipe = load({str(engines)!r})\n"
+        f"pipe = load({str(engines)!r}, check_prices=False)\n"  # fixed prices: a seeded run's depths repeat
         "q = pipe.generate('Once upon a time', drafter='quantized-self', max_new_tokens=16)\n"
         "s = pipe.generate('Once upon a time', drafter='draft-model', max_new_tokens=16, temperature=0.8, seed=1)\n"
         "heavy = [m for m in ('torch', 'transformers', 'onnx', 'onnxscript', 'specexport.exporter') if m in sys.modules]\n"
@@ -109,7 +109,7 @@ def test_runtime_never_imports_the_exporter_stack(tiny_engines):
     # and what it computed there is right: greedy equals the target alone, sampling is seeded
     from specexport.runtime import load
 
-    pipe = load(engines)
+    pipe = load(engines, check_prices=False)
     ids = pipe.prompt_ids("Once upon a time")
     assert_lossless(pipe, ids, pipe.generate(prompt_ids=ids, max_new_tokens=16).token_ids, done["greedy"],
                     "fresh interpreter/quantized-self")

@@ -112,7 +112,9 @@ def test_logprobs_equal_the_target_alone_whole_and_streamed(server, alone):
         assert entry["bytes"] == list(entry["token"].encode())
     streamed = [e for c in stream_chat(server, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3)
                 for choice in c["choices"] if choice.get("logprobs") for e in choice["logprobs"]["content"]]
-    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content], abs=1e-6)
+    # two runs may verify a position at different depths (adaptive, by the clock): the same
+    # token, its logprob equal to float32's rounding
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content], abs=1e-4)
 
 
 def test_completions_logprobs_in_the_legacy_shape(server):
