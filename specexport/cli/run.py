@@ -37,7 +37,8 @@ from specexport.cli.output import noise_reported, print_json
 @click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 is off.")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="1 is off.")
-@click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible runs).")
+@click.option("--seed", type=int, default=None,
+              help="Seed for sampling: runs repeat with --fixed-prices or --fixed-depth (adaptive depth by the clock may choose other depths, and so other draws).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); it is cut from the output.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="onnxruntime intra-op threads.")
 @click.option("--backend", type=click.Choice(list(BACKENDS)), default=None,
