@@ -53,12 +53,17 @@ class NamedTensors:
     _tensors: Mapping[str, Any]
 
     @property
+    def _shape(self) -> tuple[int, ...]:
+        """[slots, n_kv, S_max, hd], read off the first tensor (a store of addresses says it)."""
+        return tuple(next(iter(self._tensors.values())).shape) if self._tensors else (0, 0, 0, 0)
+
+    @property
     def slots(self) -> int:
-        return next(iter(self._tensors.values())).shape[0] if self._tensors else 0
+        return self._shape[0]
 
     @property
     def max_seq_len(self) -> int:
-        return next(iter(self._tensors.values())).shape[2] if self._tensors else 0
+        return self._shape[2]
 
     @property
     def names(self) -> list[str]:

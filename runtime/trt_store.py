@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from specexport.contract import ModelEntry, past_names, present_of
-from specexport.runtime.cache_store import Written
+from specexport.runtime.cache_store import NamedTensors, Written
 from specexport.runtime.engine import EngineOptions
 from specexport.runtime.kv_cache import CacheLength
 from specexport.runtime.trt_engine import (
@@ -73,7 +73,7 @@ def runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return merged
 
 
-class DeviceStore:
+class DeviceStore(NamedTensors):
     """The cache tensors on the GPU: past name -> [slots, n_kv, S_max, hd] at ``pointers[name]``."""
 
     host_resident = False
@@ -104,20 +104,13 @@ class DeviceStore:
         return cls(cudart, pointers, tuple(shape), np.dtype(dtype), stream, owner=True)
 
     @property
-    def slots(self) -> int:
-        return self.shape[0]
+    def _tensors(self) -> dict[str, int]:
+        """Past name -> the address of its tensor (NamedTensors' names and presents)."""
+        return self.pointers
 
     @property
-    def max_seq_len(self) -> int:
-        return self.shape[2]
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.pointers)
-
-    @property
-    def presents(self) -> list[str]:
-        return [present_of(name) for name in self.pointers]
+    def _shape(self) -> tuple[int, ...]:
+        return self.shape
 
     def _at(self, name: str, row: int, position: int = 0) -> int:
         """Address of ``position`` of head 0 of ``row`` in tensor ``name``."""
