@@ -83,6 +83,7 @@ class DeviceStore(NamedTensors):
         """``owner``: this store allocated the memory and the stream (``slot`` views do not)."""
         self._cudart = cudart
         self.pointers = pointers
+        self._tensors = pointers  # NamedTensors' names and presents: the addresses stand for the tensors
         self.shape = shape  # [slots, n_kv, S_max, hd]
         self.dtype = dtype
         self.stream = stream
@@ -102,11 +103,6 @@ class DeviceStore(NamedTensors):
             cuda_call(cudart, "cudaMemset", pointers[name], 0, nbytes)
         stream = cuda_call(cudart, "cudaStreamCreateWithFlags", cudart.cudaStreamNonBlocking)
         return cls(cudart, pointers, tuple(shape), np.dtype(dtype), stream, owner=True)
-
-    @property
-    def _tensors(self) -> dict[str, int]:
-        """Past name -> the address of its tensor (NamedTensors' names and presents)."""
-        return self.pointers
 
     @property
     def _shape(self) -> tuple[int, ...]:
@@ -220,7 +216,7 @@ class DeviceStore(NamedTensors):
             return
         for ptr in self.pointers.values():
             self._cudart.cudaFree(ptr)
-        self.pointers = {}
+        self.pointers = self._tensors = {}
         self._cudart.cudaStreamDestroy(self.stream)
 
 
