@@ -230,3 +230,16 @@ def test_a_chain_round_is_priced_at_the_catch_up_entry_holding_its_rows(pipe):
     for k in range(depth + 1):
         expected = catchup[max(1 + k, 2)] + max(k - 1, 0) * 0.5
         assert drafter.round_cost(k, costs) == pytest.approx(expected / 1e3), k
+
+
+def test_a_long_gap_is_priced_as_the_catch_up_pieces_that_run(pipe):
+    """Rounds at depth 0 leave their rows to the next catch-up, which feeds more rows than the
+    largest catch-up entry holds in several calls: the resumed round is priced at those calls
+    (the runner's own plan), not at one entry whatever the gap (ChainDrafter.catchup_cost)."""
+    drafter = pipe.drafter("e-safe")
+    runner = drafter.catchup.runners[0]
+    largest = max(t for t in runner.decoding_sizes if runner.planned_ms(t))
+    long = 4 * largest  # a gap that takes four calls at least
+    cheapest = min(runner.planned_ms(t) for t in runner.decoding_sizes)  # ms of any one call
+    # four calls at least, less the one row a round without a gap feeds anyway
+    assert drafter.catchup_cost(long) * 1e3 >= 4 * cheapest - runner.planned_ms(1) - 1e-9 > 0
