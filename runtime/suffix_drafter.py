@@ -16,9 +16,9 @@ continuation of the longest match of the chain's end (the context and the drafts
 either index, the longer match first, so a chain goes on from whichever occurrence (or index)
 matches its end longest, not only down the one path its first match began (a chain crosses
 between the indexes in 6% of the repeated-structure workload's rounds). A chain stops before a
-draft whose path probability is below ``chain_min_prob``, 0.5 by default: where earlier responses disagree (a
-template's slot: a name, a city) a chain does not guess, while a tree keeps the lower
-``min_token_prob`` (its siblings hold the rest of the mass). With both rules and ``spec_factor``
+draft whose path probability is below ``chain_min_prob``, 0.5 by default: where earlier
+responses disagree (a template's slot: a name, a city) a chain does not guess, while a tree
+keeps the lower ``min_token_prob`` (its siblings hold the rest of the mass). With both rules and ``spec_factor``
 3 (2 before), replaying that workload (scripts/suffix_replay.py) predicts 1.25× n-gram's
 speedup, 1.21× before.
 
@@ -47,6 +47,9 @@ from specexport.runtime.tree import DraftTree
 
 if TYPE_CHECKING:
     from specexport.runtime.api import Pipeline
+
+OWN, STORE = 0, 1  # a chain's indexes: the request's own, the store's
+Step = tuple[int, float, Match]  # the next token after a match, its share, the match one token longer
 
 # Chain tags by match length: lengths from one of these up to the next share a tag (a few tags,
 # each seen often enough for its acceptance estimate to settle).
@@ -187,52 +190,36 @@ class SuffixDrafter(ChainsAndTrees):
         """A chain of at most ``depth`` drafts crossing between the slot's own index and the
         store's (the module docstring), and the match length it starts from; None: no match in
         either. Each draft is the most frequent continuation of the longest match of the chain's
-        end, the longer match first, then the larger share, then the request's own. Each index's
-        match moves one token on with the chain where it drafted the same token, else is looked
-        up again no longer than one past its last (a longer one would have matched before):
-        O(draft × match) a round, no scan."""
+        end, the longer match first, then the larger share, then the request's own: O(draft ×
+        match) a round (``_moved``), no scan."""
         settings = self.settings
         own = self._own[slot]
         assert own is not None
         store = self.store if self.store is not None and self.store.enabled else None
-        indexes = [own.index] if store is None else [own.index, store.index]
+        indexes = [own.index] if store is None else [own.index, store.index]  # [OWN, STORE]
         end = context[-settings.max_match :].tolist()  # [<= max_match] the chain's end, the longest pattern looked up
         matches: list[Match | None] = [index.longest(end, settings.max_match) for index in indexes]
         tokens: list[int] = []
         prob, size, matched, from_store = 1.0, depth, 0, False
         while len(tokens) < size:
-            steps: list[tuple[int, float, Match] | None] = []  # per index: (token, share, the match past it)
-            for i, (index, match) in enumerate(zip(indexes, matches)):
-                step = index.follow(match) if match is not None else None
-                if match is not None and step is None:  # the match ran to its document's end: a shorter one may go on
-                    match = matches[i] = index.longest(end, match.length - 1)
-                    step = index.follow(match) if match is not None else None
-                steps.append(step)
-            best: tuple[tuple[int, float, int], int, int, float] | None = None  # (rank, source, token, share)
-            for source, (match, step) in enumerate(zip(matches, steps)):
-                if match is not None and step is not None:
-                    rank = (match.length, step[1], -source)  # the longer match, the larger share, the request's own
-                    if best is None or rank > best[0]:
-                        best = (rank, source, step[0], step[1])
-            if best is None:
+            steps = _steps(indexes, matches, end)
+            ranked = [((match.length, step[1], -source), source) for source, (match, step) in enumerate(zip(matches, steps))
+                      if match is not None and step is not None]  # the longer match, the larger share, the request's own
+            if not ranked:
                 break
-            _, source, token, share = best
+            (length, _, _), source = max(ranked)
+            step = steps[source]
+            assert step is not None
+            token, share, _ = step
             prob *= share
             if prob < settings.chain_min_prob:
                 break
             if not tokens:  # SuffixDecoding's draft size, from the match the chain starts with
-                first = matches[source]
-                assert first is not None
-                matched = first.length
-                size = min(depth, math.ceil(settings.spec_factor * matched))
+                matched, size = length, min(depth, math.ceil(settings.spec_factor * length))
             tokens.append(token)
-            from_store |= source == 1
+            from_store = from_store or source == STORE
             end = end[1:] + [token] if len(end) == settings.max_match else end + [token]
-            for i, (index, match, step) in enumerate(zip(indexes, matches, steps)):
-                if step is not None and step[0] == token:
-                    matches[i] = step[2]
-                else:
-                    matches[i] = index.longest(end, 1 + (match.length if match is not None else 0))
+            matches = _moved(indexes, matches, steps, end, token)
         if store is not None:
             store.lookups += 1
             store.hits += from_store
@@ -246,6 +233,29 @@ class SuffixDrafter(ChainsAndTrees):
         size = min(nodes, math.ceil(self.settings.spec_factor * match.length))
         tokens, parents, probs = index.continuations(match, depth, size, top_k, self.settings.min_token_prob)
         return _Found(tokens, parents, probs, match.length, from_store) if tokens else None
+
+
+def _steps(indexes: list[SuffixIndex], matches: list[Match | None], end: list[int]) -> list[Step | None]:
+    """Each index's most frequent next token after its match of the chain's ``end`` (None: none).
+    A match whose path has ended (its document's end, the index depth) gives way, in
+    ``matches``, to the longest shorter one that goes on."""
+    steps = []
+    for i, (index, match) in enumerate(zip(indexes, matches)):
+        step = index.follow(match) if match is not None else None
+        if match is not None and step is None:
+            match = matches[i] = index.longest(end, match.length - 1)
+            step = index.follow(match) if match is not None else None
+        steps.append(step)
+    return steps
+
+
+def _moved(indexes: list[SuffixIndex], matches: list[Match | None], steps: list[Step | None], end: list[int],
+           token: int) -> list[Match | None]:
+    """Each index's longest match of the chain's ``end`` after it drafted ``token``: one token on
+    where that index's step was ``token``, else looked up again no longer than one past its last
+    match (a longer one would have been its last match)."""
+    return [step[2] if step is not None and step[0] == token else index.longest(end, 1 + (match.length if match else 0))
+            for index, match, step in zip(indexes, matches, steps)]
 
 
 def _tag_length(matched: int) -> int:
