@@ -110,8 +110,11 @@ class SuffixDrafterSpec(_Strict):
     name: str = "suffix"  # what --drafter and the manifest call it
     index_depth: int = Field(24, ge=2, le=256)  # tokens of each suffix indexed: the longest match plus its draft
     max_match: int = Field(12, ge=1)  # the longest end of the context looked up
-    spec_factor: float = Field(2.0, gt=0)  # at most this many draft tokens per matched token
-    min_token_prob: float = Field(0.1, ge=0.0, le=1.0)  # no draft node less likely than this (path probability)
+    spec_factor: float = Field(3.0, gt=0)  # at most this many draft tokens per matched token
+    min_token_prob: float = Field(0.1, ge=0.0, le=1.0)  # no tree node less likely than this (path probability)
+    # a chain stops before a draft less likely than this (path probability): where the store's
+    # earlier responses disagree (a template's slot) a chain does not guess
+    chain_min_prob: float = Field(0.5, ge=0.0, le=1.0)
     # the store of earlier responses, shared by a server's requests and a batch: its token budget
     # (the oldest responses are evicted beyond it; 0: no store, the request's own context only)
     store_tokens: int = Field(16384, ge=0)

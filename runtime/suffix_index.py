@@ -186,6 +186,15 @@ class SuffixIndex:
                     order += 1
         return tokens, parents, probs
 
+    def follow(self, match: Match) -> tuple[int, float, Match] | None:
+        """The most frequent token after ``match``: (the token, its share of what continues past
+        ``match``, the match one token longer); None where nothing follows. O(children)."""
+        steps = self._next_steps(match, 1)
+        if not steps:
+            return None
+        share, where = steps[0]
+        return self._token_at(where), share, where
+
     # -- internals ------------------------------------------------------------------------
     def _tail(self, node: int) -> array | None:
         """The unspelled rest below ``node`` (one suffix's), within the depth cap; None: none."""
@@ -222,6 +231,9 @@ class SuffixIndex:
         if not kids:
             return []
         total = sum(c for c, _ in kids)
+        if top_k == 1:  # a chain's step: the most frequent alone (max keeps the earlier sibling on a tie)
+            count, child = max(kids, key=lambda kid: kid[0])
+            return [(count / total, Match(child, where.length + 1, 0))]
         kids.sort(key=lambda kid: -kid[0])  # stable: earlier siblings first on a tie
         return [(c / total, Match(child, where.length + 1, 0)) for c, child in kids[:top_k]]
 

@@ -22,7 +22,7 @@ class ResponseStore:
         self.added = 0  # responses stored
         self.evicted = 0  # responses evicted for the budget
         self.lookups = 0  # rounds that looked in the store
-        self.hits = 0  # rounds whose draft came from it
+        self.hits = 0  # rounds whose draft came from it (a chain: took a token from it)
 
     @property
     def enabled(self) -> bool:

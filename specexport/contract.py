@@ -542,10 +542,11 @@ class DrafterParams:
     # suffix (runtime/suffix_drafter.py says what each does)
     index_depth: int = 24
     max_match: int = 12
-    spec_factor: float = 2.0
+    spec_factor: float = 3.0
     min_token_prob: float = 0.1
     store_tokens: int = 16384
     store_prompts: bool = False
+    chain_min_prob: float = 0.5
     # quantized-self (block_size also: block heads' block)
     bits: int | None = None
     block_size: int | None = None
@@ -582,7 +583,7 @@ class DrafterParams:
 
 _PARAM_TYPES: dict[str, type] = {
     "max_ngram": int, "min_ngram": int, "index_depth": int, "max_match": int, "spec_factor": float,
-    "min_token_prob": float, "store_tokens": int, "store_prompts": bool, "bits": int, "block_size": int, "symmetric": bool, "accuracy_level": int,
+    "min_token_prob": float, "store_tokens": int, "store_prompts": bool, "chain_min_prob": float, "bits": int, "block_size": int, "symmetric": bool, "accuracy_level": int,
     "quantize_head": bool, "layout": str, "drafts": int, "from_anchor": bool, "heads_file": str, "markov": str,
     "confidence_with_markov": bool, "confidence_threshold": float,
 }

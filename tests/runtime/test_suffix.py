@@ -48,6 +48,13 @@ def assert_counts_match(index: SuffixIndex, docs: list[list[int]], vocab: int) -
         tokens, _, probs = index.continuations(where, 1, 100, 100, 0.0)
         total = sum(want.values())
         assert dict(zip(tokens, probs)) == pytest.approx({t: n / total for t, n in want.items()}), pattern
+        step = index.follow(where)  # a chain's step: a most frequent continuation, one token further
+        assert (step is None) == (not want), pattern
+        if step is not None:
+            token, share, further = step
+            assert want[token] == max(want.values()) and share == pytest.approx(want[token] / total), pattern
+            assert further.length == len(pattern) + 1 and index.follow(further) == (
+                index.follow(index.find([*pattern, token])) if len(pattern) + 1 < index.depth else None), pattern
 
 
 def test_the_index_counts_every_continuation_as_a_brute_force_count():
@@ -113,6 +120,60 @@ def test_a_finished_response_drafts_the_next_request_with_a_size_from_its_match(
         (chain,) = drafter.propose([row([9, 9, 9, *response[:n]], 3)], DraftBudget([8]))
         assert chain.tokens.tolist() == response[n : 2 * n] and chain.tag == f"suffix/m{n}"
     assert drafter.store.hits == 3
+
+
+def drafter_over(responses: list[list[int]], prompt: list[int], **settings) -> SuffixDrafter:
+    """A suffix drafter whose store holds ``responses``, joined by a request of ``prompt``."""
+    store = ResponseStore(1000, 16)
+    for response in responses:
+        store.add(response)
+    drafter = SuffixDrafter("suffix", SuffixSettings(index_depth=16, max_match=8, **settings), store, slots=1)
+    drafter.join(0, np.array(prompt), {})
+    return drafter
+
+
+def test_a_chain_is_matched_again_past_the_end_of_its_first_match():
+    # "5 6" matches only the first response, which ends after "7 8"; matched again, the chain's
+    # end "7 8" goes on in the second (following the first match's path alone stops at 2 drafts)
+    drafter = drafter_over([[5, 6, 7, 8], [7, 8, 9, 10, 11]], [1, 2, 3])
+    (chain,) = drafter.propose([row([1, 2, 3, 5, 6], 3)], DraftBudget([8]))
+    assert chain.tokens.tolist() == [7, 8, 9, 10, 11] and chain.tag == "suffix/m2"
+
+
+def test_a_chain_crosses_from_the_store_into_the_requests_own_input():
+    # the store knows the template's "20 21 22" (its response ends there); the request's prompt
+    # has its input after "21 22": once the store's match runs out, the chain goes on in the
+    # prompt, where the longest match of its end now is
+    prompt = [1, 21, 22, 40, 41, 42, 2]
+    drafter = drafter_over([[20, 21, 22]], prompt, spec_factor=5.0)
+    (chain,) = drafter.propose([row([*prompt, 9, 20], len(prompt))], DraftBudget([8]))
+    assert chain.tokens.tolist() == [21, 22, 40, 41, 42]  # 5: spec_factor x the 1-token match it began with
+    assert chain.tag == "suffix/m1" and drafter.store.hits == 1 and drafter.store.lookups == 1
+    (chain,) = drafter.propose([row([*prompt, 9, 20], len(prompt))], DraftBudget([3]))
+    assert chain.tokens.tolist() == [21, 22, 40]  # within the round's depth
+
+
+def test_a_chain_drafts_from_the_longer_match_before_the_surer_one():
+    # the request's "7 8" went on as "1" and as "2" (half each); the store's "8" always as "5"
+    prompt = [7, 8, 1, 7, 8, 2, 3]
+    drafter = drafter_over([[8, 5]], prompt)
+    (chain,) = drafter.propose([row([*prompt, 7, 8], len(prompt))], DraftBudget([1]))
+    assert chain.tokens.tolist() in ([1], [2]) and chain.tag == "suffix/m2"
+
+
+def test_a_chain_stops_at_a_slot_where_a_tree_branches():
+    # three earlier responses differ in one slot (50, 60, 70): a chain stops before it (a third
+    # of the mass each, under chain_min_prob), a tree holds every value
+    responses = [[10, 11, 12, v, 13, 14] for v in (50, 60, 70)]
+    context = [1, 2, 10, 11]
+    drafter = drafter_over(responses, [1, 2])
+    (chain,) = drafter.propose([row(context, 2)], DraftBudget([8]))
+    assert chain.tokens.tolist() == [12]
+    (tree,) = drafter.propose([row(context, 2)], DraftBudget([3], nodes=5, top_k=3))
+    assert tree.tokens[0] == 12 and sorted(tree.tokens[1:4].tolist()) == [50, 60, 70]
+    guessing = drafter_over(responses, [1, 2], chain_min_prob=0.1)
+    (chain,) = guessing.propose([row(context, 2)], DraftBudget([8]))
+    assert chain.tokens[0] == 12 and chain.tokens[1] in (50, 60, 70) and chain.tokens[2:].tolist() == [13, 14]
 
 
 def test_a_tree_ranks_continuations_by_their_counts():

@@ -1,0 +1,65 @@
+"""scripts/suffix_replay.py: the replay's verify prices, its rounds over a greedy output that
+repeats an earlier one (the store drafts it whole), the oracle cut as the bound on the policy's,
+and a bad variant as one line naming the field."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from specexport.runtime.drafters import NgramDrafter
+from specexport.runtime.suffix_drafter import SuffixDrafter, SuffixSettings
+from specexport.runtime.suffix_store import ResponseStore
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "suffix_replay.py"
+COSTS = {1: 0.010, 2: 0.011, 3: 0.012, 6: 0.014, 8: 0.016, 16: 0.020}  # seconds by verify tokens
+
+
+@pytest.fixture(scope="module")
+def replay():
+    spec = importlib.util.spec_from_file_location("suffix_replay", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["suffix_replay"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def rows() -> list[dict]:
+    """Two requests of one task: the second's answer repeats the first's (a template)."""
+    answer = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]
+    return [{"id": f"t-{n}", "category": "task", "prompt": [1, 2, 3 + n], "output": answer} for n in range(2)]
+
+
+def test_a_verify_is_priced_at_the_smallest_entry_holding_it(replay):
+    cost = replay.padded(COSTS)
+    assert [cost(t) for t in (1, 4, 6, 7, 16)] == [0.010, 0.014, 0.014, 0.016, 0.020]
+    assert cost(17) is None
+
+
+def test_the_store_drafts_a_repeated_answer_and_the_oracle_bounds_the_cut(replay):
+    cost = replay.padded(COSTS)
+
+    def suffix():
+        settings = SuffixSettings(store_tokens=1000)
+        return SuffixDrafter("suffix", settings, ResponseStore(1000, settings.index_depth), 1)
+
+    alone = replay.replay(suffix(), rows()[:1], cost, 5, 15, False)["task"]
+    both = replay.replay(suffix(), rows(), cost, 5, 15, False)["task"]
+    # the second answer drafted from the first's in the store: 3 tokens a round at least
+    second_rounds = both.rounds - alone.rounds
+    assert (alone.tokens, both.tokens) == (12, 24) and (both.tokens - alone.tokens) / second_rounds >= 3
+    assert second_rounds < alone.rounds
+    oracle = replay.replay(suffix(), rows(), cost, 5, 15, True)["task"]
+    assert oracle.speedup >= both.speedup > 1.0
+    ngram = replay.replay(NgramDrafter("ngram", 3, 1), rows(), cost, 5, 15, False)["task"]
+    assert ngram.rounds > both.rounds  # prompt lookup has no store: the repeat is new to it
+
+
+def test_a_variant_sets_suffix_fields_and_a_bad_one_names_the_field(replay):
+    settings = replay.suffix_variant("spec_factor=2,store_prompts=true,max_match=8", 0)
+    assert (settings.spec_factor, settings.store_prompts, settings.max_match, settings.store_tokens) == (2.0, True, 8, 0)
+    with pytest.raises(SystemExit, match="'spec_facter' is not a suffix setting"):
+        replay.suffix_variant("spec_facter=2", 0)
