@@ -1,0 +1,56 @@
+"""The calibration's depth from a hybrid target's own verify curve (issue 54, item 4).
+
+A hybrid (linear-attention) graph outputs its recurrent state after every position
+(present_state.* [B, T, ...]), so its pass grows with the verify width faster than a dense
+model's of the same size (docs/results.md, "Hybrid targets batched":
+scripts/hybrid_verify_curve.py measured 1.77x at T = 8 against 1.43x). `plan --calibrate`
+times the hybrid's own graphs, state outputs included, and chooses D from that curve."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specexport.bench.calibrate import choose, predict
+from specexport.contract import STATE_PRESENT
+
+DEPTH = 7
+# two categories, draft i kept in 0.8^i and 0.6^i of the rounds: the same acceptance for every curve
+PROFILES = {("ngram", "code"): 0.8 ** np.arange(1, DEPTH + 1), ("ngram", "chat"): 0.6 ** np.arange(1, DEPTH + 1)}
+DENSE_SLOPE = 0.06  # a dense pass's growth per extra token, against one token (the measured 1.43x at T = 8)
+
+
+def _curve(state_per_position: float) -> dict[int, float]:
+    """Seconds of a pass of T tokens at the probe widths 1, 2, 4, 8: the dense model's growth
+    and, for a hybrid, the state it writes out per position on top."""
+    return {t: 1e-3 * (1 + (DENSE_SLOPE + state_per_position) * (t - 1)) for t in (1, 2, 4, 8)}
+
+
+def _calibrated_depth(curve: dict[int, float]) -> int:
+    return choose(predict(curve, PROFILES, {}, DEPTH))["draft_len"]
+
+
+def test_a_steeper_verify_curve_gets_a_smaller_depth():
+    dense = _calibrated_depth(_curve(0.0))
+    hybrid = _calibrated_depth(_curve(0.05))  # about the measured hybrid: 1.77x at T = 8
+    assert hybrid < dense
+    # the more state a position writes out, the shallower: never deeper, and down to D = 1
+    depths = [_calibrated_depth(_curve(s)) for s in (0.0, 0.02, 0.05, 0.1, 0.2, 0.5)]
+    assert depths == sorted(depths, reverse=True) and depths[-1] == 1 < depths[0]
+
+
+def test_the_hybrid_s_timed_pass_writes_out_its_state(tiny_engines):
+    """The curve the calibration reads (runner.time_run, as bench and tune time it) is of the
+    hybrid's pass with every present_state.* output fetched, as a verify round fetches it: a
+    timing without them would price the hybrid as a dense model."""
+    from specexport.runtime import load
+    pipe = load(tiny_engines.for_arch("qwen3_5", "standard"))
+    runner = pipe.target
+    widest = max(runner.sizes)
+    asked: list[str] = []
+    call = runner._calls[widest]
+    real_time = call.time
+    call.time = lambda outputs: (asked.extend(outputs), real_time(outputs))[1]  # type: ignore[method-assign]
+    assert runner.time_run(widest) > 0
+    entry = next(e for e in pipe.manifest.engines_of("target", pipe.backend_of("target")) if e.tokens == widest)
+    states = [name for name in entry.outputs if name.startswith(STATE_PRESENT + ".")]
+    assert states and set(states) <= set(asked)
