@@ -54,3 +54,21 @@ def test_the_hybrid_s_timed_pass_writes_out_its_state(tiny_engines):
     entry = next(e for e in pipe.manifest.engines_of("target", pipe.backend_of("target")) if e.tokens == widest)
     states = [name for name in entry.outputs if name.startswith(STATE_PRESENT + ".")]
     assert states and set(states) <= set(asked)
+
+
+def test_a_batched_surface_of_static_graphs_prices_each_width_at_the_graph_that_runs_it(tiny_engines):
+    """Static graphs (standard attention; a hybrid's recurrence unrolled over T, whatever its
+    attention) have no size between the built ones: t(B, 1+k) is the built graph the batched
+    loop runs 1+k tokens in (Model.graph), so K(B) reads the cost the loop pays."""
+    from specexport.bench.calibrate import measure_surface
+    from specexport.runtime import load
+    from tests.conftest import TINY_SHAPE
+
+    engines = tiny_engines.get("llama", drafters=("ngram",), attention="standard", batch=(1, 2), max_draft=3,
+                               **TINY_SHAPE)
+    pipe = load(engines, threads=1)
+    surface = measure_surface(pipe, [1, 2], depth=3, rounds=2, accept_noise=True)
+    assert set(surface) == {(b, t) for b in (1, 2) for t in range(1, 5)}
+    assert all(seconds > 0 for seconds in surface.values())
+    # batch 2 has graphs of 1 and 4 tokens: 2, 3 and 4 tokens a row all run the 4-token one
+    assert surface[(2, 2)] == surface[(2, 3)] == surface[(2, 4)]
