@@ -26,11 +26,12 @@ class HostStateStore:
     """The states in host memory: past_state name -> [rows, ...], and per row its kept states
     (views into the graphs' outputs, never copied: an engine returns new arrays every run)."""
 
-    def __init__(self, states: dict[str, np.ndarray], keep: int):
+    def __init__(self, states: dict[str, np.ndarray], keep: int, kept: list[Kept] | None = None):
+        """``kept``: each row's kept states, shared with the store this is a slot of (``slot``)."""
         self._states = states
         self.keep = keep
         self._presents = {name: state_present_of(name) for name in states}
-        self._kept: list[Kept] = [{} for _ in range(self.slots)]
+        self._kept: list[Kept] = kept if kept is not None else [{} for _ in range(self.slots)]
         self._rows: dict[int, dict[str, np.ndarray]] = {}  # B -> views of the first B rows, made once
 
     @classmethod
@@ -46,6 +47,12 @@ class HostStateStore:
     def presents(self) -> list[str]:
         """The present_state.* outputs every graph run over these rows must return."""
         return list(self._presents.values())
+
+    def slot(self, slot: int) -> HostStateStore:
+        """Row ``slot`` as a store of one row: views of this store's arrays and the same kept
+        states (a slot's batch-1 runner and the batched calls see one row)."""
+        return HostStateStore({name: array[slot : slot + 1] for name, array in self._states.items()},  # [1, ...]
+                              self.keep, [self._kept[slot]])
 
     def rows(self, batch: int | None = None) -> dict[str, np.ndarray]:
         """The past_state.* feeds of a graph over the first ``batch`` rows (None: all): views, the
@@ -64,9 +71,10 @@ class HostStateStore:
             for t in range(count):
                 kept[length + t + 1] = {past: out[present][row, t] for past, present in self._presents.items()}
             end = length + count
-            self._select(row, end)
-            for position in [p for p in kept if p < end - self.keep]:
+            # those past the end are another path's (a row fed from a shorter length)
+            for position in [p for p in kept if p < end - self.keep or p > end]:
                 del kept[position]
+            self._select(row, end)
 
     def reaches(self, row: int, length: int) -> bool:
         """Can row ``row`` be set to ``length`` (a kept position, or 0)?"""
@@ -76,14 +84,20 @@ class HostStateStore:
         """Row ``row`` holds the state after its first ``length`` tokens from now on (only ever
         fewer than were written); the states after later positions are forgotten."""
         self._check(row, length)
-        self._kept[row] = {p: s for p, s in self._kept[row].items() if p <= length}
-        self._select(row, length)
+        kept = self._kept[row]  # in place: a slot's view shares the dict
+        later = [p for p in kept if p > length]
+        for position in later:
+            del kept[position]
+        if later:  # else the row holds the state after its last kept position already (``_select``)
+            self._select(row, length)
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Row ``dst`` takes row ``src``'s state after ``length`` tokens, and the states kept
         before it (a row left: the last moves in)."""
         self._check(src, length)
-        self._kept[dst] = {p: s for p, s in self._kept[src].items() if p <= length}
+        taken = {p: s for p, s in self._kept[src].items() if p <= length}
+        self._kept[dst].clear()  # in place: a slot's view shares the dict
+        self._kept[dst].update(taken)
         self._select(dst, length)
 
     def _check(self, row: int, length: int) -> None:
@@ -93,7 +107,8 @@ class HostStateStore:
 
     def _select(self, row: int, length: int) -> None:
         """Make row ``row`` of the past_state.* feeds the state after ``length`` tokens (in place:
-        the graph calls' feed dicts hold these arrays)."""
+        the graph calls' feed dicts hold these arrays). Every verb ends here with ``length`` the
+        row's last kept position (or 0 and none kept), so a row always holds that state."""
         kept = self._kept[row].get(length)
         for name, array in self._states.items():  # [slots, ...]
             if kept is None:  # length 0: the empty state
