@@ -9,9 +9,11 @@ times the hybrid's own graphs, state outputs included, and chooses D from that c
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from specexport.bench.calibrate import choose, predict
 from specexport.contract import STATE_PRESENT
+from tests.conftest import TINY_SHAPE
 
 DEPTH = 7
 # two categories, draft i kept in 0.8^i and 0.6^i of the rounds: the same acceptance for every curve
@@ -56,19 +58,30 @@ def test_the_hybrid_s_timed_pass_writes_out_its_state(tiny_engines):
     assert states and set(states) <= set(asked)
 
 
-def test_a_batched_surface_of_static_graphs_prices_each_width_at_the_graph_that_runs_it(tiny_engines):
+@pytest.fixture(scope="module")
+def standard_batched_llama(tiny_engines):
+    return tiny_engines.get("llama", drafters=("ngram",), attention="standard", batch=(1, 2), max_draft=3, **TINY_SHAPE)
+
+
+@pytest.mark.parametrize("build", ["standard_batched_llama", "batched_hybrid", "batched_hybrid_in_place"])
+def test_a_batched_surface_of_static_graphs_prices_each_width_at_the_graph_that_runs_it(build, request):
     """Static graphs (standard attention; a hybrid's recurrence unrolled over T, whatever its
-    attention) have no size between the built ones: t(B, 1+k) is the built graph the batched
-    loop runs 1+k tokens in (Model.graph), so K(B) reads the cost the loop pays."""
+    attention: the qwen3_next build is ort-gqa) have no size between the built ones: t(B, 1+k)
+    is the built graph the batched loop runs 1+k tokens in (Model.graph), so K(B) reads the
+    cost the loop pays, a hybrid's state outputs included."""
     from specexport.bench.calibrate import measure_surface
     from specexport.runtime import load
-    from tests.conftest import TINY_SHAPE
 
-    engines = tiny_engines.get("llama", drafters=("ngram",), attention="standard", batch=(1, 2), max_draft=3,
-                               **TINY_SHAPE)
-    pipe = load(engines, threads=1)
-    surface = measure_surface(pipe, [1, 2], depth=3, rounds=2, accept_noise=True)
-    assert set(surface) == {(b, t) for b in (1, 2) for t in range(1, 5)}
+    pipe = load(request.getfixturevalue(build), threads=1)
+    depth = pipe.manifest.plan["draft_len"]
+    batches = pipe.manifest.batch_sizes("target")
+    surface = measure_surface(pipe, batches, depth, rounds=2, accept_noise=True)
+    assert set(surface) == {(b, t) for b in batches for t in range(1, depth + 2)}
     assert all(seconds > 0 for seconds in surface.values())
-    # batch 2 has graphs of 1 and 4 tokens: 2, 3 and 4 tokens a row all run the 4-token one
-    assert surface[(2, 2)] == surface[(2, 3)] == surface[(2, 4)]
+    for batch in batches[1:]:  # e.g. graphs of 1 and 1+D tokens (and a catch-up's 2): 3..1+D run the 1+D one
+        built = sorted(e.tokens for e in pipe.manifest.engines_of("target", "onnxruntime", batch=batch)
+                       if e.role.decoding)
+        for tokens in range(1, depth + 2):
+            runs_in = min(w for w in built if w >= tokens)
+            assert surface[(batch, tokens)] == surface[(batch, runs_in)]
+        assert len({surface[(batch, t)] for t in range(1, depth + 2)}) == len([w for w in built if w <= depth + 1])
