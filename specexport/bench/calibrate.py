@@ -290,7 +290,11 @@ def schedule_table(surface: dict[tuple[int, int], float], profiles: dict, draft_
             ratios = []
             for (drafter, category), cum in cells.items():
                 expected = 1.0 + float(np.sum(cum[:k]))
-                seconds = surface[(batch, 1 + k)] + (draft_rounds[drafter][batch][k] if drafter in draft_rounds else 0.0)
+                # k = 0 is the target alone: a drafter that does not draft at B pays nothing there
+                # (round_cost(0), the catch-up a skipped round costs later, prices one skipped round
+                # between drafting ones, not a batch size at which nobody drafts)
+                drafting = draft_rounds[drafter][batch][k] if drafter in draft_rounds and k else 0.0
+                seconds = surface[(batch, 1 + k)] + drafting
                 ratio = batch * expected / seconds / alone
                 per_cell[f"{drafter}/{category}"].append(ratio)
                 ratios.append(ratio)

@@ -85,3 +85,18 @@ def test_a_batched_surface_of_static_graphs_prices_each_width_at_the_graph_that_
             runs_in = min(w for w in built if w >= tokens)
             assert surface[(batch, tokens)] == surface[(batch, runs_in)]
         assert len({surface[(batch, t)] for t in range(1, depth + 2)}) == len([w for w in built if w <= depth + 1])
+
+
+def test_depth_zero_at_a_batch_size_is_the_target_alone_whatever_the_drafter_s_skip_costs():
+    """A draft model's round at k = 0 (Drafter.round_cost(0): the catch-up a skipped round costs
+    later) is not paid at a batch size that never drafts: there k = 0 is the target alone, 1.0x,
+    and a drafter that loses at every depth gets K(B) = 0 (on the tiny hybrid bench the int4
+    copy's skip cost made K(B) = 1 at 0.86x; docs/results.md, "Hybrid targets batched")."""
+    from specexport.bench.calibrate import schedule_table
+
+    surface = {(b, t): (10 + t) / 1e3 for b in (1, 4) for t in range(1, 4)}  # ms: 11, 12, 13
+    steps = {"model": {b: [0.011, 0.011, 0.022] for b in (1, 4)}}  # a step as dear as the target's
+    table = schedule_table(surface, {("model", "chat"): np.array([0.3, 0.1])}, steps, depth=2, batches=[1, 4])
+    for row in table:
+        assert row["speedup_by_depth"][0] == 1.0
+        assert row["depth"] == 0 and max(row["speedup_by_depth"][1:]) < 1.0
