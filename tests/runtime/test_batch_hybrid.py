@@ -5,6 +5,8 @@ output: greedy token for token, and seeded sampled draw for draw (each row its o
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -67,3 +69,56 @@ def test_six_seeded_sampled_requests_through_four_slots_draw_as_alone(batched_hy
     together = through_four_slots(pipe, drafter, temperature=0.3, top_k=2, schedule=False, adaptive=False)
     assert [g.tokens for g in together] == alone(pipe, drafter, temperature=0.3, top_k=2)
     assert sum(g.stats.accepted for g in together) > 0
+
+
+# -- every drafter kind over a batched hybrid -------------------------------------------------
+
+DRAFTERS = ("mtp", "eagle3", "dflash", "dspark", "draft-model")
+
+
+def build_hybrid_with_every_drafter(root: Path) -> Path:
+    """A tiny Qwen3.5 checkpoint (linear, full, linear, full attention layers) with its own MTP
+    layer, built with batch sizes 1 and 4 and a drafter of every kind that runs a model: the
+    MTP layer, EAGLE-3, DFlash and DSpark heads reading its hidden states, a tiny draft model."""
+    from transformers import AutoModelForCausalLM
+
+    from specexport.exporter.builder import build_recipe
+    from specexport.exporter.recipe import parse_recipe
+    from specexport.progress import Reporter
+    from tests.heads.block_checkpoints import write_speculators_dflash, write_speculators_dspark
+    from tests.heads.chain_checkpoints import write_eagle3, write_mtp_target
+
+    folder = write_mtp_target(root / "t", "qwen3_5", "qwen3-next", num_layers=4)
+    target = AutoModelForCausalLM.from_pretrained(folder)
+    assert "linear_attention" in target.config.layer_types
+    write_eagle3(root / "eagle3", target.config, "speculators", layer_ids=[0, 1, 3])
+    write_speculators_dflash(root / "dflash", target, draft_vocab=100)
+    write_speculators_dspark(root / "dspark", target)
+    drafters = [{"kind": "mtp", "name": "mtp"},
+                *({"kind": kind, "name": kind, "path": kind} for kind in ("eagle3", "dflash", "dspark")),
+                {"kind": "model", "name": "draft-model",
+                 "model": {"source": "tiny", "arch": "llama", "seed": 7, "num_layers": 1}}]
+    raw = {"name": "hybrid-drafters", "target": {"source": "hf", "path": "t"}, "drafters": drafters,
+           "shapes": {"batch": [1, 4], "max_seq_len": 64, "prefill_chunk": 8}, "draft": {"tile": 128, "max_draft": 3}}
+    build_recipe(parse_recipe(raw, "recipe"), root, root / "out", False, Reporter(quiet=True))
+    return root / "out"
+
+
+@pytest.fixture(scope="module")
+def hybrid_with_every_drafter(tmp_path_factory) -> Path:
+    return build_hybrid_with_every_drafter(tmp_path_factory.mktemp("hybrid-drafters"))
+
+
+@pytest.mark.slow  # its build: about 45 s on 2 cores
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_every_drafter_over_a_batched_hybrid_gives_each_request_its_batch_one_output(hybrid_with_every_drafter,
+                                                                                   drafter):
+    """Greedy with the plan's schedule and each row's adaptive depth, then seeded sampled at a
+    fixed depth: the heads read each row's hidden states from the batched verify pass over the
+    rows' own recurrent states; the draft model keeps its own K/V rows."""
+    pipe = load(hybrid_with_every_drafter)
+    greedy = through_four_slots(pipe, drafter, per_sequence=True)
+    assert [g.tokens for g in greedy] == alone(pipe, drafter)
+    assert sum(g.stats.proposed for g in greedy) > 0
+    sampled = through_four_slots(pipe, drafter, temperature=0.3, top_k=2, schedule=False, adaptive=False)
+    assert [g.tokens for g in sampled] == alone(pipe, drafter, temperature=0.3, top_k=2)
