@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from specexport.runtime import load
+from specexport.runtime.acceptance import Sampling
 from specexport.runtime.model import RecurrentSlotView
+from tests.lossless import assert_sampled_as_target, exact_sequence_probs, residual_is_q, rules, use_rule
 
 BUDGETS = [5, 30, 9, 26, 12, 3]
 
@@ -69,6 +71,32 @@ def test_six_seeded_sampled_requests_through_four_slots_draw_as_alone(batched_hy
     together = through_four_slots(pipe, drafter, temperature=0.3, top_k=2, schedule=False, adaptive=False)
     assert [g.tokens for g in together] == alone(pipe, drafter, temperature=0.3, top_k=2)
     assert sum(g.stats.accepted for g in together) > 0
+
+
+@pytest.mark.parametrize("rule", rules(residual_is_q))
+def test_batched_sampled_tokens_over_recurrent_states_follow_the_target(batched_hybrid, rule, monkeypatch):
+    """The hybrid's chi-square test, batched: a prompt's first three tokens, decoded beside
+    another prompt at another position in shared verify passes, against the target's exact
+    warped probabilities (from target-alone logits). The int4 copy drafts (a recurrent model
+    itself): its drafts are mostly kept, so each row's state is chosen at several depths after
+    a rejection. The control: the same draws with the replacement token drawn from q must fail."""
+    pipe = load(batched_hybrid, check_prices=False)
+    sampling = Sampling(temperature=1.3, top_k=3)
+    ids = pipe.prompt_ids("1, 2, 1, 2, 1, 2, 1,")
+    other = pipe.prompt_ids("a longer prompt at another position, a longer prompt at")
+    exact = exact_sequence_probs(pipe, ids, sampling, 3)
+    draws = 600
+    use_rule(monkeypatch, rule)
+    results = pipe.generate_batch([ids, other] * draws, drafter="quantized-self", max_new_tokens=3, temperature=1.3,
+                                  top_k=3, seed=0, adaptive=False)
+    counts: dict[tuple[int, ...], int] = {}
+    for result in results[::2]:
+        counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
+    if rule is None:
+        assert set(counts) <= set(exact), f"{set(counts) - set(exact)} are outside the target's top-k support"
+        assert sum(r.stats.accepted >= 2 for r in results[::2]) > 0, "no round kept two drafts"
+        assert sum(r.stats.proposed for r in results[::2]) > sum(r.stats.accepted for r in results[::2])
+    assert_sampled_as_target(counts, exact, draws, right_rule=rule is None)
 
 
 # -- every drafter kind over a batched hybrid -------------------------------------------------
