@@ -12,6 +12,7 @@ import pytest
 
 from specexport.runtime import load
 from specexport.runtime.acceptance import Sampling
+from specexport.runtime.device_store import DeviceStore
 from specexport.runtime.model import RecurrentSlotView
 from tests.lossless import assert_sampled_as_target, exact_sequence_probs, residual_is_q, rules, use_rule
 
@@ -46,18 +47,21 @@ def alone(pipe, drafter: str, temperature: float = 0.0, top_k: int = 0) -> list[
             for i, (p, n) in enumerate(zip(six_prompts(pipe), BUDGETS))]
 
 
-@pytest.mark.parametrize("build, drafter", [("batched_hybrid", "none"), ("batched_hybrid", "ngram"),
-                                            ("batched_hybrid", "quantized-self"),
-                                            ("batched_hybrid_in_place", "ngram"),
-                                            ("batched_hybrid_in_place", "quantized-self")])
-def test_six_requests_through_four_slots_decode_greedily_as_alone(build, drafter, request):
+@pytest.mark.parametrize("build, drafter, store", [
+    ("batched_hybrid", "none", "host"), ("batched_hybrid", "ngram", "host"), ("batched_hybrid", "quantized-self", "host"),
+    ("batched_hybrid_in_place", "ngram", "host"), ("batched_hybrid_in_place", "quantized-self", "host"),
+    ("batched_hybrid_in_place", "quantized-self", "device")])
+def test_six_requests_through_four_slots_decode_greedily_as_alone(build, drafter, store, request):
     """With the plan's batch schedule and each row's adaptive depth (greedy: any depth gives the
-    target's tokens); the int4 drafter is a recurrent model too, its rows rolled back each round."""
-    pipe = load(request.getfixturevalue(build))
+    target's tokens); the int4 drafter is a recurrent model too, its rows rolled back each round.
+    "device": the K/V in the device store on the CPU (runtime/device_store.py), the states on
+    the host beside it."""
+    pipe = load(request.getfixturevalue(build), device_store=store == "device")
     together = through_four_slots(pipe, drafter, per_sequence=True)
     assert [g.tokens for g in together] == alone(pipe, drafter)
     target = pipe.batched_target()
     assert all(isinstance(cache, RecurrentSlotView) for cache in target.caches.slots)
+    assert isinstance(target.caches.store, DeviceStore) == (store == "device")
     if drafter != "none":  # drafts were verified in batched rounds (the tiny Qwen3-Next keeps no n-gram's)
         assert sum(g.stats.proposed for g in together) > 0
         assert sum(g.stats.accepted for g in together) > 0 or (build, drafter) == ("batched_hybrid_in_place", "ngram")
