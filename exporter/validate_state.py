@@ -42,12 +42,16 @@ from specexport.runtime.runner import ModelRunner
 State = dict[str, np.ndarray]  # past_state name -> [1, ...] one row's state
 
 
-def state_after(runner: ModelRunner, ref_ids: np.ndarray, length: int) -> State:
-    """The state after the first ``length`` reference tokens, computed through the batch-1
-    runner (its cache refilled from empty; the K/V it rewrites are the same tokens')."""
+def states_after(runner: ModelRunner, ref_ids: np.ndarray, lengths: set[int]) -> dict[int, State]:
+    """The state after the first ``length`` reference tokens for each of ``lengths``, in one pass
+    of the batch-1 runner over the text (its cache refilled from empty, the same tokens' K/V
+    rewritten): length -> state."""
     runner.cache.set_length(0)
-    runner.forward(ref_ids[:length].tolist())
-    return {name: array.copy() for name, array in runner.cache.state_store.rows().items()}
+    states = {}
+    for length in sorted(lengths):
+        runner.forward(ref_ids[runner.length : length].tolist())
+        states[length] = {name: array.copy() for name, array in runner.cache.state_store.rows().items()}
+    return states
 
 
 def validate_batched_state(graphs: list[BatchedGraph], single: dict[int, GraphUnderTest], specs,
@@ -62,17 +66,16 @@ def validate_batched_state(graphs: list[BatchedGraph], single: dict[int, GraphUn
     difference of the other outputs and the state outputs compared."""
     shared, options = SharedGraphs(), EngineOptions(threads=threads)
     cache = runner.cache
-    states: dict[int, State] = {}  # cache length -> the state after it
+    plans = {graph.name: append_rows(graph.batch, graph.tokens, cache.max_seq_len, ref_ids) for graph in graphs}
+    # cache length -> the state after it, for every row of every graph
+    states = states_after(runner, ref_ids, {int(row[CACHE_LENGTH][0]) for rows, _ in plans.values() for row in rows})
     results = {}
     for graph in graphs:
         alone = single[graph.tokens]
         engine = OrtEngine(graph.name, graph.path, *specs[graph.name], options, shared)
         one = OrtEngine(alone.name, alone.path, *specs[alone.name], options, shared)
-        rows, valid = append_rows(graph.batch, graph.tokens, cache.max_seq_len, ref_ids)
+        rows, valid = plans[graph.name]
         lengths = [int(row[CACHE_LENGTH][0]) for row in rows]
-        for length in lengths:
-            if length not in states:
-                states[length] = state_after(runner, ref_ids, length)
         own = [states[length] for length in lengths]
         order = list(range(graph.batch)) if fed is None else list(fed)
         past = {name: np.array(array) for name, array in cache.rows_store.rows().items()}  # [1, n_kv, S_max, hd]

@@ -179,7 +179,7 @@ class BatchedCall:
                 self.states.set_length(r, length)
         out, written = self._run(rows, want_logits, want)
         if self.states is not None:  # the states after each real position (padding and idle rows: none)
-            self.states.write(out, written)
+            self.states.write(out, written, select=False)  # each chosen when next fed (set_length)
         return out
 
     def _run(self, rows: Mapping[int, Row], want_logits: bool, want: Sequence[str]):

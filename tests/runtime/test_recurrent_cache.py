@@ -206,3 +206,20 @@ def test_a_slots_row_shares_its_kept_states_with_the_batched_store():
     # row 0 fed again from 1 token: its states after 2 and 3 were another path's, now unreachable
     states.write(_presents(3, 1, {0: [7]}), [(0, 1, 1)])
     assert states.reaches(0, 2) and not states.reaches(0, 3) and states.rows()[rec][0].ravel()[0] == 7.0
+
+
+def test_a_batched_write_leaves_each_rows_state_to_be_chosen_when_it_is_next_fed():
+    """A batched call's rows (``select=False``) are set to their lengths before the next call:
+    the choice copies a kept state in once, and a row fed again from a shorter length never keeps
+    feeding the other path's state it held at the same length."""
+    from specexport.runtime.state_store import HostStateStore
+
+    states = HostStateStore.allocate(LAYOUT, 2, keep=8)
+    rec = state_past_names(1)[1]
+    states.write(_presents(2, 3, {0: [1, 2, 3]}), [(0, 0, 3)], select=False)
+    assert states.rows()[rec][0].ravel()[0] == 0.0  # still the state it was fed
+    states.set_length(0, 3)
+    assert states.rows()[rec][0].ravel()[0] == 3.0
+    states.write(_presents(2, 2, {0: [8, 9]}), [(0, 1, 2)], select=False)  # fed again from 1 token
+    states.set_length(0, 3)  # the new path's state after 3 tokens, not the one the feed held
+    assert states.rows()[rec][0].ravel()[0] == 9.0
