@@ -83,6 +83,7 @@ from specexport.exporter.validate import (
     validate_model,
     validate_tree,
 )
+from specexport.exporter.validate_state import validate_batched_state
 from specexport.progress import Reporter
 from specexport.runtime.integrity import ensure_verified
 from specexport.runtime.runner import ModelRunner, time_interleaved
@@ -272,7 +273,7 @@ class Builder:
         # batch size too: the decoding sizes (BATCHED_ROLES) again at each batch above 1, every
         # row with its own cache length (the mask is per row; the runtime keeps each row's
         # first real presents). A linear-attention model's graphs unroll their recurrence over
-        # T: one static graph per size (and batch 1 only: _state_refusal).
+        # T: one static graph per size and batch, each row with its own recurrent state.
         shared = self.recipe.attention == "ort-gqa" and state is None
         if shared:  # one file serves every size: verify exactly what a round drafted
             graphs = graphs.every_verify_size()
@@ -449,9 +450,6 @@ class Builder:
         recipe; None when it can, or has none."""
         if not parts.linear_layers:
             return None
-        if self.recipe.shapes.batches != [1]:
-            return (f"its {len(parts.linear_layers)} linear-attention layers keep a recurrent state, which the "
-                    "batched graphs do not carry yet: use shapes.batch: [1]")
         if TENSORRT in self.recipe.backends:
             return ("its linear-attention layers keep a recurrent state, which the TensorRT path (device-resident "
                     "caches) does not carry yet: use backends: [onnxruntime]")
@@ -557,7 +555,11 @@ class Builder:
         batched = self.batched_files.get(model, [])
         if batched:
             with self.rep.step("validate", f"{model} batched graphs") as s:
-                if self.recipe.attention == "ort-gqa":  # in place: entries of the batch-1 graph's file
+                if self.models[model].state is not None:  # each row's own recurrent state, in place or appended
+                    alone = {g.tokens: g for g in self.graph_files[model]}
+                    rows = validate_batched_state(batched, alone, self.specs, kept[0], ids, self.threads,
+                                                  in_place=self.recipe.attention == "ort-gqa")
+                elif self.recipe.attention == "ort-gqa":  # in place: entries of the batch-1 graph's file
                     single = {g.tokens: g.name for g in self.graph_files[model]}
                     rows = validate_batched(batched, single, self.specs, kept[0].cache, ids, self.threads,
                                             full_rows=self.models[model].full_rows,

@@ -231,8 +231,8 @@ MAX_BATCH = 256  # exporter/onnx_export.py's symbolic batch range
 
 class Shapes(_Strict):
     # Batch sizes the decode, catch-up and verify graphs are built for: one number or a list
-    # ([1, 2, 4, 8]), for either attention (a target with linear-attention layers: 1 only); batch 1
-    # is always built (prefill and probes run at batch 1; drafter heads get batched graphs too).
+    # ([1, 2, 4, 8]), for either attention (a target with linear-attention layers too: static
+    # graphs per size, each row its own recurrent state); batch 1 is always built (prefill and probes run at batch 1; drafter heads get batched graphs too).
     batch: int | list[int] = 1
     max_seq_len: int = Field(1024, ge=2)  # KV cache positions: prompt and output together
     prefill_chunk: int = Field(64, ge=1)  # prompt tokens per prefill call (a static graph size)
@@ -442,7 +442,7 @@ class Recipe(_Strict):
     # Batch sizes above 1 build with either attention: ort-gqa as entries of the model's one graph
     # (batch symbolic, updated in place), standard as one static graph per (batch, tokens) that
     # returns the new K/V (append; TensorRT's path). A target with linear-attention layers keeps
-    # a recurrent state per sequence: the builder refuses it above batch 1 (it knows the layers).
+    # a recurrent state per row: static graphs per (batch, tokens) with either attention.
 
 
 # --- loading -------------------------------------------------------------------------------

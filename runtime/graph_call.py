@@ -67,9 +67,12 @@ class GraphCall:
         self.calls = 0
 
     @classmethod
-    def over(cls, engine, store: Store, batch: int, in_place: bool) -> GraphCall:
-        """A graph over the first ``batch`` rows of ``store``, in place or appending into it."""
-        return cls(engine, store.rows(batch), in_place, store.bound(batch), store.presents, store)
+    def over(cls, engine, store: Store, batch: int, in_place: bool,
+             beside: Mapping[str, np.ndarray] | None = None) -> GraphCall:
+        """A graph over the first ``batch`` rows of ``store``, in place or appending into it.
+        ``beside``: more cache feeds of those rows, fed as they are (a recurrent state's)."""
+        return cls(engine, {**store.rows(batch), **(beside or {})}, in_place, store.bound(batch), store.presents,
+                   store)
 
     def clear(self) -> None:
         """Zero every feed but the cache (rows not fed this call idle: length 0, nothing valid)."""

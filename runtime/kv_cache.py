@@ -89,7 +89,32 @@ class KVCache(CacheLength):
         return self.rows_store.bound()
 
 
-class RecurrentCache(KVCache):
+class RecurrentRows:
+    """What a cache with a recurrent state adds to its K/V (mixed into a KVCache): the state's
+    feeds beside the K/V's, its present_state.* outputs asked of every run, and each committed
+    run's states kept (``state_store``: this cache's row of a HostStateStore)."""
+
+    state_store: HostStateStore
+    length: int
+    rows_store: object
+
+    @property
+    def state_outputs(self) -> list[str]:
+        """The present_state.* outputs every graph run must return."""
+        return self.state_store.presents
+
+    def view(self) -> dict[str, np.ndarray]:
+        return {**self.rows_store.rows(), **self.state_store.rows()}  # type: ignore[attr-defined]
+
+    def store(self, outputs: dict[str, np.ndarray], count: int, in_place: bool) -> None:
+        """Commit ``count`` new positions: the K/V (copied in, or written in place by the graph)
+        and the states after each of them."""
+        start = self.length
+        super().store(outputs, count, in_place)  # type: ignore[misc]
+        self.state_store.write(outputs, [(0, start, count)])
+
+
+class RecurrentCache(RecurrentRows, KVCache):
     """The cache of a model with linear-attention layers (Qwen3-Next, Qwen3.5): the KV cache of
     its attention layers, plus each linear layer's recurrent state (contract.StateLayout) in a
     state store (runtime/state_store.py), which has no positions to rewind. Every graph returns
@@ -102,21 +127,6 @@ class RecurrentCache(KVCache):
                  state: StateLayout, dtype: str = "float32", keep: int = 64, store=None):
         super().__init__(num_layers, batch, num_kv_heads, max_seq_len, head_dim, dtype, store)
         self.state_store = HostStateStore.allocate(state, batch, keep)  # past_state name -> [B, ...]
-
-    @property
-    def state_outputs(self) -> list[str]:
-        """The present_state.* outputs every graph run must return."""
-        return self.state_store.presents
-
-    def view(self) -> dict[str, np.ndarray]:
-        return {**self.rows_store.rows(), **self.state_store.rows()}
-
-    def store(self, outputs: dict[str, np.ndarray], count: int, in_place: bool) -> None:
-        """Commit ``count`` new positions: the K/V (copied in, or written in place by the graph)
-        and the states after each of them."""
-        start = self.length
-        super().store(outputs, count, in_place)
-        self.state_store.write(outputs, [(0, start, count)])
 
     def rewind(self, length: int) -> None:
         if length != self.length and not self.state_store.reaches(0, length):

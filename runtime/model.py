@@ -15,8 +15,11 @@ Batched graphs share one cache store [slots, n_kv, S_max, hd]: in host memory (H
 each slot's runner seeing its row through a ``SlotView``), or for TensorRT on the GPU
 (trt_store.DeviceStore, a slot's runner over its row as a ``DeviceKVCache``; a batch-B engine
 bound to the first B rows). A model without batched graphs at that size (a head of a directory
-built before them) runs each row through its slot's runner in turn. A cache with a recurrent
-state opens one slot only.
+built before them) runs each row through its slot's runner in turn. A model with a recurrent
+state (linear-attention layers) keeps it beside the K/V in a HostStateStore of ``slots`` rows:
+each slot's runner sees its row (``RecurrentSlotView``), and a batched call feeds each row the
+state after its committed tokens (a choice among the kept states, never a recomputation) and
+keeps the states after each position it ran.
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ from specexport.runtime.engine import (
 )
 from specexport.runtime.graph_call import GraphCall
 from specexport.runtime.kernel_probe import check_engine
-from specexport.runtime.kv_cache import CacheLength, KVCache
+from specexport.runtime.kv_cache import CacheLength, KVCache, RecurrentRows
 from specexport.runtime.runner import PAD_ID, ModelRunner, StepOutput, time_interleaved
+from specexport.runtime.state_store import HostStateStore
 
 Row = tuple[int, np.ndarray, Mapping[str, np.ndarray]]  # (cache length, tokens [n], extra inputs name -> [n, F])
 
@@ -73,14 +77,30 @@ class SlotView(KVCache):
         self.length = length
 
 
+class RecurrentSlotView(RecurrentRows, SlotView):
+    """Row ``slot`` of a [slots] cache with a recurrent state, seen as a batch-1 cache: the K/V
+    row as SlotView's, and the state row of ``states`` (HostStateStore.slot) kept and selected
+    with it: setting the length selects the state after it."""
+
+    def __init__(self, store: Store, states: HostStateStore, slot: int, num_layers: int, max_seq_len: int):
+        super().__init__(store, slot, num_layers, max_seq_len)
+        self.state_store = states.slot(slot)
+
+    def set_length(self, length: int) -> None:
+        super().set_length(length)
+        self.state_store.set_length(0, length)
+
+
 @dataclass
 class SlotCaches:
     """A model's cache: one batch-1 cache per slot, and the [slots] store they are rows of (a
     HostStore, or TensorRT's DeviceStore on the GPU; None for one slot, whose cache may live on
-    the device or keep a recurrent state)."""
+    the device or keep a recurrent state). ``states``: a recurrent model's state rows beside the
+    store (None: no linear-attention layers, or one slot, whose cache keeps its own)."""
 
     slots: list[CacheLength]
     store: Store | None
+    states: HostStateStore | None = None
 
 
 def host_store(info: ModelEntry, slots: int) -> HostStore:
@@ -101,6 +121,12 @@ def open_caches(info: ModelEntry, backend: str, options: EngineOptions, slots: i
     """``counter``: the load's host <-> device byte counter, which a device store's copies add to."""
     if slots == 1:  # host, device or recurrent: runtime/engine.py chooses
         return SlotCaches([open_kv_cache(backend, info, options, largest_graph, counter)], None)
+    if info.state is not None:  # the K/V rows where the backend keeps them, the states on the host
+        store = rows_store(info, slots, backend, options, counter)
+        # each row reaches back over any one run (keep >= the largest graph), as a batch-1 cache
+        states = HostStateStore.allocate(info.state, slots, keep=max(64, largest_graph))
+        return SlotCaches([RecurrentSlotView(store, states, s, info.num_layers, info.max_seq_len)
+                           for s in range(slots)], store, states)
     device = open_device_slots(backend, info, options, slots)  # TensorRT's store on the GPU (trt_store.py)
     if device is not None:
         return SlotCaches(device[1], device[0])
@@ -110,15 +136,10 @@ def open_caches(info: ModelEntry, backend: str, options: EngineOptions, slots: i
 
 def slots_refusal(manifest: Manifest, model: str, backend: str, batches: Sequence[int],
                   roles: frozenset[Role] | None = None, need_graphs: bool = False) -> str | None:
-    """Why ``model`` cannot run ``batches`` rows at once (None when it can): a recurrent state
-    runs one sequence at a time; ``need_graphs``: and batched graphs of the roles at every batch size
-    above 1 (else its rows run one after another)."""
-    if max(batches) == 1:
-        return None
-    info = manifest.models[model]
-    if info.state is not None:
-        return f"model '{model}' keeps a recurrent state per sequence (linear-attention layers): one sequence at a time"
-    if not need_graphs:
+    """Why ``model`` cannot run ``batches`` rows at once (None when it can): ``need_graphs``:
+    it needs batched graphs of the roles at every batch size above 1 (else its rows run one
+    after another)."""
+    if max(batches) == 1 or not need_graphs:
         return None
     built = {e.batch for e in manifest.engines_of(model, backend, batch=None)
              if e.batch > 1 and (roles is None or e.role in roles) and e.role.decoding}
@@ -136,13 +157,15 @@ class BatchedCall:
     ``input_ids`` is the anchor alone); ``valid_tokens`` / ``context_valid`` count them."""
 
     def __init__(self, engine: Engine, batch: int, tokens: int, store: Store, in_place: bool,
-                 per_context_row: bool = False, full_rows: bool = False):
+                 per_context_row: bool = False, full_rows: bool = False, states: HostStateStore | None = None):
         """``full_rows``: a fed row counts all T tokens as real where its cache has room (its
-        padding's K/V lands past its length, never read), as ModelRunner's ``full_rows``."""
+        padding's K/V lands past its length, never read), as ModelRunner's ``full_rows``.
+        ``states``: a recurrent model's state rows, fed and kept beside the K/V."""
         self.engine, self.batch, self.tokens, self.in_place = engine, batch, tokens, in_place
         self.full_rows = full_rows
         self.max_seq_len = store.max_seq_len
-        self.call = GraphCall.over(engine, store, batch, in_place)
+        self.states = states
+        self.call = GraphCall.over(engine, store, batch, in_place, states.rows(batch) if states else None)
         # what counts a row's cache positions: its tokens, or a block graph's context rows
         self.positions = CONTEXT_FEATURES if per_context_row else INPUT_IDS
 
@@ -151,6 +174,16 @@ class BatchedCall:
         return self.call.seconds
 
     def run(self, rows: Mapping[int, Row], want_logits: bool, want: Sequence[str] = ()) -> dict[str, np.ndarray]:
+        if self.states is not None:  # each fed row's state after its committed tokens: a kept one chosen
+            for r, (length, _, _) in rows.items():
+                self.states.set_length(r, length)
+        out, written = self._run(rows, want_logits, want)
+        if self.states is not None:  # the states after each real position (padding and idle rows: none)
+            self.states.write(out, written, select=False)  # each chosen when next fed (set_length)
+        return out
+
+    def _run(self, rows: Mapping[int, Row], want_logits: bool, want: Sequence[str]):
+        """One run on ``rows`` (the K/V written, the states fed as they are): (outputs, written)."""
         self.call.clear()
         written = []
         for r, (length, tokens, inputs) in rows.items():
@@ -159,15 +192,16 @@ class BatchedCall:
             # the row's real positions, the only ones written
             self.call.feed_row(r, length, tokens, inputs, self.tokens if full else count)
             written.append((r, length, count))
+        states = self.states.presents if self.states is not None else []  # present_state.* [B, T, ...]
         # next_tokens [B, T], logits [B, T, V]; an append graph's rows copied into the store
-        return self.call.run([NEXT_TOKENS, *([LOGITS] if want_logits else []), *want], written)
+        return self.call.run([NEXT_TOKENS, *([LOGITS] if want_logits else []), *states, *want], written), written
 
     def time_run(self, want_logits: bool = False) -> float:
         """One run with every row full at half the cache (before any sequence runs: it writes)."""
         middle = (self.max_seq_len - self.tokens) // 2
         rows = dict.fromkeys(range(self.batch), (middle, np.full(self.tokens, PAD_ID, dtype=np.int64), {}))
         start = time.perf_counter()
-        self.run(rows, want_logits)
+        self._run(rows, want_logits, ())  # a recurrent state neither chosen nor kept
         return time.perf_counter() - start
 
 
@@ -269,6 +303,8 @@ class Model:
         """Slot ``dst`` takes slot ``src``'s first ``length`` positions (a row left: the last moves in)."""
         if self.caches.store is not None:
             self.caches.store.move(src, dst, length)
+        if self.caches.states is not None:
+            self.caches.states.move(src, dst, length)
 
     def time_run(self, key: tuple[int, int], want_logits: bool = False) -> float:
         """One run of the graph (B, T): a batched call, else the runner's graph of T tokens."""
@@ -328,5 +364,5 @@ def open_model(manifest: Manifest, model: str, backend: str, options: EngineOpti
                 calls[(entry.batch, entry.tokens)] = BatchedCall(engine, entry.batch, entry.tokens, caches.store,
                                                                  entry.kv_update == KVUpdate.IN_PLACE,
                                                                  per_context_row=entry.role == Role.BLOCK,
-                                                                 full_rows=info.full_rows)
+                                                                 full_rows=info.full_rows, states=caches.states)
     return Model(model, runners, calls, caches, info.max_seq_len)

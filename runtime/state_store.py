@@ -13,6 +13,7 @@ row. This is the host implementation (numpy, fed to onnxruntime as they are).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,15 +23,25 @@ from specexport.runtime.cache_store import Written
 Kept = dict[int, dict[str, np.ndarray]]  # position p -> past_state name -> [...] the row's state after p tokens
 
 
+@dataclass
+class RowStates:
+    """One row's kept states, and the length whose state its feed arrays hold (None: none of
+    the kept ones, a newer write made it stale): shared by the store and a slot's view of it."""
+
+    kept: Kept = field(default_factory=dict)
+    held: int | None = 0  # a new row holds the empty state
+
+
 class HostStateStore:
     """The states in host memory: past_state name -> [rows, ...], and per row its kept states
     (views into the graphs' outputs, never copied: an engine returns new arrays every run)."""
 
-    def __init__(self, states: dict[str, np.ndarray], keep: int):
+    def __init__(self, states: dict[str, np.ndarray], keep: int, rows: list[RowStates] | None = None):
+        """``rows``: each row's kept states, shared with the store this is a slot of (``slot``)."""
         self._states = states
         self.keep = keep
         self._presents = {name: state_present_of(name) for name in states}
-        self._kept: list[Kept] = [{} for _ in range(self.slots)]
+        self._row: list[RowStates] = rows if rows is not None else [RowStates() for _ in range(self.slots)]
         self._rows: dict[int, dict[str, np.ndarray]] = {}  # B -> views of the first B rows, made once
 
     @classmethod
@@ -47,6 +58,12 @@ class HostStateStore:
         """The present_state.* outputs every graph run over these rows must return."""
         return list(self._presents.values())
 
+    def slot(self, slot: int) -> HostStateStore:
+        """Row ``slot`` as a store of one row: views of this store's arrays and the same kept
+        states (a slot's batch-1 runner and the batched calls see one row)."""
+        return HostStateStore({name: array[slot : slot + 1] for name, array in self._states.items()},  # [1, ...]
+                              self.keep, [self._row[slot]])
+
     def rows(self, batch: int | None = None) -> dict[str, np.ndarray]:
         """The past_state.* feeds of a graph over the first ``batch`` rows (None: all): views, the
         same dict each time, updated in place when a row's length is set."""
@@ -55,35 +72,47 @@ class HostStateStore:
             self._rows[batch] = {name: array[:batch] for name, array in self._states.items()}  # [B, ...]
         return self._rows[batch]
 
-    def write(self, out: Mapping[str, np.ndarray], written: Written) -> None:
+    def write(self, out: Mapping[str, np.ndarray], written: Written, select: bool = True) -> None:
         """Commit what a graph computed for each fed row, ``written``: (row, cache length, count):
-        the states after its ``count`` positions (present_state.* [B, T, ...]) are kept, the row
-        is set to the last, and those more than ``keep`` positions back are dropped."""
+        the states after its ``count`` positions (present_state.* [B, T, ...]) are kept, and
+        those more than ``keep`` positions back are dropped. ``select``: the row's feed is set
+        to the last now (a batch-1 runner feeds it next as it is); else at the next
+        ``set_length`` (a batched call's rows: each is set to its length before it runs)."""
         for row, length, count in written:
-            kept = self._kept[row]
+            state = self._row[row]
+            kept = state.kept
             for t in range(count):
                 kept[length + t + 1] = {past: out[present][row, t] for past, present in self._presents.items()}
             end = length + count
-            self._select(row, end)
-            for position in [p for p in kept if p < end - self.keep]:
+            # those past the end are another path's (a row fed from a shorter length)
+            for position in [p for p in kept if p < end - self.keep or p > end]:
                 del kept[position]
+            if state.held is not None and state.held > length:  # another path's state
+                state.held = None
+            if select:
+                self._select(row, end)
 
     def reaches(self, row: int, length: int) -> bool:
         """Can row ``row`` be set to ``length`` (a kept position, or 0)?"""
-        return length == 0 or length in self._kept[row]
+        return length == 0 or length in self._row[row].kept
 
     def set_length(self, row: int, length: int) -> None:
         """Row ``row`` holds the state after its first ``length`` tokens from now on (only ever
         fewer than were written); the states after later positions are forgotten."""
         self._check(row, length)
-        self._kept[row] = {p: s for p, s in self._kept[row].items() if p <= length}
-        self._select(row, length)
+        kept = self._row[row].kept  # in place: a slot's view shares the dict
+        for position in [p for p in kept if p > length]:
+            del kept[position]
+        if self._row[row].held != length:  # else its feed holds that state already
+            self._select(row, length)
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Row ``dst`` takes row ``src``'s state after ``length`` tokens, and the states kept
         before it (a row left: the last moves in)."""
         self._check(src, length)
-        self._kept[dst] = {p: s for p, s in self._kept[src].items() if p <= length}
+        taken = {p: s for p, s in self._row[src].kept.items() if p <= length}
+        self._row[dst].kept.clear()  # in place: a slot's view shares the dict
+        self._row[dst].kept.update(taken)
         self._select(dst, length)
 
     def _check(self, row: int, length: int) -> None:
@@ -94,9 +123,10 @@ class HostStateStore:
     def _select(self, row: int, length: int) -> None:
         """Make row ``row`` of the past_state.* feeds the state after ``length`` tokens (in place:
         the graph calls' feed dicts hold these arrays)."""
-        kept = self._kept[row].get(length)
+        kept = self._row[row].kept.get(length)
         for name, array in self._states.items():  # [slots, ...]
             if kept is None:  # length 0: the empty state
                 array[row].fill(0.0)
             else:
                 array[row] = kept[name]
+        self._row[row].held = length

@@ -304,6 +304,22 @@ def batched_engines(tiny_engines) -> Path:
                             batch=(1, 2, 4), **TINY_SHAPE)
 
 
+@pytest.fixture(scope="session")
+def batched_hybrid(tiny_engines) -> Path:
+    """A tiny Qwen3.5 (linear-attention layers beside attention ones: a recurrent state per row)
+    built with batch sizes 1 and 4, standard attention (append graphs), the n-gram and int4
+    drafters: the batched hybrid graph, loop and losslessness tests share it."""
+    return tiny_engines.get("qwen3_5", drafters=("ngram", "quantized-self"), batch=(1, 4), **TINY_SHAPE)
+
+
+@pytest.fixture(scope="session")
+def batched_hybrid_in_place(tiny_engines) -> Path:
+    """A tiny Qwen3-Next with batch sizes 1 and 4 and ort-gqa attention (the K/V written in place
+    beside each row's recurrent state), the n-gram and int4 drafters."""
+    return tiny_engines.get("qwen3_next", drafters=("ngram", "quantized-self"), attention="ort-gqa", batch=(1, 4),
+                            **TINY_SHAPE)
+
+
 # The target's twin with its weights scaled by 0.9 (same seed, init_std 0.45 against 0.5): its
 # drafts are mostly accepted, and now and then rejected after several were.
 NEAR_COPY = {"kind": "model", "name": "near-copy",

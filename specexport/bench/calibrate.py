@@ -11,9 +11,10 @@ acceptance, instead of from the 128-row tile.
    each cell: choose the smallest D whose geometric mean of those comes within 1% of the best
    (deeper graphs cost build time and memory for nothing more), print the table, and write
    <recipe>.calibration.json, which the recipe's `draft.calibration` points `build` at.
-4. With batch sizes built (shapes.batch, ort-gqa): measure the batched verify cost t(B, T) at
-   every built B and T = 1..1+D (sizes of the one shared graph), and each draft model's
-   batched step, and choose the depth by batch size K(B) = argmax_k B·E(k) / t(B, 1+k) (below).
+4. With batch sizes built (shapes.batch): measure the batched verify cost t(B, T) at every
+   built B and T = 1..1+D (ort-gqa: sizes of the one shared graph; static graphs, standard
+   attention or a hybrid's unrolled recurrence: the built graph the loop runs T in, so a
+   hybrid's K(B) reads its own state-writing graphs), and each draft model's batched step, and choose the depth by batch size K(B) = argmax_k B·E(k) / t(B, 1+k) (below).
    It goes into the same file as ``schedule``; the plan uses it unless the recipe gives its own
    draft.schedule (or disable_by_batch_size).
 """
@@ -190,9 +191,19 @@ def _widened(entry, tokens: int):
                    cost_ms=None, sha256=None)
 
 
+def _shared_graph(manifest, model: str) -> bool:
+    """Are ``model``'s sizes entries of one graph with a symbolic token count (ort-gqa without a
+    recurrent state), so that any width can be timed? Else each (B, T) is a static graph of its
+    own (standard attention; a hybrid's recurrence unrolled over T) and a width between two
+    built ones runs in the larger, as the batched loop runs it (Model.graph)."""
+    info = manifest.models[model]
+    return info.attention == "ort-gqa" and info.state is None
+
+
 def _batched_model(pipe, model: str, batches: list[int], widths: list[int]):
     """A Model of ``model`` over a cache of its own, with a call at every (B, T) of ``batches``
-    and ``widths``: the built ones, the others as sizes of the same shared graph (_widened)."""
+    and ``widths``: the built ones, the others as sizes of the same shared graph (_widened);
+    a model of static graphs (not _shared_graph) keeps its built calls only."""
     from specexport.contract import BATCHED_ROLES, KVUpdate
     from specexport.runtime.engine import LazyEngine
     from specexport.runtime.model import BatchedCall, open_caches, open_model
@@ -200,6 +211,8 @@ def _batched_model(pipe, model: str, batches: list[int], widths: list[int]):
     info = pipe.manifest.models[model]
     caches = open_caches(info, ONNXRUNTIME, pipe.options, max(2, *batches), 1)
     batched = open_model(pipe.manifest, model, ONNXRUNTIME, pipe.options, pipe.sessions, caches)
+    if not _shared_graph(pipe.manifest, model):
+        return batched
     for batch in batches:
         built = [e for e in pipe.manifest.engines_of(model, ONNXRUNTIME, batch=batch)
                  if e.role in BATCHED_ROLES and e.kv_update == KVUpdate.IN_PLACE]
@@ -215,16 +228,19 @@ def _time_calls(batched, keys: list[tuple[int, int]], rounds: int, accept_noise:
                 noisy: dict[str, float] | None = None) -> dict[tuple[int, int], float]:
     """Median seconds of each (B, T) call, all rows full, interleaved (runner.time_rounds), after
     the noise check (timing_noise.check_noise: raises NoisyTimings unless ``accept_noise``; the
-    noisy ones accepted go into ``noisy``, label -> spread)."""
+    noisy ones accepted go into ``noisy``, label -> spread). A (B, T) without a graph of its own
+    (static graphs) costs the graph the loop runs it in (Model.graph), timed once."""
     from specexport.runtime.runner import time_rounds
     from specexport.runtime.timing_noise import check_noise, labelled, medians
 
-    samples = time_rounds({batched.name: (batched, keys)}, rounds)
+    runs = {key: key if key in batched.calls else batched.graph(*key, verify=True) for key in keys}
+    samples = time_rounds({batched.name: (batched, sorted(set(runs.values())))}, rounds)
     label = labelled(samples, lambda name, key: f"{name} B={key[0]} T={key[1]}")
     found = check_noise(label, rounds, accept_noise)
     if noisy is not None:
         noisy.update({e.what: round(e.spread, 3) for e in found})
-    return medians(samples)[batched.name]
+    timed = medians(samples)[batched.name]
+    return {key: timed[run] for key, run in runs.items()}
 
 
 def measure_surface(pipe, batches: list[int], depth: int, rounds: int = 5, accept_noise: bool = False,
@@ -274,7 +290,11 @@ def schedule_table(surface: dict[tuple[int, int], float], profiles: dict, draft_
             ratios = []
             for (drafter, category), cum in cells.items():
                 expected = 1.0 + float(np.sum(cum[:k]))
-                seconds = surface[(batch, 1 + k)] + (draft_rounds[drafter][batch][k] if drafter in draft_rounds else 0.0)
+                # k = 0 is the target alone: a drafter that does not draft at B pays nothing there
+                # (round_cost(0), the catch-up a skipped round costs later, prices one skipped round
+                # between drafting ones, not a batch size at which nobody drafts)
+                drafting = draft_rounds[drafter][batch][k] if drafter in draft_rounds and k else 0.0
+                seconds = surface[(batch, 1 + k)] + drafting
                 ratio = batch * expected / seconds / alone
                 per_cell[f"{drafter}/{category}"].append(ratio)
                 ratios.append(ratio)
@@ -318,8 +338,8 @@ def calibrate_schedule(pipe, profiles: dict, depth: int, reporter, rounds: int =
 
     manifest = pipe.manifest
     batches = manifest.batch_sizes("target")
-    if manifest.models["target"].attention != "ort-gqa" or ONNXRUNTIME not in manifest.backends():
-        return {"schedule_skipped": "batched decoding needs onnxruntime graphs built with attention: ort-gqa"}
+    if ONNXRUNTIME not in manifest.backends():
+        return {"schedule_skipped": "the batched verify cost is measured on onnxruntime graphs; the directory has none"}
     if batches == [1]:
         return {"schedule_skipped": "built for batch 1 only (shapes.batch): no depth by batch size to choose"}
     drafters = sorted({d for d, _ in profiles})

@@ -37,10 +37,10 @@ def check_servable(engine_dir: Path, drafter: str, max_batch: int | None, tree_n
     its graph. Returns the drafter to run."""
     from specexport.contract import Manifest
     from specexport.runtime.input_checks import batched_refusal, check_drafter, check_tree_nodes
-    from specexport.serve.config import refuse_recurrent_target
+    from specexport.serve.config import refuse_recurrent_backend
 
     manifest = Manifest.load(engine_dir)
-    refuse_recurrent_target(manifest, engine_dir)  # first: rebuilding with ort-gqa would not help it
+    refuse_recurrent_backend(manifest, engine_dir, backend)  # first: rebuilding for TensorRT would not help it
     backend = backend or DEFAULT_BACKEND  # the backend load() picks
     if backend not in manifest.backends():
         raise BadInput(f"{engine_dir}: serve runs {backend} engines and this directory has none (it has "
@@ -113,7 +113,8 @@ def serve(engine_dir: Path, host: str, port: int, drafter: str, max_batch: int |
     """Serve ENGINE_DIR over OpenAI's API: /v1/completions, /v1/chat/completions (streamed or
     not), /v1/models, /health and /metrics (Prometheus). One engine thread batches every
     request; depth follows the plan's draft.schedule, and each request's adaptive depth under it.
-    Targets with linear-attention layers (Qwen3-Next, Qwen3.5) run at batch 1 only: refused."""
+    Targets with linear-attention layers (Qwen3-Next, Qwen3.5) are served on onnxruntime (each
+    row its own recurrent state); their TensorRT path is refused."""
     for package, extra in (("fastapi", "serve"), ("uvicorn", "serve"), ("prometheus_client", "serve")):
         if importlib.util.find_spec(package) is None:
             raise missing_extra(package, extra)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from specexport.backends import TENSORRT
 from specexport.errors import BadInput
 
 
@@ -43,12 +44,12 @@ class ServeConfig:
         return self.model_name or Path(self.engine_dir).resolve().name
 
 
-def refuse_recurrent_target(manifest, engine_dir: str | Path) -> None:
-    """A server batches every request; a target with linear-attention layers (Qwen3-Next,
-    Qwen3.5: a recurrent state per sequence) runs at batch 1 only. Refused before the port
-    opens, so it is one line at start and not a 503 on every request. ``manifest``: the
-    directory's runtime Manifest."""
-    if manifest.models["target"].state is not None:
-        raise BadInput(f"{engine_dir}: the target has linear-attention layers (a recurrent state per "
-                       "sequence), which run at batch 1 only, and serve batches every request; "
-                       "use specexport generate")
+def refuse_recurrent_backend(manifest, engine_dir: str | Path, backend: str | None) -> None:
+    """A target with linear-attention layers (Qwen3-Next, Qwen3.5: a recurrent state per row) is
+    served batched on onnxruntime; the TensorRT path (device-resident caches) does not carry
+    the state yet, and the build refuses to make its engines. Refused before the port opens, in
+    one line, rather than with the generic "rebuild with backend: tensorrt", which cannot help.
+    ``manifest``: the directory's runtime Manifest; ``backend``: the one asked for (None: the default)."""
+    if backend == TENSORRT and manifest.models["target"].state is not None:
+        raise BadInput(f"{engine_dir}: the target has linear-attention layers (a recurrent state per sequence), "
+                       "which the TensorRT path does not carry yet; serve it on onnxruntime (leave out --backend)")

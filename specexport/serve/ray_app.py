@@ -26,7 +26,7 @@ import threading
 from typing import Any
 
 from specexport.errors import BadInput, SpecexportError, missing_extra
-from specexport.serve.config import ServeConfig, refuse_recurrent_target
+from specexport.serve.config import ServeConfig, refuse_recurrent_backend
 
 APP_NAME = "specexport"
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a single-machine Ray on 127.0.0.1
@@ -118,7 +118,7 @@ def deployment(config: ServeConfig, *, replicas: int | None = None, autoscaling:
     max_batch + max_waiting requests at once; Ray Serve queues the rest."""
     manifest = _driver_manifest(config)
     if manifest is not None:  # refused here, not by every replica in turn
-        refuse_recurrent_target(manifest, config.engine_dir)
+        refuse_recurrent_backend(manifest, config.engine_dir, config.backend)
     _, serve = _ray()
     if replicas is not None and replicas < 1:
         raise BadInput(f"replicas: need at least 1 (got {replicas})")

@@ -1,6 +1,6 @@
 """Targets with linear-attention layers (Qwen3-Next, Qwen3.5) through build and the runtime:
-the manifest's recurrent state, exact sampling over it, and the one-line refusals of what
-does not carry a recurrent state yet (batched graphs, TensorRT, the batched loop).
+the manifest's recurrent state, exact sampling over it, and the one-line refusal of what
+does not carry a recurrent state yet (TensorRT). Batched: tests/runtime/test_batch_hybrid.py.
 
 Parity against transformers and greedy losslessness for every drafter run through the shared
 builds of tests/exporter/test_archs.py and tests/runtime/test_pipeline.py (LOSSLESS_PAIRS)."""
@@ -63,23 +63,18 @@ def test_sampled_tokens_follow_the_target_over_a_recurrent_state(tiny_engines, r
     assert_sampled_as_target(counts, exact, draws, right_rule=rule is None)
 
 
-def test_the_loop_runs_a_recurrent_target_one_sequence_at_a_time(tiny_engines):
-    """One slot: prompts take it in turn, each decoding as generate does; more slots are refused
-    in one line (a recurrent state per sequence)."""
-    from specexport.runtime.model import slots_refusal
-
+def test_a_recurrent_target_built_for_batch_one_decodes_its_prompts_in_turn(tiny_engines):
+    """One slot: prompts take it in turn, each decoding as generate does (batched graphs:
+    tests/runtime/test_batch_hybrid.py)."""
     pipe = load(tiny_engines.for_arch("qwen3_5", "standard"))
     prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11], [12, 13, 14, 15, 12, 13]]
     together = pipe.generate_batch(prompts, drafter="ngram", max_new_tokens=8, adaptive=False)
     assert pipe.batched_target().slots == 1
     assert [g.token_ids for g in together] == [pipe.generate(prompt_ids=p, drafter="ngram", max_new_tokens=8,
                                                              adaptive=False).token_ids for p in prompts]
-    refused = slots_refusal(pipe.manifest, "target", "onnxruntime", [1, 2])
-    assert "linear-attention layers" in refused and "\n" not in refused
 
 
 @pytest.mark.parametrize("attention, change, says", [
-    ("ort-gqa", {"shapes": {"batch": [1, 2]}}, "use shapes.batch: [1]"),
     ("standard", {"backends": ["onnxruntime", "tensorrt"]}, "use backends: [onnxruntime]"),
 ])
 def test_build_refuses_what_does_not_carry_a_recurrent_state_yet(tmp_path, attention, change, says):

@@ -171,3 +171,55 @@ def test_a_loaded_models_cache_can_undo_one_run_of_its_largest_graph(largest):
     cache.store(presents, largest, in_place=True)  # the K/V written by the graph itself
     cache.rewind(3)  # all but the run's first 3 positions rejected
     assert float(cache.view()["past_state.0.recurrent"].ravel()[0]) == 2.0  # the state after 3 tokens
+
+
+def _presents(rows: int, tokens: int, values: dict[int, list[float]]) -> dict[str, np.ndarray]:
+    """present_state.* [rows, T, ...] whose row r holds ``values[r][t]`` after position t."""
+    out = {}
+    for present, shape in zip(state_present_names(1), LAYOUT.shapes(rows).values()):
+        array = np.zeros((rows, tokens, *shape[1:]), dtype=np.float32)  # [B, T, ...]
+        for r, seq in values.items():
+            for t, value in enumerate(seq):
+                array[r, t] = value
+        out[present] = array
+    return out
+
+
+def test_a_slots_row_shares_its_kept_states_with_the_batched_store():
+    """A slot's view (its runner's row) and the [slots] store the batched calls feed are one
+    state row: what one writes or selects the other sees; a move hands a row's kept states on."""
+    from specexport.runtime.state_store import HostStateStore
+
+    states = HostStateStore.allocate(LAYOUT, 3, keep=8)
+    rec = state_past_names(1)[1]
+    view = states.slot(1)
+    states.write(_presents(3, 3, {0: [1, 2, 3], 1: [10, 20, 30]}), [(0, 0, 3), (1, 0, 3)])  # a batched call
+    assert view.rows()[rec].ravel()[0] == 30.0  # the slot sees the state after its last position
+    view.set_length(0, 1)  # the slot's runner rolls back: a kept state chosen
+    assert states.rows()[rec][:, 0, 0, 0].tolist() == [3.0, 10.0, 0.0]
+    view.write(_presents(1, 2, {0: [11, 12]}), [(0, 1, 2)])  # the runner goes on from there
+    assert states.reaches(1, 3) and states.rows()[rec][1].ravel()[0] == 12.0
+    states.move(1, 2, 2)  # row 1 leaves its slot to row 2, at 2 tokens
+    assert states.rows()[rec][2].ravel()[0] == 11.0 and states.reaches(2, 1) and not states.reaches(2, 3)
+    states.set_length(1, 0)
+    assert view.rows()[rec].ravel()[0] == 0.0 and not view.reaches(0, 1)
+    # row 0 fed again from 1 token: its states after 2 and 3 were another path's, now unreachable
+    states.write(_presents(3, 1, {0: [7]}), [(0, 1, 1)])
+    assert states.reaches(0, 2) and not states.reaches(0, 3) and states.rows()[rec][0].ravel()[0] == 7.0
+
+
+def test_a_batched_write_leaves_each_rows_state_to_be_chosen_when_it_is_next_fed():
+    """A batched call's rows (``select=False``) are set to their lengths before the next call:
+    the choice copies a kept state in once, and a row fed again from a shorter length never keeps
+    feeding the other path's state it held at the same length."""
+    from specexport.runtime.state_store import HostStateStore
+
+    states = HostStateStore.allocate(LAYOUT, 2, keep=8)
+    rec = state_past_names(1)[1]
+    states.write(_presents(2, 3, {0: [1, 2, 3]}), [(0, 0, 3)], select=False)
+    assert states.rows()[rec][0].ravel()[0] == 0.0  # still the state it was fed
+    states.set_length(0, 3)
+    assert states.rows()[rec][0].ravel()[0] == 3.0
+    states.write(_presents(2, 2, {0: [8, 9]}), [(0, 1, 2)], select=False)  # fed again from 1 token
+    states.set_length(0, 3)  # the new path's state after 3 tokens, not the one the feed held
+    assert states.rows()[rec][0].ravel()[0] == 9.0

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -36,7 +37,7 @@ import sys
 from specexport.serve import ray_app
 from specexport.serve.config import ServeConfig
 ray_app.run(ServeConfig(sys.argv[1], "tiny", drafter="ngram", threads=1), host="127.0.0.1",
-            port=int(sys.argv[2]), replicas=2, num_cpus=2, num_cpus_per_replica=1.0)
+            port=int(sys.argv[2]), replicas=int(sys.argv[3]), num_cpus=2, num_cpus_per_replica=1.0)
 import ray
 print("ray initialized after run:", ray.is_initialized(), flush=True)
 """
@@ -139,18 +140,51 @@ def _sse(lines) -> list[dict]:
     return [json.loads(e) for e in events[:-1]]
 
 
-def test_two_replicas_serve_the_same_outputs_and_stop_cleanly(batched_engines, solo, tmp_path):
-    started = time.monotonic()
+@contextmanager
+def _ray_server(engines: Path, replicas: int, log: Path):
+    """`ray_app.run` on ``engines`` with ``replicas`` replicas in a child process leading a
+    session of its own, on a free port of 127.0.0.1: yields (process, URL); whatever of that
+    session is still alive afterwards (a failure) is killed."""
     port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", OMP_NUM_THREADS="1")
-    log = tmp_path / "ray-serve.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", SERVER, str(batched_engines), str(port)], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-c", SERVER, str(engines), str(port), str(replicas)], cwd=REPO,
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     sid = proc.pid  # start_new_session: the child leads a session of its own
     try:
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(sid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        for pid in _session_pids(sid):  # anything of that session still alive after a failure
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _stop_cleanly(proc: subprocess.Popen, log: Path) -> float:
+    """SIGTERM: run() deletes the app (each replica's lifespan stops its engine thread), then
+    stops Serve and Ray, and returns; nothing of its session is left. Returns the seconds it took."""
+    proc.send_signal(signal.SIGTERM)
+    stopping = time.monotonic()
+    assert proc.wait(timeout=STOP_TIMEOUT_S) == 0, log.read_text(errors="replace")[-4000:]
+    stop_s = time.monotonic() - stopping
+    text = log.read_text(errors="replace")
+    assert "ray initialized after run: False" in text, text[-4000:]
+    deadline = time.monotonic() + 20
+    while (left := _session_pids(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, [Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in left]
+    return stop_s
+
+
+def test_two_replicas_serve_the_same_outputs_and_stop_cleanly(batched_engines, solo, tmp_path):
+    started = time.monotonic()
+    log = tmp_path / "ray-serve.log"
+    with _ray_server(batched_engines, 2, log) as (proc, url):
         # the references, while Ray starts
         completions = {p: solo(prompt=p, max_tokens=16) for p in PROMPTS[:4]}
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[4]}]
@@ -210,26 +244,32 @@ def test_two_replicas_serve_the_same_outputs_and_stop_cleanly(batched_engines, s
         replica_pids = [int(s.rsplit(":", 1)[1]) for s in served_by]
         assert proc.pid not in replica_pids  # the replicas are Ray actors, not the driver
 
-        # SIGTERM: run() deletes the app (each replica's lifespan stops its engine thread), then
-        # stops Serve and Ray, and returns
-        proc.send_signal(signal.SIGTERM)
-        stopping = time.monotonic()
-        assert proc.wait(timeout=STOP_TIMEOUT_S) == 0, log.read_text(errors="replace")[-4000:]
-        stop_s = time.monotonic() - stopping
-        text = log.read_text(errors="replace")
-        assert "ray initialized after run: False" in text, text[-4000:]
-        deadline = time.monotonic() + 20
-        while (left := _session_pids(sid)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not left, [Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in left]
+        stop_s = _stop_cleanly(proc, log)
         print(f"ray serve: ready in {ready_s:.1f} s, stopped in {stop_s:.1f} s, "
               f"{time.monotonic() - started:.1f} s in all")
-    finally:
-        if proc.poll() is None:
-            os.killpg(sid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        for pid in _session_pids(sid):  # anything of that session still alive after a failure
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+
+
+def test_one_replica_serves_a_batched_hybrid_target(batched_hybrid, tmp_path):
+    """A hybrid target (linear-attention layers, each row its own recurrent state; issue 54)
+    through Ray Serve: one replica of the tiny qwen3_5 built with batch sizes 1 and 4 answers
+    four concurrent greedy completions, each its batch-1 output, and stops cleanly."""
+    from specexport.runtime import load
+
+    engines = batched_hybrid
+    log = tmp_path / "ray-serve-hybrid.log"
+    with _ray_server(engines, 1, log) as (proc, url):
+        pipe = load(engines, threads=1)  # the references, while Ray starts
+        wants = {p: pipe.generate(prompt_ids=pipe.prompt_ids(p), drafter="ngram", max_new_tokens=12,
+                                  temperature=0.0).text for p in PROMPTS[:4]}
+        _wait_ready(proc, log)
+        with httpx.Client(base_url=url, timeout=60) as client:
+            def complete(prompt: str) -> httpx.Response:
+                return client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 12,
+                                                            "temperature": 0})
+
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(complete, PROMPTS[:4]))
+        for prompt, answer in zip(PROMPTS[:4], answers):
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["text"] == wants[prompt]
+        _stop_cleanly(proc, log)
