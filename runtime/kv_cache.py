@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from specexport.contract import KVLayout, StateLayout
-from specexport.runtime.cache_store import HostStore
+from specexport.runtime.cache_store import HostStore, Store
 from specexport.runtime.state_store import HostStateStore
 
 
@@ -96,7 +96,7 @@ class RecurrentRows:
 
     state_store: HostStateStore
     length: int
-    rows_store: object
+    rows_store: Store
 
     @property
     def state_outputs(self) -> list[str]:
@@ -104,7 +104,7 @@ class RecurrentRows:
         return self.state_store.presents
 
     def view(self) -> dict[str, np.ndarray]:
-        return {**self.rows_store.rows(), **self.state_store.rows()}  # type: ignore[attr-defined]
+        return {**self.rows_store.rows(), **self.state_store.rows()}
 
     def store(self, outputs: dict[str, np.ndarray], count: int, in_place: bool) -> None:
         """Commit ``count`` new positions: the K/V (copied in, or written in place by the graph)

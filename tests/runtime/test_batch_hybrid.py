@@ -77,6 +77,30 @@ def test_six_seeded_sampled_requests_through_four_slots_draw_as_alone(batched_hy
     assert sum(g.stats.accepted for g in together) > 0
 
 
+def test_a_batched_call_keeps_each_fed_rows_states_and_leaves_idle_rows_alone(batched_hybrid):
+    """Two rows fed through the batch-4 graph: each row keeps the states its own batch-1 run
+    keeps; the idle slots' states (one holding a prefilled sequence) are neither read into the
+    fed rows nor written."""
+    pipe = load(batched_hybrid)
+    target = pipe.batched_target()
+    states = target.caches.states
+    prompts = six_prompts(pipe)
+    target.runners[2].cache.set_length(0)
+    target.runners[2].forward(prompts[4])  # slot 2 holds a sequence of its own, idle in the call
+    held = {name: array[2].copy() for name, array in states.rows().items()}
+    out = target.run(2, {0: (0, np.asarray(prompts[0][:4]), {}), 1: (0, np.asarray(prompts[1][:3]), {})}, False)
+    assert out["next_tokens"].shape[0] == 4  # the batch-4 graph, rows 2 and 3 idle
+    assert all(np.array_equal(states.rows()[name][2], held[name]) for name in held)
+    assert states.reaches(2, len(prompts[4])) and not states.reaches(3, 1)
+    single = pipe.runner("target")
+    for row, count in ((0, 4), (1, 3)):
+        single.cache.set_length(0)
+        single.forward(prompts[row][:count])
+        states.set_length(row, count)  # the row's last position, chosen for its next call
+        for name, want in single.cache.state_store.rows().items():
+            np.testing.assert_allclose(states.rows()[name][row], want[0], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("rule", rules(residual_is_q))
 def test_batched_sampled_tokens_over_recurrent_states_follow_the_target(batched_hybrid, rule, monkeypatch):
     """The hybrid's chi-square test, batched: a prompt's first three tokens, decoded beside
