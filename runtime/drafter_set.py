@@ -64,6 +64,9 @@ class DrafterSet:
         member = self.of(slot)
         member.join(slot, prompt, {name: target_out[name] for name in member.needs})
 
+    def prefill(self, slot: int) -> None:
+        self.of(slot).prefill(slot)
+
     def propose(self, rows: Sequence[DraftRow], budget: DraftBudget) -> list[DraftTree]:
         owners = self._owner[: len(rows)]
         proposals: list[DraftTree | None] = [None] * len(rows)

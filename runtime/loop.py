@@ -138,7 +138,7 @@ class BatchLoop:
             key, request = self.waiting.popleft()
             shared = last if last is not None and np.array_equal(last.prompt, request.prompt) else None
             seq, last = _start(self.target, self.drafter, len(self.running), key, request, self.policy.draft_len,
-                               shared)
+                               shared, self.policy.drafts_joining(len(self.running) + 1, request))
             self.policy.start(seq)
             self.running.append(seq)
         if self.running:
@@ -266,10 +266,12 @@ class _Prefill:
 
 
 def _start(target: Model, drafter: Drafter, slot: int, key: Hashable, request: Request, draft_len: int,
-           shared: _Prefill | None = None) -> tuple[Running, _Prefill]:
+           shared: _Prefill | None = None, drafts: bool = True) -> tuple[Running, _Prefill]:
     """Prefill the request into ``slot`` (all but the last prompt token). ``shared``: a prefill of
     the same prompt this step, whose cache row is copied instead (n completions of one prompt
-    pay for one prefill; a batched target's slots are rows of one host cache)."""
+    pay for one prefill; a batched target's slots are rows of one host cache). ``drafts``: the
+    sequence may draft in its first round, so the drafter's own prefill runs now too (else at
+    its first draft, if any: Drafter.prefill)."""
     prompt = np.asarray(request.prompt, dtype=np.int64)
     context = np.zeros(target.max_seq_len + 1, dtype=np.int64)
     context[: len(prompt)] = prompt
@@ -288,6 +290,8 @@ def _start(target: Model, drafter: Drafter, slot: int, key: Hashable, request: R
         drafter.assign(slot, request.drafter)
         drafting = drafter.of(slot).name
     drafter.join(slot, prompt, extras)
+    if drafts:
+        drafter.prefill(slot)
     stats.prefill_s = time.perf_counter() - start
     return Running(key, request, context, len(prompt), stats, drafter=drafting), _Prefill(prompt, slot, extras)
 

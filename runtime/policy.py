@@ -52,7 +52,7 @@ from specexport.runtime.tree_verify import TreeVerifier
 from specexport.runtime.verifier import ChainVerifier, Verifier
 
 if TYPE_CHECKING:
-    from specexport.runtime.loop import Running
+    from specexport.runtime.loop import Request, Running
 
 
 @dataclass
@@ -179,6 +179,12 @@ class SpeculationPolicy:
             for price in prices:
                 price.observe(batch, depth, seconds)
         return priced
+
+    def drafts_joining(self, rows: int, request: Request) -> bool:
+        """Whether a request joining as the ``rows``-th running sequence may draft in its first
+        round: its own cap and the schedule's at that batch size allow a draft."""
+        cap = self.draft_len if self.schedule is None else min(self.draft_len, self.schedule.depth(rows))
+        return cap > 0 and (request.max_depth is None or request.max_depth > 0)
 
     def plan(self, running: Sequence[Running]) -> RoundPlan:
         """Before drafting: the round's cap, each row's depth, and a tree round where the batch

@@ -85,6 +85,26 @@ def test_rows_that_skip_drafting_catch_up_when_depth_returns(batched_engines, mo
     assert any(g.stats.proposed == 0 for g in together)  # rows that never drafted
 
 
+def test_a_row_that_never_drafts_never_runs_the_draft_model(batched_engines):
+    """A schedule that drafts at no batch size: the draft model's prefill waits for a first draft
+    that never comes (Drafter.prefill), so its engines never run and the loop costs what the
+    target alone costs; a row that joins where the schedule drafts prefills it at once."""
+    pipe = load(batched_engines)
+    prompts = _prompts(5, seed=8)
+    budgets = [6, 9, 4, 7, 5]
+    target = pipe.batched_target()
+    requests = [Request(np.asarray(p, dtype=np.int64), n, Sampling()) for p, n in zip(prompts, budgets)]
+    idle = pipe.drafter("quantized-self", target.slots)
+    together = decode_all(target, idle, requests, draft_len=pipe.manifest.draft_len, eos_ids=pipe.text.eos_ids,
+                          schedule=DraftSchedule(((1, 0),)))
+    assert [g.tokens for g in together] == [a.token_ids for a in _alone(pipe, "none", prompts, budgets)]
+    assert idle.engine_seconds == 0.0 and all(g.stats.proposed == 0 for g in together)
+    drafting = pipe.drafter("quantized-self", target.slots)
+    decode_all(target, drafting, requests[:1], draft_len=pipe.manifest.draft_len, eos_ids=pipe.text.eos_ids)
+    runner = drafting.model.runners[0]
+    assert runner.seconds > 0 and runner.length >= len(prompts[0]) - 1  # its prompt fed, then its drafts
+
+
 def test_sampled_rows_draw_exactly_what_they_would_draw_alone(batched_engines):
     """Each row drafts and rejects with its own rng, in the order the single-sequence loop uses
     it: the same seed gives the same tokens, batched or not."""

@@ -109,6 +109,9 @@ class RecordingRows:
         self.seen[len(self.seen)] = []
         self.inner.join(slot, prompt, target_out)
 
+    def prefill(self, slot):
+        self.inner.prefill(slot)
+
     def propose(self, rows, budget):
         drafts = self.inner.propose(rows, budget)
         for slot, (row, k, draft) in enumerate(zip(rows, budget.depths, drafts)):

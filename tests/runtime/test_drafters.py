@@ -77,6 +77,8 @@ def test_model_drafter_resyncs_after_partial_acceptance():
     drafter = ModelDrafter("m", model, {})
     prompt = np.array([1, 2, 3])
     drafter.join(0, prompt, {})
+    assert runner.fed == []  # the prompt waits for the loop's prefill, or the first draft
+    drafter.prefill(0)
     assert runner.fed == [1, 2]
     draft = proposed(drafter, prompt, 4)
     # fed the last prompt token, then drafts 1..3 (the 4th is never fed)
