@@ -478,13 +478,9 @@ def validate_batched_tree(graph: BatchedGraph, single: GraphUnderTest, specs, ca
             span = slice(length, length + graph.tokens)
             pairs += [(name, past[name][r, :, span], filled[name][0, :, span]) if in_place else
                       (name, out[present_of(name)][r], alone[present_of(name)][0]) for name in past]
-            for name, got, want in pairs:
-                agree = _rows_agree(got, want, tolerance)
-                if agree is None:
-                    raise SpecexportError(f"{graph.name}: row {r} (a tree of {tree.size} nodes at cache length "
-                                          f"{length}) differs in {name} from the batch-1 tree graph run on that row "
-                                          "alone; the batched graph mixes or misplaces rows")
-                worst = max(worst, agree)
+            worst = max(worst, _pairs_agree(pairs, tolerance, f"{graph.name}: row {r} (a tree of {tree.size} nodes "
+                                                              f"at cache length {length})",
+                                            "the batch-1 tree graph run on that row alone"))
         parity.add(out[LOGITS][r], alone[LOGITS][0], out[NEXT_TOKENS][r])
     return {**parity.to_dict(), "rows": [[length, tree.size] for length, _, tree in rows.values()], "idle_row": idle,
             "max_rel_output_diff": worst}
@@ -655,6 +651,18 @@ def _token_rows(name: str, array: np.ndarray, row: int, count: int | None) -> np
     return array[row, :, :count] if is_present(name) else array[row, :count]
 
 
+def _pairs_agree(pairs, tolerance: float, where: str, alone: str = "the batch-1 graph run on that row alone") -> float:
+    """The worst ``_rows_agree`` of one batched row's outputs ``pairs`` (name, got, want), or a
+    one-line error naming the row (``where``: "graph: row r (...)") and the first that differs."""
+    worst = 0.0
+    for name, got, want in pairs:
+        agree = _rows_agree(got, want, tolerance)
+        if agree is None:
+            raise SpecexportError(f"{where} differs in {name} from {alone}; the batched graph mixes or misplaces rows")
+        worst = max(worst, agree)
+    return worst
+
+
 def _rows_agree(got: np.ndarray, want: np.ndarray, tolerance: float = 1e-4) -> float | None:
     """max |Δ| / scale of two outputs of one row (0 for equal integers), or None when they do
     not agree: integers differ, -inf (a head's logits off its draft vocabulary) in other
@@ -695,15 +703,10 @@ def check_batched_rows(graph: str, batched, single, past: dict[str, np.ndarray],
         if count == 0:
             continue
         want = single.run({**past, **row}, outputs)
-        for name in outputs:
-            span = None if name in whole else count
-            agree = _rows_agree(_token_rows(name, got[name], r, span), _token_rows(name, want[name], 0, span),
-                                tolerance)
-            if agree is None:
-                raise SpecexportError(f"{graph}: row {r} ({count} tokens at cache length {int(row[CACHE_LENGTH][0])}) "
-                                      f"differs in {name} from the batch-1 graph run on that row alone; the "
-                                      "batched graph mixes or misplaces rows")
-            worst = max(worst, agree)
+        pairs = [(name, _token_rows(name, got[name], r, None if name in whole else count),
+                  _token_rows(name, want[name], 0, None if name in whole else count)) for name in outputs]
+        worst = max(worst, _pairs_agree(pairs, tolerance,
+                                        f"{graph}: row {r} ({count} tokens at cache length {int(row[CACHE_LENGTH][0])})"))
         span = None if LOGITS in whole else count
         parity.add(*figures(got[LOGITS][r, :span], want[LOGITS][0, :span], got[NEXT_TOKENS][r, :span]))
     return parity, worst

@@ -30,8 +30,8 @@ from specexport.exporter.validate import (
     BatchedGraph,
     GraphUnderTest,
     Parity,
+    _pairs_agree,
     _restored,
-    _rows_agree,
     _token_rows,
     append_rows,
 )
@@ -105,13 +105,9 @@ def validate_batched_state(graphs: list[BatchedGraph], single: dict[int, GraphUn
                 span = slice(length, length + count)  # in place: the K/V the row wrote
                 pairs += [(name, kv[name][r, :, span], cache.rows_store.rows()[name][0, :, span])
                           for name in (kv if in_place else ())]
-            for name, a, b in pairs:
-                agree = _rows_agree(a, b, tolerance)
-                if agree is None:
-                    raise SpecexportError(f"{graph.name}: row {r} ({count} tokens at cache length {length}) differs in "
-                                          f"{name} from the batch-1 graph run on that row alone with its own state; "
-                                          "the batched graph mixes or misplaces rows")
-                worst = max(worst, agree)
+            worst = max(worst, _pairs_agree(pairs, tolerance, f"{graph.name}: row {r} ({count} tokens at cache "
+                                                              f"length {length})",
+                                            "the batch-1 graph run on that row alone with its own state"))
             parity.add(got[LOGITS][r, :count], want[LOGITS][0, :count], got[NEXT_TOKENS][r, :count])
         if in_place and not all(np.array_equal(kv[name][r, :, length + count:], before[name][r, :, length + count:])
                                 for name in kv for r, (count, length) in enumerate(zip(valid, lengths))):

@@ -28,7 +28,7 @@ from specexport.contract import (
     read_manifest,
 )
 from specexport.errors import SpecexportError
-from tests.conftest import check_one_line, run_cli, tiny_recipe
+from tests.conftest import run_cli, tiny_recipe
 
 MAX_SEQ_LEN = 48
 DECODERS = ("target", "quantized-self", "draft-model")  # models with decoder graphs (StaticDecoder)
@@ -168,14 +168,6 @@ def test_a_mask_that_ignores_each_rows_cache_length_fails_the_row_check(standard
     assert tensor_specs(onnx.load(str(broken), load_external_data=False), "inputs") == verify.inputs
     with pytest.raises(SpecexportError, match=r"row 0 .* differs in .* from the batch-1 graph run on that row alone"):
         validate_batched_append([BatchedGraph(verify.name, broken, verify.tokens, 4)], alone, specs, cache, ids, None)
-
-
-def test_a_recurrent_target_is_refused_above_batch_1_in_one_line(tmp_path):
-    """Linear-attention layers keep a state per sequence: batch 1 only, with standard attention too."""
-    recipe = tiny_recipe(tmp_path / "r.yaml", "qwen3_5", batch=(1, 2), max_seq_len=48, prefill_chunk=8)
-    code, _, err = run_cli("build", recipe, "-o", tmp_path / "engines")
-    check_one_line(code, err, "shapes.batch", "linear-attention")
-    assert not (tmp_path / "engines").exists()
 
 
 # -- the runtime on them: one decode loop, rows of append graphs -------------------------------
