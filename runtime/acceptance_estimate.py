@@ -72,19 +72,15 @@ class AcceptanceEstimate:
     prior: float = 0.8  # a weightless node's weight at depth 1 (at depth d: prior ** d)
     _tags: dict[str, _DepthSums] = field(default_factory=dict)
     _powers: dict[int, np.ndarray] = field(default_factory=dict)  # depth -> [depth] prior ** (1..depth)
-    # (tag, depth) -> chain_lengths until the tag's next observation: a row at depth 0 observes
+    # chain_lengths by tag and depth until the tag's next observation: a row at depth 0 observes
     # nothing, and asks again every round (a tenth of a ms of numpy a round, ~1% of a step)
-    _lengths: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
+    _lengths: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)  # tag -> depth -> [depth]
 
     def _prior_weights(self, depth: int) -> np.ndarray:
         """[depth] a weightless chain's weights, made once per depth."""
         if depth not in self._powers:
             self._powers[depth] = self.prior ** np.arange(1, depth + 1, dtype=np.float64)
         return self._powers[depth]
-
-    def _forget_lengths(self, tag: str) -> None:
-        for key in [key for key in self._lengths if key[0] == tag]:
-            del self._lengths[key]
 
     def _sums(self, tag: str) -> _DepthSums:
         if tag not in self._tags:
@@ -107,7 +103,7 @@ class AcceptanceEstimate:
         cut to k drafts (each draft kept at most as often as the one before it). Past the
         depths drafted so far, the rate per position so far goes on (a chain kept whole at
         depth 3 is worth trying at 4; one rarely kept at 1 is not at 2)."""
-        cached = self._lengths.get((tag, depth))
+        cached = self._lengths.setdefault(tag, {}).get(depth)
         if cached is not None:
             return cached
         sums = self._sums(tag)
@@ -118,7 +114,7 @@ class AcceptanceEstimate:
             kept[known:] = kept[known - 1] * per_position ** np.arange(1, depth - known + 1)
         lengths = 1.0 + np.cumsum(np.minimum.accumulate(kept))  # [depth]
         lengths.flags.writeable = False  # shared by the rounds until the next observation
-        self._lengths[(tag, depth)] = lengths
+        self._lengths[tag][depth] = lengths
         return lengths
 
     def ranked_gains(self, tag: str, weights: np.ndarray, depths: np.ndarray) -> np.ndarray:
@@ -140,7 +136,7 @@ class AcceptanceEstimate:
             self.observe_chain(tag, proposal.size, accepted)
             return
         predicted = np.bincount(proposal.depths() - 1, weights=self.weights(proposal))  # [depth]
-        self._forget_lengths(tag)
+        self._lengths.pop(tag, None)  # its chain_lengths change
         sums = self._sums(tag)
         sums.weighted = proposal.weights is not None
         sums.add(predicted, accepted, self.decay)
@@ -150,7 +146,7 @@ class AcceptanceEstimate:
         round counts so for the depth its tree was planned with)."""
         if depth == 0:
             return
-        self._forget_lengths(tag)
+        self._lengths.pop(tag, None)  # its chain_lengths change
         sums = self._sums(tag)
         sums.weighted = False
         sums.add(self._prior_weights(depth), accepted, self.decay)

@@ -183,14 +183,17 @@ class SpeculationPolicy:
     def drafts_joining(self, rows: int, request: Request) -> bool:
         """Whether a request joining as the ``rows``-th running sequence may draft in its first
         round: its own cap and the schedule's at that batch size allow a draft."""
-        cap = self.draft_len if self.schedule is None else min(self.draft_len, self.schedule.depth(rows))
-        return cap > 0 and (request.max_depth is None or request.max_depth > 0)
+        return self._cap(rows) > 0 and (request.max_depth is None or request.max_depth > 0)
+
+    def _cap(self, rows: int) -> int:
+        """A round's depth at ``rows`` running sequences: the loop's D, or the schedule's there."""
+        return self.draft_len if self.schedule is None else min(self.draft_len, self.schedule.depth(rows))
 
     def plan(self, running: Sequence[Running]) -> RoundPlan:
         """Before drafting: the round's cap, each row's depth, and a tree round where the batch
         size has a tree graph that every row's cache holds (else chains)."""
         n = len(running)
-        cap = self.draft_len if self.schedule is None else min(self.draft_len, self.schedule.depth(n))
+        cap = self._cap(n)
         trees = self.trees
         if trees is not None:
             batch = trees.batch_for(n)

@@ -203,28 +203,16 @@ def test_each_request_under_batching_gives_its_batch_1_output(standard_batched, 
 def test_serve_answers_concurrent_requests_on_a_standard_directory(standard_batched):
     """`specexport serve` on append graphs: eight concurrent completions over four slots, each
     its batch-1 output (127.0.0.1 only)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import httpx
-
     from specexport.cli.serve import check_servable
     from specexport.runtime import load
     from specexport.serve.app import create_app
     from specexport.serve.config import ServeConfig
-    from tests.serve.common import running
+    from tests.serve.common import concurrent_token_ids, running
 
     assert check_servable(standard_batched, "ngram", None) == "ngram"
     pipe = load(standard_batched)
     wants = [pipe.generate(prompt_ids=PROMPTS[i % len(PROMPTS)], drafter="ngram", max_new_tokens=10).token_ids
              for i in range(8)]
     with running(create_app(ServeConfig(str(standard_batched), "tiny", drafter="ngram", threads=2))) as url:
-        def complete(i: int) -> list[int]:
-            body = {"model": "tiny", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 10, "temperature": 0,
-                    "return_token_ids": True}
-            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-            assert reply.status_code == 200, reply.text
-            return reply.json()["choices"][0]["token_ids"]
-
-        with ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(complete, range(8)))
+        got = concurrent_token_ids(url, "tiny", [PROMPTS[i % len(PROMPTS)] for i in range(8)], [10] * 8)
     assert got == wants

@@ -59,3 +59,19 @@ def wait_idle(url: str, timeout: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, "the server did not become idle"
         time.sleep(0.05)
+
+
+def concurrent_token_ids(url: str, model: str, prompts, max_tokens) -> list[list[int]]:
+    """Greedy completions of every prompt (token ids or text), each with its own ``max_tokens``,
+    sent all at once: the token ids of each answer, in the prompts' order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def complete(i: int) -> list[int]:
+        body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens[i], "temperature": 0,
+                "return_token_ids": True}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(complete, range(len(prompts))))

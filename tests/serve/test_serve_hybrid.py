@@ -5,14 +5,12 @@ every answer is the request's batch-1 output. The server listens on 127.0.0.1 on
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import httpx
 import pytest
 
 from specexport.serve.app import create_app
 from specexport.serve.config import ServeConfig
-from tests.serve.common import metric, running
+from tests.serve.common import concurrent_token_ids, metric, running
 
 MODEL = "tiny-hybrid"
 PROMPTS = [f"Note {i}: {'the tide came in, the tide came in' if i % 2 else 'seven owls'} and {i * 5}." for i in range(8)]
@@ -33,15 +31,7 @@ def test_eight_concurrent_requests_on_a_batched_hybrid_equal_their_batch_1_outpu
              for p, n in zip(PROMPTS, MAX_TOKENS)]
     config = ServeConfig(str(batched_hybrid), MODEL, drafter=drafter, threads=2)
     with running(create_app(config)) as url:
-        def complete(i: int) -> list[int]:
-            body = {"model": MODEL, "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS[i], "temperature": 0,
-                    "return_token_ids": True}
-            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-            assert reply.status_code == 200, reply.text
-            return reply.json()["choices"][0]["token_ids"]
-
-        with ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(complete, range(8)))
+        got = concurrent_token_ids(url, MODEL, PROMPTS, MAX_TOKENS)
         exposition = httpx.get(f"{url}/metrics").text
     assert got == wants
     # the rows were batched (rounds of more than one row), and drafts were verified
