@@ -17,7 +17,8 @@ its round also feeds it every token it skipped (``Drafter.catchup_cost``: a draf
 catch-up, a few ms a token), which is added to every drafting depth's price while rounds at
 depth 0 pile up. So a draft model that stopped for long comes back only for a clear win, and
 the round that resumes, catching up, is no measure of its kind of round (``resumed``: the loop
-does not check the prices with it). k = 0 wins when drafts are too often wrong for what they
+does not check the prices with it), nor is a drafter's first drafting round, which feeds it the
+prompt. k = 0 wins when drafts are too often wrong for what they
 cost, or when drafting is slower than the prices said: the floor that keeps speculation from
 being much slower than the target alone. A depth wins over 0 only by ``min_gain`` (3%): at a
 break-even estimate, drafting's expected gain is nothing and its spread is a loss.
@@ -76,6 +77,7 @@ class DepthPolicy:
     _drafted: int = 0  # rounds that drafted since the last plain one
     _since_draft: int = 0  # rounds in a row at depth 0: what the drafter catches up on when it drafts
     resumed: bool = False  # the last depth chosen drafts after rounds at depth 0, catching up on them
+    _started: bool = False  # a round has drafted: the drafter has been fed the prompt
 
     def __post_init__(self) -> None:
         if self.prices is None:
@@ -139,7 +141,12 @@ class DepthPolicy:
             return max((k for k in range(1, limit + 1) if price(k) - base + catchup <= budget), default=0)
 
         chosen = self._explore(tag, best_k, probe, batch, best_rate * base < self.close)
-        self.resumed = chosen > 0 and catchup > 0
+        # the first drafting round feeds a drafter with catch-up the whole prompt (a head's
+        # taps, a draft model's prefill): no measure of its kind either (SmolLM2's EAGLE-3 head:
+        # 37 ms for a depth-5 round that costs 23)
+        first = not self._started and self.catchup_cost(1) > 0
+        self.resumed = chosen > 0 and (catchup > 0 or first)
+        self._started = self._started or chosen > 0
         self._since_draft = 0 if chosen > 0 else self._since_draft + 1
         return chosen
 

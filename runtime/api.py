@@ -321,7 +321,8 @@ class Pipeline:
                          schedule=self.manifest.draft_schedule if schedule else None,
                          per_sequence=per_sequence, on_round=on_round, adaptive=policy,
                          tree_verifier=self.tree_verifier(target) if nodes else None, tree_nodes=nodes,
-                         tree_top_k=int(self.manifest.plan.get("tree_top_k", 4)))
+                         tree_top_k=int(self.manifest.plan.get("tree_top_k", 4)),
+                         prices=self.costs.round_prices(target.slots) if policy is not None else None)
 
     def batch_request(self, ids: Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
                       top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,

@@ -10,6 +10,7 @@ from specexport.runtime.acceptance_estimate import AcceptanceEstimate, Acceptanc
 from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.costs import TunedCosts
 from specexport.runtime.drafters import Drafter
+from specexport.runtime.round_prices import RoundPrices
 from specexport.runtime.runner import ModelRunner
 
 
@@ -23,6 +24,13 @@ class EngineCosts:
         # drafter -> what its rounds kept on this pipeline's earlier sequences (where a new
         # sequence's estimate starts); none where seeded runs must repeat (check_prices off)
         self.pools: dict[str, AcceptancePool] = {}
+        # slots -> drafter -> its round prices as the clock checked them, kept across the loops
+        # of the pipeline (SpeculationPolicy); fresh for every loop where prices are fixed
+        self._prices: dict[int, dict[str, RoundPrices]] = {}
+
+    def round_prices(self, slots: int) -> dict[str, RoundPrices] | None:
+        """The round prices the loops over ``slots`` target slots share (None: each its own)."""
+        return self._prices.setdefault(slots, {}) if self.check_prices else None
 
     def ms(self, entry: EngineEntry) -> float | None:
         """One run of the engine: measured on this machine by specexport tune, else at build."""

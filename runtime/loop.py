@@ -31,6 +31,7 @@ from specexport.runtime.drafters import Drafter, DraftRow
 from specexport.runtime.logprobs import Logprobs
 from specexport.runtime.model import Model
 from specexport.runtime.policy import RoundPlan, SpeculationPolicy
+from specexport.runtime.round_prices import RoundPrices
 from specexport.runtime.rules import SequenceRules
 from specexport.runtime.stats import DecodeStats
 from specexport.runtime.target_rows import TargetRows
@@ -97,18 +98,19 @@ class BatchLoop:
     How much each round drafts is the policy's (runtime/policy.py): ``schedule`` caps the depth
     by the number of running rows; ``adaptive`` makes each sequence's own DepthPolicy under that
     cap; ``per_sequence`` then picks one batch-wide verify width for the rows' drafts;
-    ``tree_verifier`` with ``tree_nodes`` > 0 verifies token trees where the drafter builds them."""
+    ``tree_verifier`` with ``tree_nodes`` > 0 verifies token trees where the drafter builds them;
+    ``prices``: drafter -> its round prices, kept by the caller across loops (SpeculationPolicy)."""
 
     def __init__(self, target: Model, drafter: Drafter, *, draft_len: int, eos_ids: frozenset[int],
                  on_token: Callable[[Hashable, int], None] | None = None, schedule: DraftSchedule | None = None,
                  per_sequence: bool = False, on_round: Callable[[RoundReport], None] | None = None,
                  adaptive: Callable[[], DepthPolicy] | None = None, tree_verifier: TreeVerifier | None = None,
-                 tree_nodes: int = 0, tree_top_k: int = 4):
+                 tree_nodes: int = 0, tree_top_k: int = 4, prices: dict[str, RoundPrices] | None = None):
         self.target, self.drafter, self.eos_ids = target, drafter, eos_ids
         self.on_token, self.on_round = on_token, on_round
         self.policy = SpeculationPolicy(target, drafter, draft_len=draft_len, schedule=schedule,
                                         per_sequence=per_sequence, adaptive=adaptive, trees=tree_verifier,
-                                        tree_nodes=tree_nodes, tree_top_k=tree_top_k)
+                                        tree_nodes=tree_nodes, tree_top_k=tree_top_k, prices=prices)
         self.waiting: deque[tuple[Hashable, Request]] = deque()
         self.running: list[Running] = []
         self._cancelled: set[Hashable] = set()

@@ -108,7 +108,8 @@ class SpeculationPolicy:
 
     def __init__(self, target: Model, drafter: Drafter, *, draft_len: int, schedule: DraftSchedule | None = None,
                  per_sequence: bool = False, adaptive: Callable[..., DepthPolicy] | None = None,
-                 trees: TreeVerifier | None = None, tree_nodes: int = 0, tree_top_k: int = 4):
+                 trees: TreeVerifier | None = None, tree_nodes: int = 0, tree_top_k: int = 4,
+                 prices: dict[str, RoundPrices] | None = None):
         if per_sequence and not target.costs:
             target.measure_costs()
         self.target, self.drafter, self.draft_len, self.schedule = target, drafter, draft_len, schedule
@@ -120,8 +121,12 @@ class SpeculationPolicy:
         # as `generate` does (the same depths, so the same draws when sampled)
         self.adaptive = adaptive
         # what a round costs, by batch size and depth, checked against the clock: shared by
-        # every sequence of a drafter (made with the first one's adaptive depth)
-        self.prices: dict[str, RoundPrices] = {}
+        # every sequence of a drafter (made with the first one's adaptive depth), and by the
+        # loops of a pipeline where it passes its own (``prices``): a request that starts with
+        # the build's prices, where the clock said otherwise on the requests before it, opened
+        # at depths that lost (SmolLM2 fp32, EAGLE-3: three rounds at depths 5, 4, 3 priced as if
+        # a plain round cost 13.7 ms, measured 9.3 ms all through the request before)
+        self.prices: dict[str, RoundPrices] = {} if prices is None else prices
         # token trees where the drafter builds them: each row verifies a tree of up to
         # tree_nodes drafts (at B > 1 at most the round's depth) when its batch size has a tree graph
         self.trees = trees if tree_nodes > 0 and drafter.builds_trees else None
@@ -144,6 +149,8 @@ class SpeculationPolicy:
             return
         if drafter.name not in self.prices:  # the first sequence's settings, priced at every batch size
             self.prices[drafter.name] = replace(own, priced=self._priced(seq.depth_policy, drafter), _kinds={})
+        else:  # kept from the sequences before: what the clock said long ago is no measure now
+            self.prices[drafter.name].forget_stale()
         seq.depth_policy.prices = self.prices[drafter.name]
 
     def _priced(self, depth: DepthPolicy, drafter: Drafter) -> Callable[[int, int], float | None]:

@@ -20,7 +20,11 @@ compared with what the target alone does now, not with what it did at build.
 
 A replaced price that no round has refreshed for ``expire`` rounds (of any kind) is forgotten: a
 kind priced out of use is never run, so without that, a machine that got quieter since (or a
-measurement taken in a bad moment) would keep its rounds out of use for good.
+measurement taken in a bad moment) would keep its rounds out of use for good. Prices kept across
+requests (a pipeline's loops share them) forget sooner: a new request starts without replaced
+prices older than ``fresh`` rounds (``forget_stale``). A plain round measured at 38 ms while
+another process ran, then never run again because drafting looked a clear win against it, would
+otherwise have opened every later request as if the target alone were four times slower.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class RoundPrices:
     settle: float = 1.05
     window: int = 3  # rounds of a kind whose median is its measurement
     expire: int = 128  # rounds after which a replaced price no round refreshed is forgotten
+    fresh: int = 32  # ... and after which a new request no longer starts from it (forget_stale)
     _kinds: dict[Kind, _Measured] = field(default_factory=dict)
     _clock: int = 0  # rounds observed, of every kind
 
@@ -86,6 +91,12 @@ class RoundPrices:
     def checked(self) -> bool:
         """Whether a measurement can replace a price (an infinite margin: the prices are fixed)."""
         return self.margin != float("inf")
+
+    def forget_stale(self) -> None:
+        """Drop the replaced prices no round refreshed in the last ``fresh`` rounds (a new
+        request starts: they are priced again until its own rounds measure them)."""
+        for kind in [kind for kind, m in self._kinds.items() if m.replaced and self._clock - m.at > self.fresh]:
+            del self._kinds[kind]
 
     def rounds(self, batch: int, depth: int) -> int:
         """Rounds of this kind measured so far."""

@@ -57,10 +57,12 @@ def test_a_probe_costs_at_most_its_share_of_the_rounds_it_follows():
 
 def test_a_round_that_catches_up_says_so():
     """The first drafting round after rounds at depth 0 also feeds the drafter what it skipped:
-    ``resumed`` (its time is no price of its kind); the next one does not. A drafter that skips
-    for free never resumes so."""
+    ``resumed`` (its time is no price of its kind); the next one does not. So does the very first
+    drafting round, which feeds it the prompt. A drafter that skips for free never resumes so."""
     for catchup in (0.001, 0.0):
         policy = DepthPolicy(verify_cost, catchup_cost=lambda s, catchup=catchup: catchup * s, checked=False)
+        first = [(policy.best_depth("m", 7) > 0, policy.resumed) for _ in range(2)]
+        assert first == ([(True, True), (True, False)] if catchup else [(True, False), (True, False)]), first
         for _ in range(30):
             policy.estimate.observe("m", drafts(7), 0)
         assert [policy.best_depth("m", 7) for _ in range(3)] == [0, 0, 0]

@@ -169,8 +169,8 @@ class CatchingUpOracle(SleepyOracle):
 
 
 def test_a_round_that_catches_up_is_not_measured():
-    """A drafting round right after rounds at depth 0 also catches the drafter up on them: not a
-    price of its kind, so not measured. The control: a drafter that skips for free has every
+    """A drafting round right after rounds at depth 0 (or the first) also catches the drafter up
+    on them: not a price of its kind, so not measured. The control: a drafter that skips for free has every
     drafting round measured."""
     table = random_table(8, seed=3)
     for catchup in (1e-4, 0.0):
@@ -183,7 +183,35 @@ def test_a_round_that_catches_up_is_not_measured():
         loop.submit(0, Request(np.array([1, 2]), 900))  # more tokens than 120 rounds can make
         drafted = drafted_by_round(0.0, 120, drafter, loop, reports)
         drafting = sum(d > 0 for d in drafted)
-        resumed = sum(d > 0 and before == 0 for before, d in zip([1] + drafted, drafted))
+        # the first drafting round feeds the drafter the prompt: a resume too, where it catches up
+        resumed = sum(d > 0 and before == 0 for before, d in zip([0 if catchup else 1] + drafted, drafted))
         measured = sum(policy.prices.rounds(1, k) for k in range(1, 5))
         assert resumed > 0, drafted  # it stopped and resumed: the comparison below is not vacuous
         assert measured == (drafting - resumed if catchup else drafting), (measured, drafting, resumed)
+
+
+def test_the_loops_of_a_pipeline_share_what_the_clock_said(tiny_dir):
+    """A request starts from the prices the clock checked on the requests before it, not from
+    the build's again; with prices fixed (seeded runs repeat), every loop starts afresh."""
+    from specexport.runtime import load
+
+    for check, shared in ((True, True), (False, False)):
+        pipe = load(tiny_dir, threads=1, check_prices=check)
+        pipe.generate(prompt_ids=[1, 2, 3, 4], drafter="ngram", max_new_tokens=12)
+        first = pipe.batch_loop(drafter="ngram", max_batch=1).policy.prices
+        second = pipe.batch_loop(drafter="ngram", max_batch=1).policy.prices
+        assert (first is second) is shared
+        assert bool(first.get("ngram") is not None and first["ngram"]._clock > 0) is shared
+
+
+def test_a_new_request_forgets_what_the_clock_said_long_ago():
+    prices = RoundPrices(flat)
+    for _ in range(3):
+        prices.observe(1, 0, 0.040)  # plain rounds while the machine was busy
+    for _ in range(prices.fresh):
+        prices.observe(1, 3, 0.010)  # drafting ever since, priced right
+    prices.forget_stale()
+    assert prices.seconds(1, 0) == pytest.approx(0.040)  # refreshed fresh rounds ago: kept
+    prices.observe(1, 3, 0.010)
+    prices.forget_stale()
+    assert prices.seconds(1, 0) == pytest.approx(0.010)  # older than `fresh`: priced again
