@@ -15,9 +15,11 @@ from specexport.contract import DrafterEntry, DraftSchedule
 from specexport.errors import BadInput
 from specexport.runtime import load
 from specexport.runtime.acceptance import Sampling
+from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.api import HEAD_KINDS, batched_refusal
 from specexport.runtime.drafters import ModelDrafter
 from specexport.runtime.loop import Request
+from specexport.runtime.tree import DraftTree
 from tests.conftest import run_cli
 from tests.runtime.fakes import decode_all
 from tests.runtime.test_batch_decode import _prompts
@@ -103,6 +105,30 @@ def test_a_row_that_never_drafts_never_runs_the_draft_model(batched_engines):
     decode_all(target, drafting, requests[:1], draft_len=pipe.manifest.draft_len, eos_ids=pipe.text.eos_ids)
     runner = drafting.model.runners[0]
     assert runner.seconds > 0 and runner.length >= len(prompts[0]) - 1  # its prompt fed, then its drafts
+
+
+def test_a_draft_model_adaptive_depth_keeps_off_is_never_fed(batched_engines):
+    """Adaptive depth may choose 0 from the first round on (here: its estimate says drafts are
+    never kept), so the draft model's prefill waits for a first draft and never runs; the
+    control, the same loop at a fixed depth, prefills at once."""
+    pipe = load(batched_engines, check_prices=False)
+    prompts = _prompts(3, seed=9)
+    target = pipe.batched_target()
+    requests = [Request(np.asarray(p, dtype=np.int64), 6, Sampling()) for p in prompts]
+
+    def never() -> DepthPolicy:
+        policy = pipe.costs.depth_policy(idle, pipe.target)
+        for _ in range(30):
+            policy.estimate.observe(idle.name, DraftTree.chain(np.zeros(4, dtype=np.int64)), 0)
+        policy.probe_every = 10**6  # and never probes
+        return policy
+
+    for adaptive in (never, None):
+        idle = pipe.drafter("quantized-self", target.slots)
+        done = decode_all(target, idle, requests, draft_len=pipe.manifest.draft_len, eos_ids=pipe.text.eos_ids,
+                          adaptive=adaptive)
+        assert [g.tokens for g in done] == [a.token_ids for a in _alone(pipe, "none", prompts, [6] * 3)]
+        assert (idle.engine_seconds == 0.0) is (adaptive is not None), idle.engine_seconds
 
 
 def test_sampled_rows_draw_exactly_what_they_would_draw_alone(batched_engines):
