@@ -19,15 +19,6 @@ commits
 tokens: for a chain of k drafts, E(k) = 1 + p_1 + ... + p_k, the one expected-length formula
 that adaptive depth (runtime/adaptive.py), the batch-wide width (runtime/goodput.py) and the
 tree size (runtime/tree_size.py) read.
-
-A new sequence's estimate starts from what the drafter's rounds kept on the pipeline's earlier
-sequences (``AcceptancePool``: its server's traffic, worth one round as the prior is), not from
-the bare prior:
-with the prior alone, a drafter that keeps failing on this traffic opened every request at the
-prior's depth and paid two or three failed rounds (and a drafter model's prompt) before its
-estimate stopped it: about 2% of a 96-token request, where the floor is 0.95x the target alone.
-Only greedy sequences share the pool (``detach_pool``): their tokens do not depend on the depths,
-while a seeded sampled request must repeat its draws whatever ran before it.
 """
 
 from __future__ import annotations
@@ -76,33 +67,6 @@ class _DepthSums:
 
 
 @dataclass
-class AcceptancePool:
-    """What a drafter's rounds kept across the sequences of one pipeline, by tag: every
-    observation of a pooled estimate, forgotten more slowly than a sequence's own (the last fifty
-    rounds or so). A new estimate's sums start as the pool's, scaled to ``weight`` rounds at
-    depth 1: a learned prior as strong as the bare one (at four rounds, a drafter failing on one
-    request kept drafting twice as long as from the bare prior, on the strength of the others)."""
-
-    decay: float = 0.98
-    weight: float = 1.0
-    _tags: dict[str, _DepthSums] = field(default_factory=dict)
-
-    def add(self, tag: str, predicted: np.ndarray, accepted: int, weighted: bool) -> None:
-        """One verified round of ``tag`` (as ``_DepthSums.add``)."""
-        sums = self._tags.setdefault(tag, _DepthSums())
-        sums.weighted = weighted
-        sums.add(predicted, accepted, self.decay)
-
-    def start(self, tag: str) -> _DepthSums:
-        """A new sequence's sums for ``tag``: the pool's worth ``weight`` rounds (empty: none yet)."""
-        pooled = self._tags.get(tag)
-        if pooled is None or not len(pooled.rounds) or pooled.rounds[0] <= 0:
-            return _DepthSums()
-        scale = min(1.0, self.weight / float(pooled.rounds[0]))
-        return _DepthSums(pooled.predicted * scale, pooled.accepted * scale, pooled.rounds * scale, pooled.weighted)
-
-
-@dataclass
 class AcceptanceEstimate:
     decay: float = 0.9  # per round: the last ten rounds or so count
     prior: float = 0.8  # a weightless node's weight at depth 1 (at depth d: prior ** d)
@@ -111,11 +75,6 @@ class AcceptanceEstimate:
     # chain_lengths by tag and depth until the tag's next observation: a row at depth 0 observes
     # nothing, and asks again every round (a tenth of a ms of numpy a round, ~1% of a step)
     _lengths: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)  # tag -> depth -> [depth]
-    pool: AcceptancePool | None = None  # the pipeline's earlier sequences: where a tag's sums start, what they feed
-
-    def detach_pool(self) -> None:
-        """Start from the bare prior and feed no pool (a sampled sequence: the module docstring)."""
-        self.pool = None
 
     def _prior_weights(self, depth: int) -> np.ndarray:
         """[depth] a weightless chain's weights, made once per depth."""
@@ -125,7 +84,7 @@ class AcceptanceEstimate:
 
     def _sums(self, tag: str) -> _DepthSums:
         if tag not in self._tags:
-            self._tags[tag] = self.pool.start(tag) if self.pool is not None else _DepthSums()
+            self._tags[tag] = _DepthSums()
         return self._tags[tag]
 
     def weights(self, proposal: DraftTree) -> np.ndarray:
@@ -181,8 +140,6 @@ class AcceptanceEstimate:
         sums = self._sums(tag)
         sums.weighted = proposal.weights is not None
         sums.add(predicted, accepted, self.decay)
-        if self.pool is not None:
-            self.pool.add(tag, predicted, accepted, sums.weighted)
 
     def observe_chain(self, tag: str, depth: int, accepted: int) -> None:
         """A verified weightless chain of ``depth`` drafts, ``accepted`` of them kept (a tree
@@ -193,5 +150,3 @@ class AcceptanceEstimate:
         sums = self._sums(tag)
         sums.weighted = False
         sums.add(self._prior_weights(depth), accepted, self.decay)
-        if self.pool is not None:
-            self.pool.add(tag, self._prior_weights(depth), accepted, False)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from specexport.contract import EngineEntry, Manifest, Role
-from specexport.runtime.acceptance_estimate import AcceptanceEstimate, AcceptancePool
 from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.costs import TunedCosts
 from specexport.runtime.drafters import Drafter
@@ -21,9 +20,6 @@ class EngineCosts:
         ``check_prices``: adaptive depth checks its prices against the clock."""
         self.manifest, self.tuned, self.backend_of = manifest, tuned, backend_of
         self.check_prices = check_prices
-        # drafter -> what its rounds kept on this pipeline's earlier sequences (where a new
-        # sequence's estimate starts); none where seeded runs must repeat (check_prices off)
-        self.pools: dict[str, AcceptancePool] = {}
         # slots -> drafter -> its round prices as the clock checked them, kept across the loops
         # of the pipeline (SpeculationPolicy); fresh for every loop where prices are fixed
         self._prices: dict[int, dict[str, RoundPrices]] = {}
@@ -59,7 +55,5 @@ class EngineCosts:
             ms = target.verify_ms(tokens)
             return ms / 1e3 if ms else None
 
-        pool = self.pools.setdefault(drafter.name, AcceptancePool()) if self.check_prices else None
         return DepthPolicy(verify_cost, drafter.round_cost, drafter.catchup_cost, checked=self.check_prices,
-                           one_token_rows=self.manifest.models["target"].one_token_rows,
-                           estimate=AcceptanceEstimate(pool=pool))
+                           one_token_rows=self.manifest.models["target"].one_token_rows)

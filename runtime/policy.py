@@ -142,8 +142,6 @@ class SpeculationPolicy:
             return
         drafter = self.drafter_of(seq)
         seq.depth_policy = self.adaptive(drafter) if isinstance(self.drafter, DrafterSet) else self.adaptive()
-        if not seq.request.sampling.greedy:  # its draws follow its depths: none learned from other requests
-            seq.depth_policy.estimate.detach_pool()
         own = seq.depth_policy.prices
         if own is None:  # a policy that prices nothing (a test's replay)
             return
