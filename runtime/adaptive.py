@@ -78,6 +78,9 @@ class DepthPolicy:
     _since_draft: int = 0  # rounds in a row at depth 0: what the drafter catches up on when it drafts
     resumed: bool = False  # the last depth chosen drafts after rounds at depth 0, catching up on them
     _started: bool = False  # a round has drafted: the drafter has been fed the prompt
+    # seconds the drafter's first draft spends on the prompt (``Drafter.catchup_cost`` of it: a
+    # draft model's prefill, a head's prompt rows), spread over the tokens that could repay it
+    start_cost: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prices is None:
@@ -103,9 +106,11 @@ class DepthPolicy:
         price = self.prices.seconds(batch, depth)
         return max(price - self.round_cost(depth), 1e-6) if price and depth > 0 else price
 
-    def best_depth(self, tag: str, limit: int, batch: int = 1, sunk: bool = False) -> int:
+    def best_depth(self, tag: str, limit: int, batch: int = 1, sunk: bool = False, remaining: int = 0) -> int:
         """The depth <= limit with the best expected tokens per second in a round at ``batch``.
-        ``sunk``: the drafts already exist, so only the verify (the round less the drafter's) counts."""
+        ``sunk``: the drafts already exist, so only the verify (the round less the drafter's)
+        counts. ``remaining``: tokens the request may still make; until the drafter first drafts,
+        its ``start_cost`` is spread over them (0: not charged)."""
         if not sunk:  # a chain trimmed (sunk) keeps what its round was chosen as
             self.resumed = False
         if limit <= 0:
@@ -118,12 +123,17 @@ class DepthPolicy:
         expected = self.estimate.chain_lengths(tag, limit)  # [limit] E(k), k = 1..limit
         # drafting now also feeds the drafter what it skipped (a draft model's catch-up)
         catchup = self.catchup_cost(self._since_draft) if self._since_draft and not sunk else 0.0
+        # a drafter not yet started pays for the prompt first: a share of it per token the
+        # request may still make (an int4 copy of SmolLM2 spent 170 ms on a 170-token prompt,
+        # more than drafting then saved over a 75-token answer)
+        start = self.start_cost / remaining if self.start_cost and remaining > 0 and not self._started \
+            and not sunk else 0.0
         best_k, best_rate = 0, self.min_gain / base
         for k in range(1, limit + 1):
             cost = price(k)
             if not cost:
                 return limit  # no measurement: draft as asked
-            rate = expected[k - 1] / (cost + catchup)
+            rate = expected[k - 1] / (cost + catchup + start * expected[k - 1])
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if sunk:
@@ -135,10 +145,11 @@ class DepthPolicy:
             tag's first probe is the exception: what stopped it may be a round or two of misses
             on little evidence, so it is probed once whatever its catch-up, as deep as costs half a
             plain round more than a plain round (one draft at least)."""
-            if not self._probes.get(tag):
+            if not self._probes.get(tag) and not start:
                 return max([1] + [k for k in range(1, limit + 1) if price(k) <= 1.5 * base])
             budget = self.probe_share * self._since_draft * base
-            return max((k for k in range(1, limit + 1) if price(k) - base + catchup <= budget), default=0)
+            first = start * remaining  # a drafter never started: its probe feeds it the prompt
+            return max((k for k in range(1, limit + 1) if price(k) - base + catchup + first <= budget), default=0)
 
         chosen = self._explore(tag, best_k, probe, batch, best_rate * base < self.close)
         # the first drafting round feeds a drafter with catch-up the whole prompt (a head's

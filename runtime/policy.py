@@ -142,6 +142,8 @@ class SpeculationPolicy:
             return
         drafter = self.drafter_of(seq)
         seq.depth_policy = self.adaptive(drafter) if isinstance(self.drafter, DrafterSet) else self.adaptive()
+        # what its first draft feeds it: the prompt but its last token (which the draft takes)
+        seq.depth_policy.start_cost = drafter.catchup_cost(len(seq.request.prompt) - 1)
         own = seq.depth_policy.prices
         if own is None:  # a policy that prices nothing (a test's replay)
             return
@@ -241,8 +243,9 @@ class SpeculationPolicy:
         max_seq_len, batch = self.target.max_seq_len, self.target.batch_for(len(running))
         ks = [min(cap, seq.stats.draft_len, max_seq_len - seq.length, seq.request.max_new_tokens - seq.stats.tokens - 1)
               for seq in running]
-        return [seq.depth_policy.best_depth(self.drafter_of(seq).name, k, batch) if seq.depth_policy is not None
-                else k for seq, k in zip(running, ks)]
+        return [seq.depth_policy.best_depth(self.drafter_of(seq).name, k, batch,
+                                            remaining=seq.request.max_new_tokens - seq.stats.tokens)
+                if seq.depth_policy is not None else k for seq, k in zip(running, ks)]
 
     def _size_hint(self, seq: Running) -> SizeHint | None:
         """The size an adaptive sequence verifying alone will cut its tree to, counting the

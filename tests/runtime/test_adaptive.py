@@ -184,3 +184,22 @@ def test_only_a_fully_padded_quantized_model_runs_two_rows_a_token():
     assert entry({"quantization": {"bits": 4}}).one_token_rows == 2  # built before the probe: padded in full
     assert entry({"quantization": {"exactness": {"pad": "all"}}}).one_token_rows == 2
     assert entry({"quantization": {"exactness": {"pad": "attention"}}}).one_token_rows == 1
+
+
+def test_a_drafter_starts_only_where_the_request_can_repay_its_prompt():
+    """A drafter whose first draft must feed it the prompt (300 ms here, fifteen plain rounds)
+    starts only when the tokens the request may still make can repay that at the estimate's
+    rate (the prior's 4.2 tokens a 30 ms round saves 13 ms a token): with 16 to go it never drafts, not even the first probe (which would pay the prompt
+    too); with 400 to go it starts at once; once started, the prompt is paid and no longer
+    charged. The control: without a start cost it drafts at once with 16 to go."""
+    def policy(start: float) -> DepthPolicy:
+        made = DepthPolicy(verify_cost, checked=False)
+        made.start_cost = start
+        return made
+
+    short = policy(0.300)
+    assert [short.best_depth("m", 7, remaining=16) for _ in range(40)] == [0] * 40
+    long = policy(0.300)
+    assert long.best_depth("m", 7, remaining=400) > 0
+    assert long.best_depth("m", 7, remaining=16) > 0  # started: the prompt is paid
+    assert policy(0.0).best_depth("m", 7, remaining=16) > 0
