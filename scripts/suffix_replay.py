@@ -10,7 +10,9 @@ observed, and the request's output joining the drafter's store when it ends. Pro
 file order through one drafter per variant, so a store spans them as in ``bench --repeats 1``.
 ``--oracle``: each suffix chain drafted as deep as a long draft goes and verified exactly as far
 as it is kept (no policy has that): the bound on what a better cut could give, against n-gram
-as it runs.
+as it runs. ``--trace FILE``: one JSON line a round (the drafter, the prompt, the output position,
+the chain's tag, its drafts before and after the cut, what the target would have kept of the
+uncut chain, what it kept, the round's price): where a variant gains or loses, round by round.
 
     python scripts/suffix_replay.py engines/smollm2-135m --prompts bench/prompts/repeated.jsonl \\
         --variant default --variant spec_factor=2,chain_min_prob=0.1
@@ -112,8 +114,9 @@ def kept(tokens: list[int], output: list[int], at: int) -> int:
 
 
 def replay(drafter: Drafter, rows: list[dict], cost: Callable[[int], float | None], draft_len: int,
-           long_depth: int, oracle: bool) -> dict[str, Totals]:
-    """Every row's output decoded in rounds of ``drafter``'s chains (the module docstring)."""
+           long_depth: int, oracle: bool, trace: list[dict] | None = None) -> dict[str, Totals]:
+    """Every row's output decoded in rounds of ``drafter``'s chains (the module docstring);
+    ``trace``: a record of every round appended to it."""
     totals: dict[str, Totals] = defaultdict(Totals)
     for row in rows:
         depth = DepthPolicy(cost, checked=False)
@@ -128,17 +131,22 @@ def replay(drafter: Drafter, rows: list[dict], cost: Callable[[int], float | Non
                 k = min(long_depth, left - 1)
             draft_row = DraftRow(np.array(context, dtype=np.int64), Sampling(), np.random.default_rng(0), None, len(prompt))
             proposal = drafter.propose([draft_row], DraftBudget([k]))[0] if k > 0 else DraftTree.of_draft(EMPTY_DRAFT)
-            n = kept(proposal.tokens.tolist(), output, at)
+            drafted = proposal.size
+            uncut = n = kept(proposal.tokens.tolist(), output, at)
             proposal = proposal.prefix(n) if oracle else trim_chain(depth, proposal, drafter.name)
             n = min(n, proposal.size)
             depth.estimate.observe(proposal.tag or drafter.name, proposal, n)
             if at + n < len(output):
                 drafter.accept(0, n, output[at + n], {})
             committed = min(n + 1, left)
-            context += output[at : at + committed]
-            at += committed
             seconds = cost(1 + proposal.size)
             assert seconds is not None, "a proposal past the widest entry"
+            if trace is not None:
+                trace.append({"drafter": drafter.name, "id": row["id"], "category": row["category"], "at": at,
+                              "tag": proposal.tag, "drafted": drafted, "verified": proposal.size,
+                              "kept_uncut": uncut, "kept": n, "committed": committed, "seconds": seconds})
+            context += output[at : at + committed]
+            at += committed
             total.tokens, total.rounds, total.seconds = total.tokens + committed, total.rounds + 1, total.seconds + seconds
         one = cost(1)
         assert one is not None
@@ -172,6 +180,7 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path("/tmp/suffix_replay_outputs.json"))
     parser.add_argument("--oracle", action="store_true", help="verify each chain exactly as far as it is kept")
     parser.add_argument("--by-category", action="store_true")
+    parser.add_argument("--trace", type=Path, help="write one JSON line a round of every drafter here")
     args = parser.parse_args()
 
     costs = verify_costs(args.engine)
@@ -185,9 +194,14 @@ def main() -> None:
         store = ResponseStore(settings.store_tokens, settings.index_depth) if settings.store_tokens else None
         drafters[f"suffix {spec}"] = partial(SuffixDrafter, "suffix", settings, store, 1)
     baseline: dict[str, Totals] = {}
+    trace: list[dict] | None = [] if args.trace else None
     for name, make in drafters.items():
         # the oracle bounds a better cut of the suffix chains, against n-gram as it runs
-        by_category = replay(make(), rows, cost, draft_len, long_depth, args.oracle and name != "ngram")
+        rounds: list[dict] = []
+        by_category = replay(make(), rows, cost, draft_len, long_depth, args.oracle and name != "ngram",
+                             None if trace is None else rounds)
+        if trace is not None:
+            trace += [{"variant": name, **r} for r in rounds]
         overall = Totals()
         for totals in by_category.values():
             overall.add(totals)
@@ -196,6 +210,8 @@ def main() -> None:
         for category, totals in lines:
             print(f"{name:44s} {category:16s} E[L] {totals.acceptance_length:.3f}  predicted speedup "
                   f"{totals.speedup:.3f}  vs ngram {totals.speedup / baseline[category].speedup:.3f}")
+    if args.trace and trace is not None:
+        args.trace.write_text("".join(json.dumps(r) + "\n" for r in trace))
 
 
 if __name__ == "__main__":

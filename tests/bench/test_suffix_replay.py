@@ -8,6 +8,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from specexport.runtime.drafters import NgramDrafter
@@ -63,3 +64,20 @@ def test_a_variant_sets_suffix_fields_and_a_bad_one_names_the_field(replay):
     assert (settings.spec_factor, settings.store_prompts, settings.max_match, settings.store_tokens) == (2.0, True, 8, 0)
     with pytest.raises(SystemExit, match="'spec_facter' is not a suffix setting"):
         replay.suffix_variant("spec_facter=2", 0)
+
+
+def test_the_trace_has_a_record_a_round_that_adds_up_to_the_totals(replay):
+    cost = replay.padded(COSTS)
+    settings = SuffixSettings(store_tokens=1000)
+    trace: list[dict] = []
+    totals = replay.replay(SuffixDrafter("suffix", settings, ResponseStore(1000, settings.index_depth), 1), rows(),
+                           cost, 5, 15, False, trace)["task"]
+    assert len(trace) == totals.rounds
+    assert sum(r["committed"] for r in trace) == totals.tokens
+    assert sum(r["seconds"] for r in trace) == pytest.approx(totals.seconds)
+    for row_id in ("t-0", "t-1"):  # each request's rounds in order, from its first position, without gaps
+        rounds = [r for r in trace if r["id"] == row_id]
+        assert [r["at"] for r in rounds] == [0] + list(np.cumsum([r["committed"] for r in rounds[:-1]]))
+    # the cut keeps a prefix of the drafts, and what the target kept of it is what it would have of the uncut chain
+    assert all(r["kept"] == min(r["kept_uncut"], r["verified"]) <= r["verified"] <= r["drafted"] for r in trace)
+    assert any(r["kept"] >= 3 for r in trace if r["id"] == "t-1")  # the repeat drafted from the store
