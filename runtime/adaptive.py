@@ -155,7 +155,7 @@ class DepthPolicy:
         # the first drafting round feeds a drafter with catch-up the whole prompt (a head's
         # taps, a draft model's prefill): no measure of its kind either (SmolLM2's EAGLE-3 head:
         # 37 ms for a depth-5 round that costs 23)
-        first = not self._started and self.catchup_cost(1) > 0
+        first = not self._started and self.start_cost > 0
         self.resumed = chosen > 0 and (catchup > 0 or first)
         self._started = self._started or chosen > 0
         self._since_draft = 0 if chosen > 0 else self._since_draft + 1

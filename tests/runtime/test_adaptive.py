@@ -61,6 +61,7 @@ def test_a_round_that_catches_up_says_so():
     drafting round, which feeds it the prompt. A drafter that skips for free never resumes so."""
     for catchup in (0.001, 0.0):
         policy = DepthPolicy(verify_cost, catchup_cost=lambda s, catchup=catchup: catchup * s, checked=False)
+        policy.start_cost = catchup * 20  # a 20-token prompt (SpeculationPolicy.start sets it)
         first = [(policy.best_depth("m", 7) > 0, policy.resumed) for _ in range(2)]
         assert first == ([(True, True), (True, False)] if catchup else [(True, False), (True, False)]), first
         for _ in range(30):
