@@ -178,7 +178,7 @@ def test_an_adaptive_tree_stops_growing_where_the_round_would_cut(case, monkeypa
     name, _, _, pipe = case
     # the build's measured costs vary: fixed ones, so that both runs draft alike and deep enough
     # to step (every round at the full depth; tree passes cost more with more rows)
-    monkeypatch.setattr(DepthPolicy, "best_depth", lambda self, tag, limit, batch=1, sunk=False: limit)
+    monkeypatch.setattr(DepthPolicy, "best_depth", lambda self, tag, limit, batch=1, sunk=False, remaining=0: limit)
     monkeypatch.setattr(TreeVerifier, "cost", lambda self, rows, batch=1: 0.02 + 0.002 * rows ** 2)
     monkeypatch.setattr(pipe.drafter(name), "round_cost", lambda k, costs=None: 0.0)
     engine = pipe.drafter(name).tree_steps[1]

@@ -112,6 +112,9 @@ class RecordingRows:
     def prefill(self, slot):
         self.inner.prefill(slot)
 
+    def catchup_cost(self, skipped):
+        return self.inner.catchup_cost(skipped)
+
     def propose(self, rows, budget):
         drafts = self.inner.propose(rows, budget)
         for slot, (row, k, draft) in enumerate(zip(rows, budget.depths, drafts)):
@@ -140,7 +143,7 @@ class Replay:
         self._depths = iter(depths)
         self.estimate = AcceptanceEstimate()  # told every round, read by nothing here
 
-    def best_depth(self, name: str, k: int, batch: int = 1) -> int:
+    def best_depth(self, name: str, k: int, batch: int = 1, remaining: int = 0) -> int:
         return next(self._depths)
 
 
