@@ -62,7 +62,7 @@ from specexport.runtime.tree import ROOT, DraftTree, SizeHint, expansion_budget,
 if TYPE_CHECKING:
     from specexport.runtime.api import Pipeline
 
-CATCHUP_ROLES = frozenset({Role.CATCHUP, Role.PREFILL})
+CATCHUP_ROLES = frozenset({Role.CATCHUP, Role.PREFILL, Role.FILL})
 STEP_ROLES = frozenset({Role.STEP})
 
 
@@ -107,7 +107,7 @@ class ChainDrafter(ChainsAndTrees):
         in pieces: priced as that one entry, a resumed round after 31 skipped cost 9 ms where
         0.6 ms was priced, and the policy resumed drafting where it lost."""
         runner = self.catchup.runners[0]
-        fed, alone = runner.planned_ms(1 + skipped), runner.planned_ms(1)
+        fed, alone = runner.catchup_ms(1 + skipped), runner.planned_ms(1)
         if fed is None or alone is None:
             return skipped * self.round_cost(0)
         return max(fed - alone, 0.0) / 1e3
@@ -281,7 +281,7 @@ class ChainDrafter(ChainsAndTrees):
         if extra > 0:  # the prompt after a join, a row back from rounds at depth 0
             runner = self.catchup.runners[slot]
             runner.cache.set_length(start)
-            runner.forward(tokens[:extra], inputs={DRAFT_FEATURES: features[:extra]})
+            runner.fill(tokens[:extra], inputs={DRAFT_FEATURES: features[:extra]})  # its fill entries where built
             start, tokens, features = start + extra, tokens[extra:], features[extra:]
         self._committed[slot] = start + len(tokens)
         return start, tokens, {DRAFT_FEATURES: features}
