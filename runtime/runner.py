@@ -127,6 +127,11 @@ class ModelRunner(TimedCalls):
         return [t for t, _ in self._long]
 
     @property
+    def calls_by_engine(self) -> dict[str, int]:
+        """Runs of each engine so far, by name (a fill entry's apart from the entry of its size)."""
+        return {call.engine.name: call.calls for call in self._calls.values()}
+
+    @property
     def fill_sizes(self) -> list[int]:
         """The token counts of the fill entries (none: ``fill`` runs the decoding entries)."""
         return list(self._fill)

@@ -230,13 +230,14 @@ class HeadContext:
         self.builder.record_parity(graph, figures, reference, precision)
 
     def time_with(self, runner: ModelRunner) -> None:
-        """Time ``runner``'s graphs in the builder's one interleaved schedule (cost_ms), its fill
-        entries too where it has them."""
+        """Time ``runner``'s graphs in the builder's one interleaved schedule (cost_ms)."""
         self.builder.timing[self.name] = runner
-        if runner.fill_sizes:
-            from specexport.runtime.runner import FillTiming
 
-            self.builder.timing[f"{self.name}.fill"] = FillTiming(runner)
+    def time_fill(self, runner: ModelRunner) -> None:
+        """Time ``runner``'s fill entries in the same schedule (cost_ms)."""
+        from specexport.runtime.runner import FillTiming
+
+        self.builder.timing[f"{self.name}.fill"] = FillTiming(runner)
 
     def reference_ids(self, length: int) -> np.ndarray:
         """Real text from the target's tokenizer (the builder's validation corpus): [length]."""

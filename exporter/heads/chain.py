@@ -625,14 +625,15 @@ def validate_chain(ctx: HeadContext, reference: Reference, spec: ChainSpec, grap
         with ctx.step("validate", f"{ctx.name} fill graph") as s:
             # the cache holds every row of the text (filled above): kept as it is for the tree's check
             kept, kept_length = {name: array.copy() for name, array in cache.view().items()}, cache.length
-            length = min(rows, s_max) // 2
-            figures = check_fill(runner, ids[1:], {DRAFT_FEATURES: aux[:rows]}, (0, length // 2, length))
+            length = len(tokens) // 2
+            figures = check_fill(runner, ids[1:], {DRAFT_FEATURES: aux[: len(tokens)]}, (0, length // 2, length))
             for name, array in cache.view().items():
                 array[...] = kept[name]
             cache.length = kept_length
             for name in fills:
                 ctx.builder.record_fill(name, figures)
             s.detail = f"{len(fills)} sizes, cache = the catch-up graph's bit for bit"
+        ctx.time_fill(runner)
     if tree is not None:  # last: it writes the cache past the rows it keeps
         from specexport.exporter.heads.chain_tree import validate_chain_tree
 
