@@ -127,7 +127,7 @@ def test_a_long_prompt_is_fed_through_the_fill_graph(pipe, head):
     assert fills and {e.path for e in fills} == {f"{head}.fill.onnx"}
     runner = pipe.drafter(head).catchup.runners[0]
     before = sum(n for name, n in runner.calls_by_engine.items() if ".fill." in name)
-    prompt = [int(t) for t in pipe.prompt_ids(" ".join(PROMPTS * 3))][:30]  # 30 + 8 new tokens fit the 48 slots
+    prompt = [int(t) for t in pipe.prompt_ids(f"{PROMPTS[0]} {PROMPTS[2]}")][:30]  # 30 + 8 new tokens fit the 48 slots
     assert len(prompt) > runner.decoding_sizes[-1] + 2  # rows past the widest entry: filled first
     out = pipe.generate(prompt_ids=prompt, max_new_tokens=8, drafter=head, draft_len=DEPTH, adaptive=False)
     assert sum(n for name, n in runner.calls_by_engine.items() if ".fill." in name) > before
