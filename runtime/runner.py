@@ -147,11 +147,11 @@ class ModelRunner(TimedCalls):
             return None
         return self._fill_planned_ms[min(tokens, len(self._fill_planned_ms) - 1)]
 
-    def catchup_ms(self, tokens: int) -> float | None:
-        """ms of a drafter feeding ``tokens`` rows of which it reads the last ones: what one
-        decoding call holds (the widest decoding entry) runs through ``forward``, the rows before
-        it through ``fill`` (ModelDrafter._gap, ChainDrafter._catch_up), None without costs."""
-        read = min(tokens, self.decoding_sizes[-1])
+    def catchup_ms(self, tokens: int, widest: int | None = None) -> float | None:
+        """ms of a drafter feeding ``tokens`` rows of which it reads the last ones: the last
+        ``widest`` (default: the widest decoding entry's) run through ``forward``, the rows before
+        them through ``fill`` (ModelDrafter._gap, ChainDrafter._catch_up), None without costs."""
+        read = min(tokens, widest or self.decoding_sizes[-1])
         fed, filled = self.planned_ms(read), self.fill_ms(tokens - read)
         return None if fed is None or filled is None else fed + filled
 
