@@ -148,8 +148,8 @@ class DepthPolicy:
             if not self._probes.get(tag) and not start:
                 return max([1] + [k for k in range(1, limit + 1) if price(k) <= 1.5 * base])
             budget = self.probe_share * self._since_draft * base
-            first = start * remaining  # a drafter never started: its probe feeds it the prompt
-            return max((k for k in range(1, limit + 1) if price(k) - base + catchup + first <= budget), default=0)
+            prompt = self.start_cost if start else 0.0  # a drafter never started: its probe feeds it the prompt
+            return max((k for k in range(1, limit + 1) if price(k) - base + catchup + prompt <= budget), default=0)
 
         chosen = self._explore(tag, best_k, probe, batch, best_rate * base < self.close)
         # the first drafting round feeds a drafter with catch-up the whole prompt (a head's

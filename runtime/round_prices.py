@@ -95,7 +95,11 @@ class RoundPrices:
     def forget_stale(self) -> None:
         """Drop the replaced prices no round refreshed in the last ``fresh`` rounds (a new
         request starts: they are priced again until its own rounds measure them)."""
-        for kind in [kind for kind, m in self._kinds.items() if m.replaced and self._clock - m.at > self.fresh]:
+        self._drop_replaced(self.fresh)
+
+    def _drop_replaced(self, older_than: int) -> None:
+        """Forget the replaced prices no round refreshed in the last ``older_than`` rounds."""
+        for kind in [kind for kind, m in self._kinds.items() if m.replaced and self._clock - m.at > older_than]:
             del self._kinds[kind]
 
     def rounds(self, batch: int, depth: int) -> int:
@@ -110,8 +114,7 @@ class RoundPrices:
         measured.rounds += 1
         self._clock += 1
         measured.at = self._clock
-        for kind in [kind for kind, m in self._kinds.items() if m.replaced and self._clock - m.at > self.expire]:
-            del self._kinds[kind]  # stale: priced again, so a round can measure it anew
+        self._drop_replaced(self.expire)  # stale: priced again, so a round can measure it anew
         priced = self.priced(batch, depth)
         if not priced or measured.rounds < self.window:
             return
