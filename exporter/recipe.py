@@ -141,6 +141,10 @@ class QuantizedSelfDrafterSpec(_Strict):
     accuracy_level: int | None = Field(4, ge=0, le=4)
     # Quantize the output head too (a drafter's head is a fifth of SmolLM2's weight reads).
     quantize_head: bool = True
+    # Draft over the target's own K/V of the context (QSpec's shared cache): the copy never
+    # prefills the prompt or catches up after rounds it skipped, it takes those positions from
+    # the target's cache. Off: it computes its own (outputs are the target's either way).
+    share_target_cache: bool = True
 
     @model_validator(mode="after")
     def _power_of_two(self) -> QuantizedSelfDrafterSpec:

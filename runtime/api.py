@@ -153,13 +153,20 @@ class Pipeline:
             refusal = slots_refusal(self.manifest, name, backend, [slots], roles)
             if refusal is not None:
                 raise BadInput(f"{self.manifest.root}: {refusal}")
-            if (name, slots) not in self._caches:  # the cache first: engines of a device cache bind it
-                largest = max((e.tokens for e in self.manifest.engines_of(name, backend)), default=1)
-                self._caches[(name, slots)] = open_caches(self.manifest.models[name], backend, self.options, slots,
-                                                          largest, self.sessions.copies)
+            # the cache first: engines of a device cache bind it
             self._models[key] = open_model(self.manifest, name, backend, self.options, self.sessions,
-                                           self._caches[(name, slots)], roles, self.costs.ms, make_runner)
+                                           self.caches(name, slots), roles, self.costs.ms, make_runner)
         return self._models[key]
+
+    def caches(self, name: str, slots: int = 1) -> SlotCaches:
+        """The model's cache of ``slots`` rows, opened on first use: every graph of the model over
+        that many rows binds it, and a drafter that takes the target's K/V reads it."""
+        if (name, slots) not in self._caches:
+            backend = self.backend_of(name)
+            largest = max((e.tokens for e in self.manifest.engines_of(name, backend)), default=1)
+            self._caches[(name, slots)] = open_caches(self.manifest.models[name], backend, self.options, slots,
+                                                      largest, self.sessions.copies)
+        return self._caches[(name, slots)]
 
     def runner(self, model: str, roles: frozenset[Role] | None = None) -> ModelRunner:
         """The model's batch-1 runner (the bench's cost curve, tune, build's timing)."""

@@ -40,6 +40,7 @@ class Store(Protocol):
     def slot(self, slot: int) -> Store: ...
     def write(self, out: Mapping[str, Any], written: Written) -> None: ...
     def move(self, src: int, dst: int, length: int) -> None: ...
+    def take(self, source: Store, start: int, count: int) -> None: ...
     def compact(self, slot: int, length: int, rows: Sequence[int], presents: Mapping[str, Any] | None = None
                 ) -> None: ...
     def save(self, batch: int, start: int, count: int | None = None) -> Mapping[str, Any]: ...
@@ -125,6 +126,13 @@ class HostStore(NamedTensors):
         """Row ``dst`` takes row ``src``'s first ``length`` positions (a row left: the last moves in)."""
         for array in self._tensors.values():
             array[dst, :, :length] = array[src, :, :length]
+
+    def take(self, source: Store, start: int, count: int) -> None:
+        """Positions [start, start + count) of every row from the same rows of ``source``, a store
+        of the same layout (the int4 copy's cache taking what its target computed)."""
+        theirs = source.rows(self.slots)
+        for name, array in self._tensors.items():  # [slots, n_kv, S_max, hd]
+            array[:, :, start : start + count] = theirs[name][:, :, start : start + count]
 
     def compact(self, slot: int, length: int, rows: Sequence[int], presents: Mapping[str, np.ndarray] | None = None
                 ) -> None:

@@ -186,6 +186,13 @@ class DeviceStore(NamedTensors):
         self._copy(list(self._tensors.values()), positions([src], self.heads, [0], [length]),
                    positions([dst], self.heads, [0], [length]))
 
+    def take(self, source: NamedTensors, start: int, count: int) -> None:
+        """Positions [start, start + count) of every row from the same rows of ``source`` (a
+        store of the same layout on the same device)."""
+        index = positions(range(self.slots), self.heads, [start] * self.slots, [count] * self.slots)
+        theirs = source.rows(self.slots)  # type: ignore[attr-defined]
+        self._copy([theirs[name] for name in self._tensors], index, index)
+
     def compact(self, slot: int, length: int, rows: Sequence[int],
                 presents: Mapping[str, DeviceTensor] | None = None) -> None:
         """A tree pass's ``rows`` (increasing) of the slot into its cache at ``length``, ...:

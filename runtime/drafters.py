@@ -24,6 +24,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from specexport.contract import LOGITS, NEXT_TOKENS
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
+from specexport.runtime.cache_store import Store
 from specexport.runtime.model import Model
 from specexport.runtime.rules import SequenceRules
 from specexport.runtime.tree import DraftTree, SizeHint, Spine
@@ -304,14 +305,22 @@ class ModelDrafter(ChainsAndTrees):
     last committed token, plus the last draft after a fully accepted round, or more after
     rounds at depth 0), then k-1 single-token steps; a row that drafts fewer sits out the later
     steps. On accept a row goes back to base + min(n_accepted, k-1). A gap wider than the
-    batched graphs is fed first through the slot's own runner."""
+    batched graphs is fed first through the slot's own runner.
+
+    ``target_rows`` (the int4 copy of its own target, QSpec's shared cache): slot -> the
+    target's cache row, of the same layout. The target holds the K/V of every context position
+    but the last when a round drafts, so a row takes what it lacks from there instead of
+    computing it: no prompt prefill, no catch-up after rounds at depth 0, and the row drafts
+    from the full-precision K/V of its context. Only the target decides what is emitted, so
+    outputs are the same either way; the drafts are the int4 copy's over the target's past."""
 
     needs: tuple[str, ...] = ()
 
-    def __init__(self, name: str, model: Model, cost_ms: dict[int, float]):
+    def __init__(self, name: str, model: Model, cost_ms: dict[int, float], target_rows: Sequence[Store] | None = None):
         self.name = name
         self.model = model
         self.cost_ms = cost_ms  # tokens -> ms of one batch-1 run
+        self.target_rows = target_rows
         slots = model.slots
         self._length = [0] * slots  # positions each slot's row holds: its context's first ones
         self._base = [0] * slots  # context length at the slot's last proposal
@@ -328,11 +337,17 @@ class ModelDrafter(ChainsAndTrees):
         skipped token's catch-up later, two tokens at a time."""
         ms = (costs or {"step": self.cost_ms})["step"]
         step = ms.get(1, 0.0) / 1e3
+        if k == 0 and self.target_rows is not None:
+            return 0.0  # the skipped token's K/V is taken from the target, not computed
         return k * step if k > 0 else ms.get(2, 2e3 * step) / 2e3
 
     def catchup_cost(self, skipped: int) -> float:
         """The first step feeds the skipped tokens with the last one: what feeding 1 + skipped
-        tokens costs over feeding 1, as the slot's runner plans it (a long gap runs in pieces)."""
+        tokens costs over feeding 1, as the slot's runner plans it (a long gap runs in pieces);
+        nothing when the row takes them from the target's cache (a copy of ~46 KB a position
+        for SmolLM2, microseconds)."""
+        if self.target_rows is not None:
+            return 0.0
         runner = self.model.runners[0]
         fed, alone = runner.planned_ms(1 + skipped), runner.planned_ms(1)
         if fed is None or alone is None:
@@ -351,8 +366,9 @@ class ModelDrafter(ChainsAndTrees):
         self.model.runners[slot].cache.set_length(0)
         self._length[slot], self._k[slot] = 0, 0
         # as the target: all but the last token; a prompt longer than the cache never drafts
-        # (``chains`` caps its depth)
-        self._unfed[slot] = prompt[:-1] if len(prompt) <= self.model.max_seq_len else None
+        # (``chains`` caps its depth); a row that takes the target's K/V never prefills
+        fed = len(prompt) > self.model.max_seq_len or self.target_rows is not None
+        self._unfed[slot] = None if fed else prompt[:-1]
 
     def prefill(self, slot: int) -> None:
         unfed, self._unfed[slot] = self._unfed[slot], None
@@ -446,9 +462,22 @@ class ModelDrafter(ChainsAndTrees):
         prefills its prompt as the join would have (one runner call, the same pieces)."""
         self.prefill(slot)
         self._length[slot] = min(self._length[slot], len(context) - 1)
+        if self.target_rows is not None:  # the target holds context[:-1]: only the last token is fed
+            self._take(slot, len(context) - 1)
         if len(context) - self._length[slot] > widest:
             self._forward_alone(slot, context[self._length[slot] : len(context) - widest])
         return context[self._length[slot] :]
+
+    def _take(self, slot: int, length: int) -> None:
+        """The slot's row takes the target's K/V of positions [its length, ``length``)."""
+        assert self.target_rows is not None
+        start = self._length[slot]
+        if length > start:
+            cache = self.model.runners[slot].cache
+            cache.set_length(start)
+            cache.rows_store.take(self.target_rows[slot], start, length - start)
+            cache.advance(length - start)  # a batch-1 cache counts what it holds
+            self._length[slot] = length
 
     def _run(self, n: int, feed: dict[int, np.ndarray], want_logits: bool) -> dict[str, np.ndarray]:
         """One step over the first ``n`` slots, each fed row at its own length; lengths advance."""

@@ -155,6 +155,15 @@ class DeviceStore(NamedTensors):
         for name in self.pointers:
             self._copy(self._at(name, dst), pitch, self._at(name, src), pitch, length * self._line, self.shape[1])
 
+    def take(self, source: DeviceStore, start: int, count: int) -> None:
+        """Positions [start, start + count) of every row from the same rows of ``source`` (a
+        store of the same layout)."""
+        pitch = self.max_seq_len * self._line
+        for name in self.pointers:
+            for row in range(self.slots if count > 0 else 0):
+                self._copy(self._at(name, row, start), pitch, source._at(name, row, start), pitch,
+                           count * self._line, self.shape[1])
+
     def compact(self, slot: int, length: int, rows: Sequence[int], presents: Mapping[str, Any] | None = None) -> None:
         """A tree pass's ``rows`` (increasing) of the slot into its cache at ``length``,
         ``length`` + 1, ...: from the pass's present DeviceTensors [B, n_kv, T, hd], or (None)

@@ -286,6 +286,7 @@ _BLOCK_INPUTS = (INPUT_IDS, CONTEXT_FEATURES, CONTEXT_VALID, CACHE_LENGTH, PAST)
 _LOOKUP_DRAFTER = "specexport.runtime.drafter_factories:ngram"
 _SUFFIX_DRAFTER = "specexport.runtime.suffix_drafter:make"
 _MODEL_DRAFTER = "specexport.runtime.drafter_factories:model"
+_SELF_DRAFTER = "specexport.runtime.drafter_factories:quantized_self"
 _CHAIN_DRAFTER = "specexport.runtime.chain_drafter:make"
 _BLOCK_DRAFTER = "specexport.runtime.block_drafter:make"
 
@@ -299,7 +300,7 @@ DRAFTER_KINDS: dict[DrafterKind, KindSignature] = {
         DrafterKind.MODEL, DrafterFamily.MODEL, _MODEL_DRAFTER, roles=_MODEL_ROLES,
         inputs=_DECODER_INPUTS, outputs=(LOGITS, NEXT_TOKENS, PRESENT)),
     DrafterKind.QUANTIZED_SELF: KindSignature(
-        DrafterKind.QUANTIZED_SELF, DrafterFamily.MODEL, _MODEL_DRAFTER, roles=_MODEL_ROLES,
+        DrafterKind.QUANTIZED_SELF, DrafterFamily.MODEL, _SELF_DRAFTER, roles=_MODEL_ROLES,
         inputs=_DECODER_INPUTS, outputs=(LOGITS, NEXT_TOKENS, PRESENT)),
     DrafterKind.EAGLE3: KindSignature(
         DrafterKind.EAGLE3, DrafterFamily.CHAIN, _CHAIN_DRAFTER, roles=_CHAIN_ROLES,
@@ -553,6 +554,7 @@ class DrafterParams:
     symmetric: bool | None = None
     accuracy_level: int | None = None
     quantize_head: bool | None = None
+    share_target_cache: bool | None = None  # None: on (runtime/drafter_factories.quantized_self)
     # hidden-state heads: the checkpoint's layout
     layout: str | None = None
     # block heads (DFlash, DSpark)
@@ -584,7 +586,7 @@ class DrafterParams:
 _PARAM_TYPES: dict[str, type] = {
     "max_ngram": int, "min_ngram": int, "index_depth": int, "max_match": int, "spec_factor": float,
     "min_token_prob": float, "store_tokens": int, "store_prompts": bool, "chain_min_prob": float, "bits": int, "block_size": int, "symmetric": bool, "accuracy_level": int,
-    "quantize_head": bool, "layout": str, "drafts": int, "from_anchor": bool, "heads_file": str, "markov": str,
+    "quantize_head": bool, "share_target_cache": bool, "layout": str, "drafts": int, "from_anchor": bool, "heads_file": str, "markov": str,
     "confidence_with_markov": bool, "confidence_threshold": float,
 }
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}

@@ -17,6 +17,7 @@ from specexport.runtime import load
 from specexport.runtime.acceptance import Sampling
 from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.api import HEAD_KINDS, batched_refusal
+from specexport.runtime.drafter_factories import make_drafter
 from specexport.runtime.drafters import ModelDrafter
 from specexport.runtime.loop import Request
 from specexport.runtime.tree import DraftTree
@@ -42,6 +43,16 @@ def _together(pipe, drafter: str, prompts, budgets, schedule: DraftSchedule | No
 
 def _drafting(stats) -> tuple[int, int, int]:
     return stats.rounds, stats.proposed, stats.accepted
+
+
+def _own_cache(pipe, slots: int) -> ModelDrafter:
+    """The int4 copy computing its own K/V of the context (``share_target_cache: false``): the
+    draft model family's prefill and catch-up, which a shared cache never needs."""
+    entry = pipe.manifest.drafter_entry("quantized-self")
+    drafter = make_drafter(pipe, dataclasses.replace(entry, params={**entry.params, "share_target_cache": False}),
+                           slots)
+    assert isinstance(drafter, ModelDrafter) and drafter.target_rows is None
+    return drafter
 
 
 @pytest.mark.parametrize("drafter", MODEL_DRAFTERS)
@@ -79,8 +90,11 @@ def test_rows_that_skip_drafting_catch_up_when_depth_returns(batched_engines, mo
     pipe = load(batched_engines)
     prompts = _prompts(6, seed=2)
     budgets = [30, 25, 8, 40, 11, 28]
-    alone = _alone(pipe, "quantized-self", prompts, budgets)
-    together = _together(pipe, "quantized-self", prompts, budgets, schedule=DraftSchedule(((2, 4),)))
+    alone = _alone(pipe, "none", prompts, budgets)
+    target = pipe.batched_target()
+    requests = [Request(np.asarray(p, dtype=np.int64), n, Sampling()) for p, n in zip(prompts, budgets)]
+    together = decode_all(target, _own_cache(pipe, target.slots), requests, draft_len=pipe.manifest.draft_len,
+                          eos_ids=pipe.text.eos_ids, schedule=DraftSchedule(((2, 4),)))
     assert [g.tokens for g in together] == [a.token_ids for a in alone]
     assert alone_feeds and max(alone_feeds) > 2  # long gaps were caught up
     assert sum(g.stats.accepted for g in together) > 0  # and the drafts after them were good ones
@@ -96,12 +110,12 @@ def test_a_row_that_never_drafts_never_runs_the_draft_model(batched_engines):
     budgets = [6, 9, 4, 7, 5]
     target = pipe.batched_target()
     requests = [Request(np.asarray(p, dtype=np.int64), n, Sampling()) for p, n in zip(prompts, budgets)]
-    idle = pipe.drafter("quantized-self", target.slots)
+    idle = _own_cache(pipe, target.slots)
     together = decode_all(target, idle, requests, draft_len=pipe.manifest.draft_len, eos_ids=pipe.text.eos_ids,
                           schedule=DraftSchedule(((1, 0),)))
     assert [g.tokens for g in together] == [a.token_ids for a in _alone(pipe, "none", prompts, budgets)]
     assert idle.engine_seconds == 0.0 and all(g.stats.proposed == 0 for g in together)
-    drafting = pipe.drafter("quantized-self", target.slots)
+    drafting = _own_cache(pipe, target.slots)
     decode_all(target, drafting, requests[:1], draft_len=pipe.manifest.draft_len, eos_ids=pipe.text.eos_ids)
     runner = drafting.model.runners[0]
     assert runner.seconds > 0 and runner.length >= len(prompts[0]) - 1  # its prompt fed, then its drafts
@@ -124,7 +138,7 @@ def test_a_draft_model_adaptive_depth_keeps_off_is_never_fed(batched_engines):
         return policy
 
     for adaptive in (never, None):
-        idle = pipe.drafter("quantized-self", target.slots)
+        idle = _own_cache(pipe, target.slots)
         done = decode_all(target, idle, requests, draft_len=pipe.manifest.draft_len, eos_ids=pipe.text.eos_ids,
                           adaptive=adaptive)
         assert [g.tokens for g in done] == [a.token_ids for a in _alone(pipe, "none", prompts, [6] * 3)]

@@ -64,6 +64,12 @@ def test_every_verb_does_what_the_host_store_does():
         store.slot(2).write({p: v[2:3] if isinstance(v, np.ndarray) else v.rows(2, 1) for p, v in out.items()},
                             [(0, 1, 3)])  # one slot's view writes its own row
     _assert_same(host, device)
+    source_host, source_device = _pair(rng)  # another model's cache of the same layout
+    for store, source in ((host, source_host), (device, source_device)):
+        store.slot(1).take(source.slot(1), 2, 5)  # the int4 copy's row taking its target's positions
+    _assert_same(host, device)
+    np.testing.assert_array_equal(host.rows()["past_key_values.0.key"][1, :, 2:7],
+                                  source_host.rows()["past_key_values.0.key"][1, :, 2:7])
 
 
 def test_save_and_restore_put_back_what_a_timing_run_overwrote():

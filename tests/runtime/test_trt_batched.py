@@ -85,6 +85,11 @@ VERBS = textwrap.dedent("""
     one = device.slot(2)
     out, arrays = presents(1, 3)
     step("slot write", lambda: (host.slot(2).write(arrays, [(0, 1, 3)]), one.write(out, [(0, 1, 3)])))
+    source_host, source_device = HostStore.allocate(layers, shape, "float32"), DeviceStore.allocate(layers, shape, "float32")
+    out, arrays = presents(4, 9)
+    source_host.write(arrays, [(r, 0, 9) for r in range(4)])
+    source_device.write(out, [(r, 0, 9) for r in range(4)])
+    step("take", lambda: (host.slot(1).take(source_host.slot(1), 2, 6), device.slot(1).take(source_device.slot(1), 2, 6)))
     print(json.dumps({"steps": steps, "row_ptr": one.rows(1)["past_key_values.0.key"].ptr
                       - device.rows(4)["past_key_values.0.key"].ptr, "row_bytes": 2 * 12 * 3 * 4}))
 """)
@@ -96,7 +101,7 @@ def verbs() -> dict:
 
 
 @pytest.mark.parametrize("verb", ["write", "move", "write b2", "compact presents", "compact in row", "save",
-                                  "timing run", "restore", "slot write"])
+                                  "timing run", "restore", "slot write", "take"])
 def test_the_device_store_does_what_the_host_store_does(verbs, verb):
     step = verbs["steps"][verb]
     assert step["same"], verb  # the whole cache, idle rows and positions past each write included
