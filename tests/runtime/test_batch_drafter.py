@@ -17,12 +17,12 @@ from specexport.runtime import load
 from specexport.runtime.acceptance import Sampling
 from specexport.runtime.adaptive import DepthPolicy
 from specexport.runtime.api import HEAD_KINDS, batched_refusal
-from specexport.runtime.drafter_factories import make_drafter
 from specexport.runtime.drafters import ModelDrafter
 from specexport.runtime.loop import Request
 from specexport.runtime.tree import DraftTree
 from tests.conftest import run_cli
 from tests.runtime.fakes import decode_all
+from tests.runtime.own_cache import int4_copy
 from tests.runtime.test_batch_decode import _prompts
 
 MODEL_DRAFTERS = ("quantized-self", "draft-model")
@@ -46,13 +46,9 @@ def _drafting(stats) -> tuple[int, int, int]:
 
 
 def _own_cache(pipe, slots: int) -> ModelDrafter:
-    """The int4 copy computing its own K/V of the context (``share_target_cache: false``): the
-    draft model family's prefill and catch-up, which a shared cache never needs."""
-    entry = pipe.manifest.drafter_entry("quantized-self")
-    drafter = make_drafter(pipe, dataclasses.replace(entry, params={**entry.params, "share_target_cache": False}),
-                           slots)
-    assert isinstance(drafter, ModelDrafter) and drafter.target_rows is None
-    return drafter
+    """The int4 copy computing its own K/V: the draft model family's prefill and catch-up, which
+    a shared cache never needs."""
+    return int4_copy(pipe, share=False, slots=slots)
 
 
 @pytest.mark.parametrize("drafter", MODEL_DRAFTERS)

@@ -3,7 +3,9 @@ the target and a separate draft model draft their greedy chain as the spine with
 top-k as leaves. Every tree is checked against the same model run from an empty cache on the
 committed context (so a round that left a stale draft row in the cache, after a path that ended
 on a leaf, is caught), and decoding with trees stays exactly the target's; the same holds for
-each row of a batch, every row drafting its own tree over its own cache row."""
+each row of a batch, every row drafting its own tree over its own cache row. The int4 copy here
+computes its own K/V (``share_target_cache`` off: its trees are its own model's, checkable from
+an empty cache); over the target's K/V its drafts are tests/runtime/test_shared_cache.py's."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 
 from tests.conftest import TINY_SHAPE
 from tests.lossless import assert_lossless
+from tests.runtime.own_cache import use_own_cache
 from tests.tree_checks import (
     assert_batch_of_trees_lossless,
     check_trees,
@@ -30,7 +33,9 @@ def pipe(tiny_engines):
     from specexport.runtime import load
 
     engines = tiny_engines.get("llama", drafters=DRAFTERS, attention="ort-gqa", tree_nodes=NODES, **TINY_SHAPE)
-    return load(engines, threads=2)
+    pipe = load(engines, threads=2)
+    use_own_cache(pipe)
+    return pipe
 
 
 def fresh_levels(pipe, name: str, context: np.ndarray, depth: int) -> list[np.ndarray]:
@@ -106,7 +111,9 @@ def batched(tiny_engines):
 
     engines = tiny_engines.get("llama", drafters=DRAFTERS, attention="ort-gqa", batch=(1, 2), tree_nodes=NODES,
                                **TINY_SHAPE)
-    return load(engines, threads=2)
+    pipe = load(engines, threads=2)
+    use_own_cache(pipe, slots=(1, pipe.batched_target(2).slots))
+    return pipe
 
 
 @pytest.mark.parametrize("name", DRAFTERS)
