@@ -9,6 +9,13 @@ from pathlib import Path
 from specexport import atomic
 
 
+def _paired_cell(row: dict) -> str:
+    spread = row.get("speedup_range")
+    if row.get("speedup_paired") is None or not spread:
+        return "–"
+    return f"{_fmt(row['speedup_paired'])}× ({_fmt(spread[0])}–{_fmt(spread[1])})"
+
+
 def _fmt(value, spec=".2f", none="–"):
     return none if value is None else format(value, spec)
 
@@ -73,14 +80,17 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['drafter']} | {r['prompt_id']} | {r['tokens']} | {_fmt(r['schema_valid'], '.0%')} | "
                          f"{_fmt(r['mask_ms_per_row'], '.3f')} | {_fmt(r['mask_fraction'], '.1%')} |")
     lines += ["", "## Per prompt", "",
-              "| drafter | prompt | tok/s | speedup | predicted | E[L] | draft/verify/host (drafter's host) "
-              "| round ms priced/measured |",
-              "|---|---|---|---|---|---|---|---|"]
+              "speedup: median tok/s over the target alone's median; paired: the median of each repeat's "
+              "ratio to the target alone in the same repeat, with the lowest and highest.", "",
+              "| drafter | prompt | tok/s | speedup | paired (range) | predicted | E[L] | draft/verify/host "
+              "(drafter's host) | round ms priced/measured |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(result["results"], key=lambda r: (r["prompt_id"], r["drafter"])):
         split = "/".join(_fmt(r[k], ".0%") for k in ("draft_fraction", "verify_fraction", "host_fraction"))
         split += f" ({_fmt(r.get('draft_host_fraction'), '.0%')})"
         lines.append(f"| {r['drafter']} | {r['prompt_id']} | {_fmt(r['tokens_per_s'], '.1f')} | "
-                     f"{_fmt(r['speedup'])}× | {_fmt(r['predicted_speedup'])}× | {_fmt(r['acceptance_length'])} | {split} "
+                     f"{_fmt(r['speedup'])}× | {_paired_cell(r)} | {_fmt(r['predicted_speedup'])}× | "
+                     f"{_fmt(r['acceptance_length'])} | {split} "
                      f"| {_fmt(r.get('priced_ms_per_round'), '.2f')}/{_fmt(r.get('measured_ms_per_round'), '.2f')} |")
     lines += _curve_lines(result)
     costs = result.get("costs")

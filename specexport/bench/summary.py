@@ -82,6 +82,7 @@ def _per_prompt(records: list[dict], baseline: dict[str, dict], costs: dict,
             "tokens": tokens // len(runs),
             "tokens_per_s": round(tps, 2) if tps else None,
             "speedup": round(tps / base["tokens_per_s"], 3) if tps and base["tokens_per_s"] else None,
+            **_paired(runs, base.get("by_repeat", {})),
             "acceptance_length": round(el, 3),
             # greedy E[L] at the fixed full depth (None: not measured, or the run was not adaptive)
             "acceptance_length_fixed": fixed.get((drafter, prompt_id), 1.0 if drafter == "none" else None),
@@ -99,6 +100,18 @@ def _per_prompt(records: list[dict], baseline: dict[str, dict], costs: dict,
             **(_constrained(runs) if runs[0].get("constrained") else {}),
         })
     return results
+
+
+def _paired(runs: list[dict], base_by_repeat: dict[int, float]) -> dict:
+    """Each repeat's tokens/s over the target alone's in the same repeat (run seconds before it,
+    so a machine that changes speed between repeats moves both): their median, and their lowest
+    and highest, the spread a single run's ratio can land in."""
+    ratios = sorted(r["tokens"] / r["total_s"] / base_by_repeat[r.get("repeat", 0)] for r in runs
+                    if r["total_s"] and base_by_repeat.get(r.get("repeat", 0)))
+    if not ratios:
+        return {"speedup_paired": None, "speedup_range": None}
+    return {"speedup_paired": round(statistics.median(ratios), 3), "speedup_range": [round(ratios[0], 3),
+                                                                                      round(ratios[-1], 3)]}
 
 
 def _round_prices(runs: list[dict]) -> dict:
@@ -130,6 +143,8 @@ def _baseline(records: list[dict], greedy: bool) -> dict[str, dict]:
     return {
         prompt_id: {
             "tokens_per_s": _median([r["tokens"] / r["total_s"] for r in runs if r["total_s"]]),
+            # repeat -> tokens/s: each repeat's runs of a prompt are seconds apart (speedup_paired)
+            "by_repeat": {r.get("repeat", 0): r["tokens"] / r["total_s"] for r in runs if r["total_s"]},
             "token_ids": runs[0]["token_ids"],
             "greedy": greedy,
         }
