@@ -64,7 +64,14 @@ class DepthPolicy:
     # a plain round after this many drafting rounds, while depth 0's measurement is young (then
     # eight times as seldom): what the target alone costs now
     plain_every: int = 4
+    # rounds such a check runs: the first plain round after drafting ones also pays for the
+    # caches they left cold (not measured, runtime/policy.py ``price_round``), the next measures
+    plain_run: int = 2
     close: float = 1.5  # drafting's expected rate within this factor of plain decoding's: check it
+    # ... and within this one, check it every ``plain_every`` rounds however old depth 0's
+    # measurement: there a plain round costs almost nothing, and a machine that sped up since
+    # (this VM's steps move between 10.5 and 15 ms within seconds) turns the thin win into a loss
+    thin: float = 1.15
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     prices: RoundPrices | None = None  # None: priced from the costs above, checked by this sequence alone
     checked: bool = True  # check the prices against the clock (False: fixed, a seeded run's choices repeat)
@@ -75,6 +82,7 @@ class DepthPolicy:
     _gap: dict[str, int] = field(default_factory=dict)  # per tag: rounds of 0 before the next probe
     _probes: dict[str, int] = field(default_factory=dict)  # per tag: probes made
     _drafted: int = 0  # rounds that drafted since the last plain one
+    _plain_left: int = 0  # plain rounds a check still runs
     _since_draft: int = 0  # rounds in a row at depth 0: what the drafter catches up on when it drafts
     resumed: bool = False  # the last depth chosen drafts after rounds at depth 0, catching up on them
     _started: bool = False  # a round has drafted: the drafter has been fed the prompt
@@ -151,7 +159,7 @@ class DepthPolicy:
             prompt = self.start_cost if start else 0.0  # a drafter never started: its probe feeds it the prompt
             return max((k for k in range(1, limit + 1) if price(k) - base + catchup + prompt <= budget), default=0)
 
-        chosen = self._explore(tag, best_k, probe, batch, best_rate * base < self.close)
+        chosen = self._explore(tag, best_k, probe, batch, best_rate * base < self.close, best_rate * base < self.thin)
         # the first drafting round feeds a drafter with catch-up the whole prompt (a head's
         # taps, a draft model's prefill): no measure of its kind either (SmolLM2's EAGLE-3 head:
         # 37 ms for a depth-5 round that costs 23)
@@ -161,7 +169,8 @@ class DepthPolicy:
         self._since_draft = 0 if chosen > 0 else self._since_draft + 1
         return chosen
 
-    def _explore(self, tag: str, best_k: int, probe: Callable[[], int], batch: int, close: bool = True) -> int:
+    def _explore(self, tag: str, best_k: int, probe: Callable[[], int], batch: int, close: bool = True,
+                 thin: bool = False) -> int:
         """The chosen depth, or now and then a probe (of depth ``probe()``, when one is worth its
         cost) after ``probe_every`` rounds of 0, or a plain round after ``plain_every`` rounds
         that drafted."""
@@ -177,12 +186,15 @@ class DepthPolicy:
             return depth
         self._skipped[tag] = 0
         self._gap.pop(tag, None)  # drafting pays again: probe soon if it stops
+        if self._plain_left > 0:  # a check's later plain rounds
+            self._plain_left -= 1
+            return 0
         self._drafted += 1
         assert self.prices is not None
         if not self.prices.checked:
             return best_k
-        young = self.prices.rounds(batch, 0) < self.prices.window
-        if close and self._drafted >= self.plain_every * (1 if young else 8):
-            self._drafted = 0
+        often = thin or self.prices.rounds(batch, 0) < self.prices.window  # or depth 0 is young
+        if close and self._drafted >= self.plain_every * (1 if often else 8):
+            self._drafted, self._plain_left = 0, self.plain_run - 1
             return 0
         return best_k

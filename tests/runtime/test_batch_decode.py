@@ -92,7 +92,9 @@ def test_rows_at_the_end_of_the_cache_decode_in_a_batch_as_alone(batched_engines
 
 
 def test_a_batched_sampled_run_is_reproducible_and_each_row_has_its_own_stream(batched_engines):
-    pipe = load(batched_engines)
+    # fixed prices: adaptive depth checked against the clock chooses by what the rounds took, and
+    # a draw's place in the stream follows the depths (``--fixed-prices``: a seeded run repeats)
+    pipe = load(batched_engines, check_prices=False)
     prompts = _prompts(3, seed=5)
     first = pipe.generate_batch(prompts, drafter="ngram", max_new_tokens=10, temperature=1.0, seed=11)
     again = pipe.generate_batch(prompts, drafter="ngram", max_new_tokens=10, temperature=1.0, seed=11)

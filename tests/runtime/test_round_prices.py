@@ -215,3 +215,46 @@ def test_a_new_request_forgets_what_the_clock_said_long_ago():
     prices.observe(1, 3, 0.010)
     prices.forget_stale()
     assert prices.seconds(1, 0) == pytest.approx(0.010)  # older than `fresh`: priced again
+
+
+def test_the_first_plain_round_after_drafting_is_not_measured(monkeypatch):
+    """A plain round right after drafting ones pays for caches they left cold: not a price of the
+    target alone, so depth 0 is measured only by plain rounds after plain ones. The control
+    (measured regardless) counts every plain round."""
+    from specexport.runtime.policy import SpeculationPolicy
+
+    table = random_table(8, seed=3)
+    for skip in (True, False):
+        monkeypatch.setattr(SpeculationPolicy, "unmeasured_after_draft", skip)
+        drafter = CatchingUpOracle(table)
+        drafter.catchup = 0.0
+        policy = DepthPolicy(lambda tokens: SleepyRunner.delay, drafter.round_cost, drafter.catchup_cost)
+        reports: list[RoundReport] = []
+        loop = BatchLoop(markov(table, 1024, SleepyRunner), drafter, draft_len=4, eos_ids=frozenset(),
+                         on_round=reports.append, adaptive=lambda policy=policy: policy)
+        loop.submit(0, Request(np.array([1, 2]), 900))
+        drafted = drafted_by_round(0.0, 120, drafter, loop, reports)
+        plain = sum(d == 0 for d in drafted)
+        after_plain = sum(d == 0 and before == 0 for before, d in zip([0] + drafted, drafted))
+        assert 0 < after_plain < plain, drafted  # both kinds ran: the comparison is not vacuous
+        assert policy.prices.rounds(1, 0) == (after_plain if skip else plain)
+
+
+def _checks(verify_two_ms: float, thin: float) -> list[int]:
+    """Depths a policy chooses over 40 rounds: a plain round verifies in 10 ms, depth 1 in
+    ``verify_two_ms`` with the prior's E(1) = 1.8, depth 0 measured (not young)."""
+    policy = DepthPolicy(lambda tokens: 0.010 if tokens == 1 else verify_two_ms / 1e3, lambda k: 0.0, thin=thin)
+    assert policy.prices is not None
+    for _ in range(policy.prices.window):
+        policy.prices.observe(1, 0, 0.010)
+    return [policy.best_depth("t", 1) for _ in range(40)]
+
+
+def test_a_thin_win_is_checked_against_plain_rounds_often_and_two_at_a_time():
+    """Drafting expected 1.09x plain decoding (1.8 tokens in 16.5 ms against 1 in 10): within
+    ``thin``, a check at every ``plain_every``-th round, two plain rounds each (the first after
+    drafting is not measured). A 1.33x win (13.5 ms) is checked only every 32 rounds; so is the
+    thin win with ``thin`` off, the control."""
+    assert _checks(16.5, 1.15)[:10] == [1, 1, 1, 0, 0] * 2  # the check is the plain_every-th round
+    assert _checks(16.5, 0.0)[:33] == [1] * 31 + [0, 0]
+    assert _checks(13.5, 1.15)[:33] == [1] * 31 + [0, 0]
