@@ -31,8 +31,12 @@ than that share of every round it skipped, is probed once (a tag's first probe i
 stopped it may be a miss or two on little evidence) and then not again: a probe would pay for
 the whole gap before it, as much as drafting all along. A drafter measured slower than it pays comes back
 when its replaced price expires (RoundPrices.expire) and a round measures it anew. Every
-``plain_every`` rounds that drafted while drafting wins by less than ``close``, one plain round
-measures what the target alone costs now (a clear win needs no such check, and pays for none).
+``plain_every`` rounds that drafted while drafting wins by less than ``close``, a plain check
+measures what the target alone costs now (a clear win needs no such check, and pays for none):
+every 8 × ``plain_every`` rounds once depth 0 is measured, every ``plain_every`` while drafting
+wins by less than ``thin`` (there a plain round costs next to nothing, and a machine that sped up
+turns the thin win into a loss). A check is ``plain_run`` plain rounds: the first after drafting
+ones is not measured (runtime/policy.py ``price_round``: it pays for the caches they left cold).
 A policy lives for one generation; the prices it reads are shared by the loop's sequences.
 """
 
