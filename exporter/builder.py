@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from specexport import __version__
@@ -37,6 +38,7 @@ from specexport.contract import (
 from specexport.errors import BadInput, SpecexportError
 from specexport.exporter.archs import read_decoder
 from specexport.exporter.exact_rows import RowExactness
+from specexport.exporter.fill import check_fill, fill_copy, fill_sizes
 from specexport.exporter.gpu_build import mark_host_nodes
 from specexport.exporter.graph_model import StaticDecoder, attention_refusal
 from specexport.exporter.heads import HeadContext, LoadedHead, load_head, merged_taps
@@ -86,7 +88,10 @@ from specexport.exporter.validate import (
 from specexport.exporter.validate_state import validate_batched_state
 from specexport.progress import Reporter
 from specexport.runtime.integrity import ensure_verified
-from specexport.runtime.runner import ModelRunner, time_interleaved
+from specexport.runtime.runner import FillTiming, ModelRunner, time_interleaved
+
+# The models whose shared (ort-gqa) graph gets a fill copy (exporter/fill.py): the drafters'
+FILL_KINDS = ("model", "quantized-self")
 
 # Token counts a drafter model needs: one token per draft step, two to catch up after a
 # round where every draft was accepted (the last draft and the bonus token).
@@ -212,8 +217,10 @@ class Builder:
         self.batched_files: dict[str, list[BatchedGraph]] = {}  # larger batches, checked row by row against batch 1
         self.tree_files: dict[str, GraphUnderTest] = {}  # the target's tree graph, checked path by path
         self.tree_batched: dict[str, list[BatchedGraph]] = {}  # its larger batches, checked row by row against it
+        self.fill_files: dict[str, list[GraphUnderTest]] = {}  # drafters' fill graphs, checked against the full one
         self.specs: dict[str, tuple] = {}
-        self.timing: dict[str, ModelRunner] = {}  # model (or head part) -> its validated graphs, timed together at the end
+        # model (or head part) -> its validated graphs, timed together at the end
+        self.timing: dict[str, ModelRunner | FillTiming] = {}
         self.heads: dict[str, LoadedHead] = {}  # hidden-state drafters by name (exporter/heads)
         self.quantizers: dict[str, Quantizer] = {}  # int4 / int8 models: their quantization, for validation
 
@@ -465,8 +472,14 @@ class Builder:
         names = graphs.names(batch)
         sizes = sorted(graphs.sizes) if tokens is None else [tokens]
         path = tmp / (f"{model}.onnx" if tokens is None else f"{names[tokens]}.onnx")
+        # a drafter's shared graph: its fill copy too (exporter/fill.py), made before the weights go out
+        # (onnxruntime only: TensorRT compiles a plan per entry, a fill graph would be one more)
+        fill = fill_copy(proto) if tokens is None and kind in FILL_KINDS and TENSORRT not in self.recipe.backends \
+            else None
         store.save(proto, path)
         onnx.checker.check_model(str(path))
+        if fill is not None:
+            self._save_fill(tmp, model, fill, store, graphs)
         for rows in (self.recipe.shapes.batches if tokens is None else [batch]):
             for size in sizes:
                 role = graphs.sizes[size]
@@ -487,6 +500,53 @@ class Builder:
                     batch=rows, tokens=size, inputs=inputs, outputs=outputs,
                     kv_update=KV_UPDATE_OF_ATTENTION[self.recipe.attention], weights=store.location,
                 ))
+
+    def _save_fill(self, tmp: Path, model: str, proto: onnx.ModelProto, store: WeightStore, graphs: GraphSet) -> None:
+        """Write ``model``'s fill graph (its weights already in ``store``) and an entry of role
+        fill at each of its batch-1 decoding sizes."""
+        path = tmp / f"{model}.fill.onnx"
+        store.save(proto, path)
+        onnx.checker.check_model(str(path))
+        for size in fill_sizes(graphs.sizes):
+            graph_name = engine_name(model, Role.FILL, 1, size)
+            inputs, outputs = tensor_specs(proto, "inputs", size), tensor_specs(proto, "outputs", size)
+            self.specs[graph_name] = (inputs, outputs)
+            self.fill_files.setdefault(model, []).append(GraphUnderTest(graph_name, path, size))
+            self.engines.append(EngineEntry(
+                name=graph_name, model=model, role=Role.FILL, backend=ONNXRUNTIME, path=path.name, batch=1,
+                tokens=size, inputs=inputs, outputs=outputs,
+                kv_update=KV_UPDATE_OF_ATTENTION[self.recipe.attention], weights=store.location,
+            ))
+
+    def _validate_fill(self, model: str, ids: np.ndarray) -> None:
+        """The model's fill graphs leave its cache as its full graphs do, bit for bit (exporter/fill.py);
+        their runner joins the build's timing."""
+        from specexport.runtime.engine import EngineOptions, SharedGraphs
+        from specexport.runtime.kv_cache import open_host_cache
+        from specexport.runtime.ort_engine import OrtEngine
+
+        info = self.models[model]
+        graphs = [*self.graph_files[model], *self.fill_files[model]]
+        options, shared = EngineOptions(threads=self.threads), SharedGraphs()
+        engines = [OrtEngine(g.name, g.path, *self.specs[g.name], options, shared) for g in graphs]
+        cache = open_host_cache(info.num_layers, 1, info.num_kv_heads, info.max_seq_len, info.head_dim, info.kv_dtype)
+        roles = {e.name: e.role for e in self.engines if e.model == model}
+        runner = ModelRunner(f"{model} fill", engines, cache, {g.name: g.tokens for g in graphs},
+                             in_place=frozenset(g.name for g in graphs) if info.attention == "ort-gqa" else frozenset(),
+                             roles=roles, full_rows=info.full_rows)
+        with self.rep.step("validate", f"{model} fill graphs") as s:
+            length = info.max_seq_len // 2
+            runner.forward(ids[:length].tolist())  # the cache below every length tested holds real text
+            figures = check_fill(runner, ids, lengths=(0, length // 2, length))
+            s.detail = f"{len(runner.fill_sizes)} sizes, cache = the full graph's bit for bit"
+        for g in self.fill_files[model]:
+            self.record_fill(g.name, figures)
+        self.timing[f"{model}.fill"] = FillTiming(runner)
+
+    def record_fill(self, graph: str, figures: dict) -> None:
+        """A fill graph's check (exporter/fill.py), recorded as its parity."""
+        self.engines = [replace(e, parity={**figures, "reference": "the model's full graph"}) if e.name == graph
+                        else e for e in self.engines]
 
     def validate(self, model: str, reference: LoadedModel, precision: str) -> None:
         """Run ``model``'s graphs against transformers and record the figures; fail the build on
@@ -571,6 +631,8 @@ class Builder:
                 s.detail = f"{len(rows)} graphs, ragged rows and an idle row against batch 1: max |Δlogit| {worst:.2e}"
             for name, figures in rows.items():
                 self.record_parity(name, dict(figures), "the batch-1 graph, row by row", precision)
+        if model in self.fill_files:
+            self._validate_fill(model, ids)
 
     @staticmethod
     def _tolerance_key(precision: str) -> str:

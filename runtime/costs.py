@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specexport.backends import BACKENDS
-from specexport.contract import MANIFEST, EngineEntry, Manifest, sha256_of
+from specexport.contract import MANIFEST, EngineEntry, Manifest, Role, sha256_of
 from specexport.errors import BadInput
 from specexport.runtime import sidecar
-from specexport.runtime.runner import time_rounds
+from specexport.runtime.runner import FillTiming, time_rounds
 from specexport.runtime.timing_noise import check_noise, labelled, medians
 
 COSTS = "costs.json"
@@ -82,6 +82,11 @@ def machine(threads: int | None) -> dict:
     }
 
 
+def fill_key(model: str) -> str:
+    """The timing schedule's name for ``model``'s fill entries."""
+    return f"{model} fill"
+
+
 def tune(pipe, rounds: int = 9, accept_noise: bool = False) -> dict:
     """Time every graph of every model the pipeline can run, interleaved; write costs.json and
     return what was written (with ``written_to``). Rounds of one graph that spread more than
@@ -94,6 +99,8 @@ def tune(pipe, rounds: int = 9, accept_noise: bool = False) -> dict:
             continue
         runner = pipe.runner(model)
         runners[model] = (runner, runner.sizes)
+        if runner.fill_sizes:  # a drafter's fill entries (Role.FILL), timed as the build times them
+            runners[fill_key(model)] = (FillTiming(runner), runner.fill_sizes)
     # the target's tree verify graphs, every (batch, rows): tree rounds size trees by them
     trees = pipe.tree_verifier(pipe.batched_target())
     if trees is not None:
@@ -103,13 +110,15 @@ def tune(pipe, rounds: int = 9, accept_noise: bool = False) -> dict:
     def label(model: str, key) -> str:  # the engine's name (a tree graph: its (batch, rows))
         return f"target tree {key}" if model == TREES else runners[model][0].engine_at(key)
 
+    fill_keys = {fill_key(m) for m in pipe.manifest.models}
     noisy = check_noise(labelled(samples, label), rounds, accept_noise)  # before anything is written
     times = medians(samples)
     measured: dict[str, dict[str, float]] = {}
-    for model in (m for m in runners if m != TREES):
+    for model in (m for m in runners if m != TREES and m not in fill_keys):
         backend = pipe.backend_of(model)
         for entry in pipe.manifest.engines_of(model, backend):
-            measured.setdefault(backend, {})[entry.name] = round(times[model][entry.tokens] * 1e3, 3)
+            timed = times[fill_key(model) if entry.role is Role.FILL else model]
+            measured.setdefault(backend, {})[entry.name] = round(timed[entry.tokens] * 1e3, 3)
     if trees is not None:
         backend = pipe.backend_of("target")
         for entry in pipe.manifest.engines_of("target", backend, batch=None, tree=True):

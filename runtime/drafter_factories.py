@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from specexport.contract import DrafterEntry
+from specexport.contract import DrafterEntry, Role
 from specexport.runtime.drafters import Drafter, ModelDrafter, NgramDrafter
 from specexport.runtime.engine import import_factory
 
@@ -24,7 +24,8 @@ def ngram(pipe: Pipeline, entry: DrafterEntry, slots: int) -> Drafter:
 
 def model(pipe: Pipeline, entry: DrafterEntry, slots: int) -> Drafter:
     name = entry.model or entry.name
-    costs = {t: ms for by_tokens in pipe.costs.by_role(name).values() for t, ms in by_tokens.items()}
+    costs = {t: ms for role, by_tokens in pipe.costs.by_role(name).items() if role is not Role.FILL
+             for t, ms in by_tokens.items()}  # a fill entry shares its size with a decoding one
     return ModelDrafter(entry.name, pipe.model(name, slots=slots), costs)
 
 

@@ -343,13 +343,13 @@ class ModelDrafter(ChainsAndTrees):
 
     def catchup_cost(self, skipped: int) -> float:
         """The first step feeds the skipped tokens with the last one: what feeding 1 + skipped
-        tokens costs over feeding 1, as the slot's runner plans it (a long gap runs in pieces);
-        nothing when the row takes them from the target's cache (a copy of ~46 KB a position
-        for SmolLM2, microseconds)."""
+        tokens costs over feeding 1, as the slot's runner runs it (a gap wider than its widest
+        entry: the rows before it filled first, ``_gap``); nothing when the row takes them from
+        the target's cache (a copy of ~46 KB a position for SmolLM2, microseconds)."""
         if self.target_rows is not None:
             return 0.0
         runner = self.model.runners[0]
-        fed, alone = runner.planned_ms(1 + skipped), runner.planned_ms(1)
+        fed, alone = runner.catchup_ms(1 + skipped), runner.planned_ms(1)
         if fed is None or alone is None:
             return skipped * self.round_cost(0)
         return max(fed - alone, 0.0) / 1e3
@@ -487,7 +487,8 @@ class ModelDrafter(ChainsAndTrees):
         return out
 
     def _forward_alone(self, slot: int, tokens: np.ndarray) -> None:
+        """``tokens`` into the slot's row, nothing read: its fill entries where built."""
         runner = self.model.runners[slot]
         runner.cache.set_length(self._length[slot])
-        runner.forward(tokens)
+        runner.fill(tokens)
         self._length[slot] = runner.length

@@ -346,16 +346,19 @@ def open_model(manifest: Manifest, model: str, backend: str, options: EngineOpti
         engines = [LazyEngine(e, manifest.root, options, cache, sessions) for e in singles]
         if slot == 0:  # no session is created inside a timed round: open the decoding graphs now
             for entry, engine in zip(singles, engines):
-                if entry.role.decoding:
+                if entry.role.decoding or entry.role is Role.FILL:
                     engine.open()
         label = model if slots == 1 else f"{model}[{slot}]"
         if make_runner is not None:
             runners.append(make_runner(label, engines, cache, singles))
             continue
+        fills = [e.role is Role.FILL for e in singles]  # their costs apart: they share sizes with others
         runners.append(ModelRunner(label, engines, cache, {e.name: e.tokens for e in singles},
-                                   {e.tokens: cost_ms(e) for e in singles} if cost_ms else None,
+                                   {e.tokens: cost_ms(e) for e, f in zip(singles, fills) if not f} if cost_ms else None,
                                    frozenset(e.name for e in singles if e.kv_update == KVUpdate.IN_PLACE),
-                                   roles={e.name: e.role for e in singles}, full_rows=info.full_rows))
+                                   roles={e.name: e.role for e in singles}, full_rows=info.full_rows,
+                                   fill_cost_ms={e.tokens: cost_ms(e) for e, f in zip(singles, fills) if f}
+                                   if cost_ms else None))
     calls = {}
     if caches.store is not None:
         for entry in manifest.engines_of(model, backend, batch=None):

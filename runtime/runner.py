@@ -18,6 +18,11 @@ Some graphs take or give more than tokens: a chain drafter's graphs take a featu
 (``inputs={DRAFT_FEATURES: [n, F]}``), and a target that feeds a hidden-state drafter returns its
 tapped hidden states when asked (``want=(AUX_HIDDEN_STATES,)``): rows are padded and sliced
 like the tokens, and the extra outputs come back in ``StepOutput.extras``.
+
+Rows whose outputs nobody reads (a drafter's prompt, rows fed ahead of a catch-up) go through
+``fill``: over the model's fill entries (Role.FILL: its graph with only the cache outputs, so no
+logits are computed), planned by their own costs; a model without them runs its decoding entries
+as ``forward`` does. ``fill_ms`` prices what it runs.
 """
 
 from __future__ import annotations
@@ -51,15 +56,19 @@ class StepOutput:
 class ModelRunner(TimedCalls):
     def __init__(self, name: str, engines: Sequence[Engine], cache: KVCache, tokens_of: dict[str, int],
                  cost_ms: dict[int, float] | None = None, in_place: frozenset[str] = frozenset(),
-                 roles: Mapping[str, Role] | None = None, full_rows: bool = False):
+                 roles: Mapping[str, Role] | None = None, full_rows: bool = False,
+                 fill_cost_ms: dict[int, float | None] | None = None):
         """``roles``: engine name -> its manifest role; engines of a non-decoding role (probes)
         are only timed, never chosen by ``forward`` but for a long verify. None: every engine
         decodes. ``cost_ms``: tokens -> ms of the engines (probes too: a long verify's price). ``full_rows``:
         a call's padding rows count as tokens (``valid_tokens`` = T; ModelEntry.full_rows), so
-        that a row's result does not depend on how many rows were real."""
+        that a row's result does not depend on how many rows were real. Engines of role fill are
+        kept apart: only ``fill`` runs them, planned by ``fill_cost_ms`` (tokens -> ms)."""
         self.name = name
         self.cache = cache
         self.full_rows = full_rows
+        fills = [e for e in engines if roles is not None and Role(roles[e.name]) is Role.FILL]
+        engines = [e for e in engines if roles is None or Role(roles[e.name]) is not Role.FILL]
         # token count -> engine, smallest first: every engine, and those forward may choose
         everything = sorted(((tokens_of[e.name], e) for e in engines), key=lambda pair: pair[0])
         self._by_size = dict(everything)
@@ -73,19 +82,29 @@ class ModelRunner(TimedCalls):
         self._long = [(t, e) for t, e in everything
                       if roles is not None and Role(roles[e.name]) is Role.PROBE and t > self.verify_limit]
         self._long_ms = {t: (cost_ms or {}).get(t) for t, _ in self._long}
-        # tokens -> ms of the cheapest pieces running them (None: no costs), the plan's own figures
-        self._planned_ms: list[float] | None = None
+        # for every input length, the engine size to run first so that the whole input costs
+        # least, and tokens -> ms of those cheapest pieces (the plan's own figures); None: no costs
         decoding = {t for t, _ in self._engines}
-        self._first_piece = self._plan_pieces(monotone_costs({t: ms for t, ms in (cost_ms or {}).items()
-                                                              if t in decoding}), cache.max_seq_len)
+        planned = plan_pieces(monotone_costs({t: ms for t, ms in (cost_ms or {}).items() if t in decoding}),
+                              cache.max_seq_len)
+        self._first_piece, self._planned_ms = planned or (None, None)
+        # the fill entries (token count -> engine) and their plan, as the decoding entries'
+        self._fill = dict(sorted(((tokens_of[e.name], e) for e in fills), key=lambda pair: pair[0]))
+        fill_planned = plan_pieces(monotone_costs({t: ms for t, ms in (fill_cost_ms or {}).items()
+                                                   if t in self._fill}), cache.max_seq_len)
+        self._fill_first, self._fill_planned_ms = fill_planned or (None, None)
         # engines that update the cache in place (attention: ort-gqa) get it bound as their
         # present outputs and return only tokens (and logits); the others return the new K/V
         self._in_place = in_place
         presents = present_names(cache.num_layers)
         bound = cache.in_place_outputs()
         # token count -> its call over the cache (a block drafter's graph takes one anchor token)
-        self._calls = {tokens: GraphCall(engine, cache.view(), engine.name in in_place, bound, presents,
-                                         tokens=tokens) for tokens, engine in self._by_size.items()}
+        self._calls: dict[object, GraphCall] = {
+            tokens: GraphCall(engine, cache.view(), engine.name in in_place, bound, presents, tokens=tokens)
+            for tokens, engine in self._by_size.items()}
+        for tokens, engine in self._fill.items():  # keyed apart: a fill entry shares its size with another
+            self._calls[(Role.FILL, tokens)] = GraphCall(engine, cache.view(), engine.name in in_place, bound,
+                                                         presents, tokens=tokens)
         self._states = cache.state_outputs  # a linear-attention model's state after each position
 
     @property
@@ -107,6 +126,35 @@ class ModelRunner(TimedCalls):
         """The probe sizes wider than every verify entry that a longer verify runs in (smallest first)."""
         return [t for t, _ in self._long]
 
+    @property
+    def calls_by_engine(self) -> dict[str, int]:
+        """Runs of each engine so far, by name (a fill entry's apart from the entry of its size)."""
+        return {call.engine.name: call.calls for call in self._calls.values()}
+
+    @property
+    def fill_sizes(self) -> list[int]:
+        """The token counts of the fill entries (none: ``fill`` runs the decoding entries)."""
+        return list(self._fill)
+
+    def fill_ms(self, tokens: int) -> float | None:
+        """ms of ``fill(tokens)`` as it plans them (its fill entries by their costs, else the
+        decoding entries as ``planned_ms``), None without costs; 0 for no tokens."""
+        if tokens < 1:
+            return 0.0
+        if not self._fill:
+            return self.planned_ms(tokens)
+        if self._fill_planned_ms is None:
+            return None
+        return self._fill_planned_ms[min(tokens, len(self._fill_planned_ms) - 1)]
+
+    def catchup_ms(self, tokens: int, widest: int | None = None) -> float | None:
+        """ms of a drafter feeding ``tokens`` rows of which it reads the last ones: the last
+        ``widest`` (default: the widest decoding entry's) run through ``forward``, the rows before
+        them through ``fill`` (ModelDrafter._gap, ChainDrafter._catch_up), None without costs."""
+        read = min(tokens, widest or self.decoding_sizes[-1])
+        fed, filled = self.planned_ms(read), self.fill_ms(tokens - read)
+        return None if fed is None or filled is None else fed + filled
+
     def verify_size(self, tokens: int) -> int:
         """Token count of the engine a verify of ``tokens`` runs first (``forward(verify=True)``),
         whatever the cache holds now."""
@@ -123,9 +171,9 @@ class ModelRunner(TimedCalls):
         """Whether the engine of ``size`` tokens holds a session (lazy engines open on first use)."""
         return bool(getattr(self._by_size[size], "opened", True))
 
-    def engine_at(self, size: int) -> str:
-        """The name of the engine of ``size`` tokens."""
-        return self._by_size[size].name
+    def engine_at(self, size: int, fill: bool = False) -> str:
+        """The name of the engine of ``size`` tokens (``fill``: the fill entry's)."""
+        return (self._fill if fill else self._by_size)[size].name
 
     def engine_size(self, tokens: int) -> int:
         """Token count of the engine that runs ``tokens`` tokens in one call (or the largest),
@@ -147,32 +195,19 @@ class ModelRunner(TimedCalls):
         ``want_logits``: time the runs as sampled decoding makes them, logits copied out."""
         return time_interleaved({self.name: (self, sizes)}, rounds, want_logits)[self.name]
 
-    def time_run(self, size: int, want_logits: bool = False) -> float:
-        """Seconds of one run of the engine of ``size`` tokens over a half-full cache."""
-        call = self._calls[size]
+    def time_run(self, size: int, want_logits: bool = False, fill: bool = False) -> float:
+        """Seconds of one run of the engine of ``size`` tokens over a half-full cache (``fill``:
+        the fill entry's, asked for the cache alone)."""
+        call = self._calls[(Role.FILL, size) if fill else size]
         call.feeds[CACHE_LENGTH][0] = (self.cache.max_seq_len - size) // 2
         if VALID_TOKENS in call.feeds:
             call.feeds[VALID_TOKENS][0] = size
-        return call.time(self._outputs(want_logits))
+        return call.time(self._states if fill else self._outputs(want_logits))
 
     def end_timing(self, sizes: Sequence[int]) -> None:
         """After timing: in-place engines wrote into the cache, so it is rewound to empty."""
-        if any(self._by_size[size].name in self._in_place for size in sizes):
+        if self._in_place:
             self.cache.set_length(0)
-
-    def _plan_pieces(self, cost_ms: dict[int, float], longest: int) -> list[int] | None:
-        """For every input length, the engine size to run first so that the whole input
-        costs least, over the engines with a measured cost (from the build). None: no costs,
-        use the fit rule."""
-        sizes = [t for t, _ in self._engines if cost_ms.get(t)]
-        if not sizes:
-            return None
-        total = [0.0] * (longest + 1)  # total[r]: cheapest cost of r tokens
-        first = [sizes[0]] * (longest + 1)
-        for r in range(1, longest + 1):  # a tie goes to the smaller graph (less padding)
-            total[r], first[r] = min((cost_ms[t] + total[max(r - t, 0)], t) for t in sizes)
-        self._planned_ms = total
-        return first
 
     def _plan(self, remaining: int) -> tuple[int, Engine]:
         """The engine to run first for ``remaining`` tokens: cheapest by cost, else the fit rule."""
@@ -204,6 +239,39 @@ class ModelRunner(TimedCalls):
     def _outputs(self, want_logits: bool, want: Sequence[str] = ()) -> list[str]:
         """What to ask a run for besides an appending graph's presents (the call adds those)."""
         return [NEXT_TOKENS, *([LOGITS] if want_logits else []), *self._states, *want]
+
+    def fill(self, tokens: Sequence[int], inputs: Mapping[str, np.ndarray] | None = None) -> None:
+        """Feed ``tokens`` whose outputs nobody reads (``inputs`` as ``forward``'s): only the
+        cache is written, by the fill entries where the model has them (the module docstring),
+        chunked as their costs say; without them, ``forward``."""
+        if not self._fill:
+            self.forward(tokens, inputs=inputs)
+            return
+        n = len(tokens)
+        if n > self.cache.free:
+            raise ValueError(f"{self.name}: {n} tokens do not fit in the {self.cache.free} free cache slots")
+        done = 0
+        while done < n:
+            size = self._pick_fill(n - done)
+            count = min(size, n - done)
+            call = self._calls[(Role.FILL, size)]
+            call.feed_row(0, self.cache.length, tokens[done : done + count],
+                          {name: rows[done : done + count] for name, rows in (inputs or {}).items()},
+                          size if self.full_rows else count)  # [1, T], extra inputs [1, T, F]
+            result = call.run(self._states)  # the cache alone (presents, states)
+            self.cache.store(result, count, in_place=self._fill[size].name in self._in_place)
+            done += count
+
+    def _pick_fill(self, remaining: int) -> int:
+        """The fill entry to run first for ``remaining`` tokens: cheapest by cost, else the fit
+        rule; an in-place one that the cache holds (as ``_pick``)."""
+        if self._fill_first is not None:
+            size = self._fill_first[min(remaining, len(self._fill_first) - 1)]
+        else:
+            size = next((t for t in self._fill if t >= remaining), max(self._fill))
+        if self._fill[size].name in self._in_place and size > self.cache.free:
+            size = max(t for t in self._fill if t <= self.cache.free)
+        return size
 
     def forward(self, tokens: Sequence[int], want_logits: bool = False,
                 inputs: Mapping[str, np.ndarray] | None = None, want: Sequence[str] = (),
@@ -246,6 +314,42 @@ class ModelRunner(TimedCalls):
 
 
 _VERIFY_ROLES = frozenset({Role.DECODE, Role.VERIFY, Role.CATCHUP})  # the graphs a verify pass runs today
+
+
+def plan_pieces(cost_ms: Mapping[int, float | None], longest: int) -> tuple[list[int], list[float]] | None:
+    """For every input length up to ``longest``, the engine size to run first so that the whole
+    input costs least over the sizes with a measured cost, and that least cost: (first, total).
+    None: no costs (the fit rule applies)."""
+    sizes = sorted(t for t, ms in cost_ms.items() if ms)
+    if not sizes:
+        return None
+    costs = {t: float(cost_ms[t] or 0.0) for t in sizes}
+    total = [0.0] * (longest + 1)  # total[r]: cheapest cost of r tokens
+    first = [sizes[0]] * (longest + 1)
+    for r in range(1, longest + 1):  # a tie goes to the smaller graph (less padding)
+        total[r], first[r] = min((costs[t] + total[max(r - t, 0)], t) for t in sizes)
+    return first, total
+
+
+class FillTiming:
+    """A runner's fill entries as a timing schedule sees a runner (``time_interleaved``): the
+    build times them with the others (their cost_ms)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    @property
+    def sizes(self) -> list[int]:
+        return self.runner.fill_sizes
+
+    def engine_at(self, size: int) -> str:
+        return self.runner.engine_at(size, fill=True)
+
+    def time_run(self, size: int, want_logits: bool = False) -> float:
+        return self.runner.time_run(size, fill=True)
+
+    def end_timing(self, sizes: Sequence[int]) -> None:
+        self.runner.end_timing(sizes)
 
 
 def monotone_costs(cost_ms: Mapping[int, float | None]) -> dict[int, float | None]:

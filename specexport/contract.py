@@ -181,20 +181,30 @@ class Role(str, Enum):
     STEP = "step"  # T = 1: a chain drafter (EAGLE-3, MTP) fed its own hidden state
     BLOCK = "block"  # a block drafter (DFlash, DSpark): C context rows in, one block of drafts out
     TREE = "tree"  # T = 1 + N: a token tree of N draft nodes under the root (TREE_* inputs)
+    # A drafter's rows whose outputs nobody reads (its prompt, rows fed ahead of a catch-up): a
+    # copy of its graph whose only outputs are what the cache keeps (presents, states), so no
+    # logits are computed. Run only by ``ModelRunner.forward(fill=True)``, at batch 1.
+    FILL = "fill"
 
     @property
     def decoding(self) -> bool:
-        """May the decode loop (prefill included) run this graph?"""
-        return self is not Role.PROBE
+        """May the decode loop (prefill included) run this graph for a call whose outputs it reads?"""
+        return self not in (Role.PROBE, Role.FILL)
 
 
 # One graph per (model, token count): when two roles want the same size, the first one here
 # names it (a 2-token verify is also the catchup graph).
-ROLE_PRIORITY = (Role.DECODE, Role.VERIFY, Role.CATCHUP, Role.PREFILL, Role.PROBE, Role.STEP, Role.BLOCK, Role.TREE)
+ROLE_PRIORITY = (Role.DECODE, Role.VERIFY, Role.CATCHUP, Role.PREFILL, Role.PROBE, Role.STEP, Role.BLOCK, Role.TREE,
+                 Role.FILL)
 
 
 # The roles built at every batch size of the recipe (shapes.batch); the others at batch 1 only.
 BATCHED_ROLES = frozenset({Role.DECODE, Role.CATCHUP, Role.VERIFY})
+
+
+def is_cache_output(name: str) -> bool:
+    """An output the cache keeps (present.*, present_state.*): all a fill graph (Role.FILL) gives."""
+    return is_present(name) or name.startswith(STATE_PRESENT + ".")
 
 
 def engine_name(model: str, role: Role, batch: int, tokens: int) -> str:
@@ -268,16 +278,18 @@ class KindSignature:
                 names.append(name)
         return names
 
-    def graph_outputs(self, num_layers: int) -> list[str]:
+    def graph_outputs(self, num_layers: int, fill: bool = False) -> list[str]:
+        """``fill``: a fill graph's (Role.FILL), the cache outputs alone."""
         names: list[str] = []
         for name in self.outputs:
-            names += present_names(num_layers) if name == PRESENT else [name]
+            names += present_names(num_layers) if name == PRESENT else [] if fill else [name]
         return names
 
 
-_MODEL_ROLES = (Role.DECODE, Role.CATCHUP, Role.PREFILL)
+# a draft model's and a chain head's fill graphs (Role.FILL): built for ort-gqa recipes only
+_MODEL_ROLES = (Role.DECODE, Role.CATCHUP, Role.PREFILL, Role.FILL)
 _DECODER_INPUTS = (INPUT_IDS, CACHE_LENGTH, VALID_TOKENS, PAST)  # the target's own signature
-_CHAIN_ROLES = (Role.STEP, Role.CATCHUP, Role.PREFILL)
+_CHAIN_ROLES = (Role.STEP, Role.CATCHUP, Role.PREFILL, Role.FILL)
 _CHAIN_INPUTS = (INPUT_IDS, DRAFT_FEATURES, CACHE_LENGTH, PAST)
 _CHAIN_OUTPUTS = (LOGITS, NEXT_TOKENS, PRESENT, HIDDEN_OUT)
 _BLOCK_INPUTS = (INPUT_IDS, CONTEXT_FEATURES, CONTEXT_VALID, CACHE_LENGTH, PAST)

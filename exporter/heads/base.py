@@ -22,6 +22,7 @@ import torch
 from specexport.backends import ONNXRUNTIME
 from specexport.contract import DrafterEntry, EngineEntry, KVUpdate, ModelEntry, Role, engine_name
 from specexport.exporter.exact_rows import HEAD_REWRITES, RowExactness
+from specexport.exporter.fill import fill_copy, fill_sizes
 from specexport.exporter.gpu_build import mark_host_nodes
 from specexport.exporter.onnx_export import WeightStore, tensor_specs
 from specexport.exporter.validate import reference_ids
@@ -120,17 +121,22 @@ class HeadContext:
         return name, self.save_shared_graph(proto, name, {tokens: role}, store, kv_update)[name]
 
     def save_shared_graph(self, proto: onnx.ModelProto, file_stem: str, sizes: dict[int, Role],
-                          store: WeightStore, kv_update: KVUpdate = KVUpdate.APPEND) -> dict[str, Path]:
+                          store: WeightStore, kv_update: KVUpdate = KVUpdate.APPEND,
+                          fills: dict[str, tuple[int, Path]] | None = None) -> dict[str, Path]:
         """Write one graph as ``file_stem``.onnx and register an engine entry per size (token
         count -> role): a graph with a symbolic token count serves them all from one session.
-        Returns engine name -> path."""
+        Returns engine name -> path. ``fills``: also write its fill copy (exporter/fill.py) with
+        an entry of role fill per size, added here as engine name -> (tokens, path)."""
         path = self.tmp / f"{file_stem}.onnx"
         proto = self._quantize(proto, max(sizes))
         if self.recipe.device == "cuda":  # its host arithmetic may stay on the CPU (runtime/placement.py)
             proto = mark_host_nodes(proto)
         specs = {t: (tensor_specs(proto, "inputs", t), tensor_specs(proto, "outputs", t)) for t in sizes}
+        fill = fill_copy(proto) if fills is not None else None  # of the graph as saved: the same weights
         store.save(proto, path)
         onnx.checker.check_model(str(path))
+        if fill is not None and fills is not None:
+            fills.update(self._save_fill(fill, fill_sizes(sizes), store, kv_update))
         paths = {}
         for tokens, role in sizes.items():
             name = engine_name(self.name, role, self.batch, tokens)
@@ -142,6 +148,24 @@ class HeadContext:
             ))
             paths[name] = path
         return paths
+
+    def _save_fill(self, proto: onnx.ModelProto, sizes: list[int], store: WeightStore,
+                   kv_update: KVUpdate) -> dict[str, tuple[int, Path]]:
+        """Write the head's fill graph and its entries (batch 1, each of ``sizes``)."""
+        path = self.tmp / f"{self.name}.fill.onnx"
+        store.save(proto, path)
+        onnx.checker.check_model(str(path))
+        saved = {}
+        for tokens in sizes:
+            name = engine_name(self.name, Role.FILL, 1, tokens)
+            inputs, outputs = tensor_specs(proto, "inputs", tokens), tensor_specs(proto, "outputs", tokens)
+            self.builder.specs[name] = (inputs, outputs)
+            self.builder.engines.append(EngineEntry(
+                name=name, model=self.name, role=Role.FILL, backend=ONNXRUNTIME, path=path.name, batch=1,
+                tokens=tokens, inputs=inputs, outputs=outputs, kv_update=kv_update, weights=store.location,
+            ))
+            saved[name] = (tokens, path)
+        return saved
 
     def _quantize(self, proto: onnx.ModelProto, tokens: int) -> onnx.ModelProto:
         """The graph at the drafter's precision (its inputs and outputs unchanged): every graph of
@@ -208,6 +232,12 @@ class HeadContext:
     def time_with(self, runner: ModelRunner) -> None:
         """Time ``runner``'s graphs in the builder's one interleaved schedule (cost_ms)."""
         self.builder.timing[self.name] = runner
+
+    def time_fill(self, runner: ModelRunner) -> None:
+        """Time ``runner``'s fill entries in the same schedule (cost_ms)."""
+        from specexport.runtime.runner import FillTiming
+
+        self.builder.timing[f"{self.name}.fill"] = FillTiming(runner)
 
     def reference_ids(self, length: int) -> np.ndarray:
         """Real text from the target's tokenizer (the builder's validation corpus): [length]."""

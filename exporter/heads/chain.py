@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from specexport.backends import TENSORRT
 from specexport.contract import (
     CACHE_LENGTH,
     DRAFT_FEATURES,
@@ -44,6 +45,7 @@ from specexport.contract import (
 )
 from specexport.errors import BadInput
 from specexport.exporter.archs import MlaWeights, MoeWeights
+from specexport.exporter.fill import check_fill
 from specexport.exporter.graph_model import MlaProjection, MoeMlp, _apply_rope, _rms_norm, _rotate_half_matrix
 from specexport.exporter.heads.base import HeadContext, tap_columns
 from specexport.exporter.onnx_export import export_module
@@ -495,6 +497,9 @@ class ChainHead:
         spec = self.spec
         width = len(ctx.target_taps) * spec.target_hidden
         graphs: dict[str, tuple[int, bool]] = {}  # engine name -> (tokens, step?)
+        # the catch-up graph's fill copy (exporter/fill.py; ort-gqa recipes, onnxruntime only):
+        # engine name -> (tokens, path)
+        fills: dict[str, tuple[int, Path]] | None = {} if fill_built(ctx) else None
         batched: dict[str, tuple[int, int, bool]] = {}  # batched engine name -> (batch, tokens, step?)
         paths = {}
         store = ctx.weights()
@@ -512,7 +517,7 @@ class ChainHead:
                                          ctx.opset)
                     s.detail = f"{len(proto.graph.node)} nodes"
                 stem = engine_name(ctx.name, Role.STEP, ctx.batch, 1) if step else f"{ctx.name}.catchup"
-                saved = ctx.save_shared_graph(proto, stem, sizes, store)
+                saved = ctx.save_shared_graph(proto, stem, sizes, store, fills=None if step else fills)
                 for tokens, (name, path) in zip(sizes, saved.items()):
                     graphs[name], paths[name] = (tokens, step), path
                 rounds = {1: Role.STEP} if step else round_catchup_sizes(ctx)
@@ -530,17 +535,25 @@ class ChainHead:
         info = {"hidden_size": spec.hidden, "feature_width": width, "taps": list(spec.taps),
                 "draft_vocab_size": int(spec.lm_head.shape[0]), **spec.info}
         ctx.add_model(ModelEntry(ctx.name, spec.kind, kv, spec.target_vocab, f"{ctx.name}.weights", "standard", info))
-        validate_chain(ctx, self.reference, spec, graphs, paths, width, batched, tree)
+        validate_chain(ctx, self.reference, spec, graphs, paths, width, batched, tree, fills)
+
+
+def fill_built(ctx: HeadContext) -> bool:
+    """Does the head get a fill graph: its catch-up sizes entries of one symbolic graph for
+    onnxruntime (ort-gqa recipes, as ``round_catchup_sizes``), no TensorRT plans to compile?"""
+    return ctx.recipe.attention == "ort-gqa" and TENSORRT not in ctx.recipe.backends
 
 
 def validate_chain(ctx: HeadContext, reference: Reference, spec: ChainSpec, graphs: dict[str, tuple[int, bool]],
                    paths: dict, width: int, batched: dict[str, tuple[int, int, bool]] | None = None,
-                   tree: tuple[str, Path, dict[str, int], int] | None = None) -> None:
+                   tree: tuple[str, Path, dict[str, int], int] | None = None,
+                   fills: dict[str, tuple[int, Path]] | None = None) -> None:
     """Every graph against the reference on real text, at several cache lengths, through the
     runtime's ModelRunner (the cache filled by the catch-up graphs, chunk by chunk); then each
     batched graph row by row against the batch-1 graph (``validate_chain_batched``); then the
     tree step (``tree``: its engine name, path, batched entries and rows;
-    chain_tree.validate_chain_tree)."""
+    chain_tree.validate_chain_tree); then the fill graph's cache against the catch-up graph's
+    (``fills``: engine name -> (tokens, path); exporter/fill.py)."""
     from specexport.runtime.engine import EngineOptions, SharedGraphs
     from specexport.runtime.kv_cache import KVCache
     from specexport.runtime.ort_engine import OrtEngine
@@ -560,7 +573,12 @@ def validate_chain(ctx: HeadContext, reference: Reference, spec: ChainSpec, grap
     engines = {name: OrtEngine(name, paths[name], *ctx.builder.specs[name], options, shared) for name in graphs}
     cache = KVCache(len(spec.layers), 1, spec.kv_heads, s_max, spec.head_dim)
     catchup = [n for n, (_, step) in graphs.items() if not step]
-    runner = ModelRunner(ctx.name, [engines[n] for n in catchup], cache, {n: graphs[n][0] for n in catchup})
+    fills = fills or {}
+    fill_engines = [OrtEngine(n, path, *ctx.builder.specs[n], options, shared) for n, (_, path) in fills.items()]
+    roles = {**dict.fromkeys(catchup, Role.CATCHUP), **dict.fromkeys(fills, Role.FILL)}  # CATCHUP: any decoding role
+    runner = ModelRunner(ctx.name, [engines[n] for n in catchup] + fill_engines, cache,
+                         {**{n: graphs[n][0] for n in catchup}, **{n: t for n, (t, _) in fills.items()}},
+                         roles=roles)
     with ctx.step("validate", f"{ctx.name} graphs") as s:
         rows = len(tokens)
         runner.forward(ids[1:].tolist(), inputs={DRAFT_FEATURES: aux[:rows]})
@@ -603,6 +621,19 @@ def validate_chain(ctx: HeadContext, reference: Reference, spec: ChainSpec, grap
                                          "rows": [[int(r[CACHE_LENGTH][0]), v] for r, v in zip(rows, valid)]},
                                   reference="the batch-1 graph, row by row")
             s.detail = f"{len(batched)} graphs, ragged rows and an idle row against batch 1"
+    if fills:  # the fill graph's cache against the catch-up graph's, bit for bit
+        with ctx.step("validate", f"{ctx.name} fill graph") as s:
+            # the cache holds every row of the text (filled above): kept as it is for the tree's check
+            kept, kept_length = {name: array.copy() for name, array in cache.view().items()}, cache.length
+            length = len(tokens) // 2
+            figures = check_fill(runner, ids[1:], {DRAFT_FEATURES: aux[: len(tokens)]}, (0, length // 2, length))
+            for name, array in cache.view().items():
+                array[...] = kept[name]
+            cache.length = kept_length
+            for name in fills:
+                ctx.builder.record_fill(name, figures)
+            s.detail = f"{len(fills)} sizes, cache = the catch-up graph's bit for bit"
+        ctx.time_fill(runner)
     if tree is not None:  # last: it writes the cache past the rows it keeps
         from specexport.exporter.heads.chain_tree import validate_chain_tree
 

@@ -114,3 +114,39 @@ def test_a_catch_up_runs_the_entry_of_its_rows(root, pipe, tmp_path):
     for head in HEADS:
         runner = tuned.drafter(head).catchup.runners[0]
         assert [runner.engine_size(rows) for rows in range(1, DEPTH + 2)] == [2, *range(2, DEPTH + 2)]
+
+
+@pytest.fixture(scope="module")
+def pipe_without_fill(root, tmp_path_factory):
+    """The same build as a directory from before fill graphs: no fill entries."""
+    from dataclasses import replace
+
+    from specexport.contract import Manifest, Role, write_manifest
+    from specexport.runtime import load
+    from tests.conftest import copy_engines
+
+    dst = copy_engines(root / "out", tmp_path_factory.mktemp("no-fill") / "out")
+    manifest = Manifest.load(dst)
+    write_manifest(dst, replace(manifest, engines=[e for e in manifest.engines if e.role is not Role.FILL]))
+    return load(dst)
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_a_long_prompt_is_fed_through_the_fill_graph(pipe, pipe_without_fill, head):
+    """The rows of a prompt before the catch-up call's (nothing reads their logits) go through
+    the head's fill entries (Role.FILL, the catch-up graph without logits), with the same drafts
+    as a directory without them, and decoding stays the target's own."""
+    from specexport.contract import Role
+
+    fills = [e for e in pipe.manifest.engines_of(head, "onnxruntime") if e.role is Role.FILL]
+    assert fills and {e.path for e in fills} == {f"{head}.fill.onnx"}
+    runner = pipe.drafter(head).catchup.runners[0]
+    before = sum(n for name, n in runner.calls_by_engine.items() if ".fill." in name)
+    prompt = [int(t) for t in pipe.prompt_ids(f"{PROMPTS[0]} {PROMPTS[2]}")][:30]  # 30 + 8 new tokens fit the 48 slots
+    assert len(prompt) > runner.decoding_sizes[-1] + 2  # rows past the widest entry: filled first
+    out = pipe.generate(prompt_ids=prompt, max_new_tokens=8, drafter=head, draft_len=DEPTH, adaptive=False)
+    assert sum(n for name, n in runner.calls_by_engine.items() if ".fill." in name) > before
+    assert out.token_ids == pipe.generate(prompt_ids=prompt, max_new_tokens=8).token_ids
+    old = pipe_without_fill.generate(prompt_ids=prompt, max_new_tokens=8, drafter=head, draft_len=DEPTH, adaptive=False)
+    assert (out.stats.round_drafts, out.stats.round_accepted) == (old.stats.round_drafts, old.stats.round_accepted)
+    assert not pipe_without_fill.drafter(head).catchup.runners[0].fill_sizes

@@ -53,6 +53,10 @@ class MarkovRunner:
     def long_sizes(self) -> list[int]:
         return []
 
+    def fill(self, tokens, inputs=None) -> None:
+        """As ModelRunner.fill over a model without fill entries: ``forward``, nothing read."""
+        self.forward(tokens, inputs=inputs)
+
     def forward(self, tokens, want_logits: bool = False, inputs=None, want=(), verify: bool = False) -> StepOutput:
         """As ModelRunner.forward: a ValueError past the cache; no input runs nothing (no call
         counted) and returns empty outputs of the usual dtypes."""
