@@ -22,7 +22,6 @@ from specexport.backends import BACKENDS, ONNXRUNTIME, TENSORRT
 from specexport.contract import (
     AUX_HIDDEN_STATES,
     BATCHED_ROLES,
-    CHAIN_TREE_INPUTS,
     KV_UPDATE_OF_ATTENTION,
     ROLE_PRIORITY,
     DrafterEntry,
@@ -45,6 +44,7 @@ from specexport.exporter.heads import HeadContext, LoadedHead, load_head, merged
 from specexport.exporter.low_precision import bf16_refusal, kv_dtype, low_precision_graph
 from specexport.exporter.onnx_export import (
     WeightStore,
+    chain_inputs,
     drop_outputs,
     export_graph,
     export_tree_graph,
@@ -486,9 +486,7 @@ class Builder:
                 if rows > 1 and role not in BATCHED_ROLES:
                     continue
                 graph_name = engine_name(model, role, rows, size)
-                # a chain entry of a graph that verifies trees too: the backend feeds the tree inputs
-                inputs = {k: v for k, v in tensor_specs(proto, "inputs", size, rows).items()
-                          if k not in CHAIN_TREE_INPUTS}
+                inputs = chain_inputs(proto, size, rows)
                 outputs = tensor_specs(proto, "outputs", size, rows)
                 self.specs[graph_name] = (inputs, outputs)
                 if rows == 1:
@@ -509,7 +507,8 @@ class Builder:
         onnx.checker.check_model(str(path))
         for size in fill_sizes(graphs.sizes):
             graph_name = engine_name(model, Role.FILL, 1, size)
-            inputs, outputs = tensor_specs(proto, "inputs", size), tensor_specs(proto, "outputs", size)
+            # its chain's tree offsets and mask fed by the backend, as its full graph's entries
+            inputs, outputs = chain_inputs(proto, size), tensor_specs(proto, "outputs", size)
             self.specs[graph_name] = (inputs, outputs)
             self.fill_files.setdefault(model, []).append(GraphUnderTest(graph_name, path, size))
             self.engines.append(EngineEntry(

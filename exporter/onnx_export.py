@@ -22,6 +22,7 @@ from onnx import numpy_helper
 from specexport.contract import (
     AUX_HIDDEN_STATES,
     CACHE_LENGTH,
+    CHAIN_TREE_INPUTS,
     INPUT_IDS,
     TensorSpec,
     graph_inputs,
@@ -274,3 +275,11 @@ def tensor_specs(model: onnx.ModelProto, which: str, tokens: int | None = None,
                                       f"must be static{'' if tokens is None else ' but the token count'}")
         specs[value.name] = TensorSpec(dtype, tuple(shape))
     return specs
+
+
+def chain_inputs(model: onnx.ModelProto, tokens: int, batch: int = 1) -> dict[str, TensorSpec]:
+    """``tensor_specs`` of a chain entry's inputs: a graph that verifies trees too keeps its tree
+    offsets and mask out of the entry, and the backend feeds a chain's (contract.CHAIN_TREE_INPUTS);
+    an entry listing them would be fed blank ones (every row masked from itself)."""
+    return {name: spec for name, spec in tensor_specs(model, "inputs", tokens, batch).items()
+            if name not in CHAIN_TREE_INPUTS}
