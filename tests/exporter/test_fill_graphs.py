@@ -24,8 +24,17 @@ def gqa(tiny_engines):
     return tiny_engines.for_arch("llama", "ort-gqa")
 
 
-def test_a_drafter_gets_fill_entries_at_its_decoding_sizes(gqa):
-    manifest = Manifest.load(gqa)
+@pytest.fixture(scope="module", params=["chains", "trees"])
+def gqa_any(request, tiny_engines):
+    """An ort-gqa build whose drafters draft chains, and one whose drafters draft trees too (their
+    graphs take tree inputs, which a chain entry leaves to the backend: a fill entry must too)."""
+    if request.param == "chains":
+        return tiny_engines.for_arch("llama", "ort-gqa")
+    return tiny_engines.get("llama", drafters=DRAFTERS, attention="ort-gqa", tree_nodes=6, **TINY_SHAPE)
+
+
+def test_a_drafter_gets_fill_entries_at_its_decoding_sizes(gqa_any):
+    manifest = Manifest.load(gqa_any)
     for model in DRAFTERS:
         engines = manifest.engines_of(model, "onnxruntime")
         fills = [e for e in engines if e.role is Role.FILL]

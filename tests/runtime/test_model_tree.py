@@ -83,7 +83,8 @@ def test_greedy_model_trees_decode_as_the_target_alone(pipe, name):
 def test_a_wide_gap_goes_in_without_logits_but_its_last_graph(pipe, name, monkeypatch):
     """After rounds at depth 0 a draft model's cache lacks what was committed meanwhile. Only the
     last row's logits are read, so the gap goes in without them but for the last graph-full
-    (a long gap's logits over the vocabulary would be MBs), and the tree is the same."""
+    (a long gap's logits over the vocabulary would be MBs): the rows before it through the
+    model's fill graph (Role.FILL, no logits computed at all), and the tree is the same."""
     from specexport.runtime.acceptance import Sampling
     from specexport.runtime.drafters import DraftBudget, DraftRow
 
@@ -93,12 +94,16 @@ def test_a_wide_gap_goes_in_without_logits_but_its_last_graph(pipe, name, monkey
     assert len(context) > 6 + 2 * max(runner.decoding_sizes)
     row = DraftRow(context, Sampling(), np.random.default_rng(0))
     drafter.join(0, context[:6], {})  # the prompt, then every round since at depth 0
-    asked = []
+    assert runner.fill_sizes, "an ort-gqa draft model has fill entries"  # so fill never runs _run itself
+    asked = []  # (rows, logits read), in call order; "fill": a fill call's rows (nothing read)
     monkeypatch.setattr(runner, "_run", lambda size, want_logits, want=(), run=runner._run:
                         asked.append((size, want_logits)) or run(size, want_logits, want))
+    monkeypatch.setattr(runner, "fill", lambda tokens, inputs=None, fill=runner.fill:
+                        asked.append((len(tokens), "fill")) or fill(tokens, inputs))
     tree = drafter.propose([row], DraftBudget([3], NODES, TOP_K))[0]
-    first = next(i for i, (_, want_logits) in enumerate(asked) if want_logits)
+    first = next(i for i, (_, want_logits) in enumerate(asked) if want_logits is True)
     assert sum(size for size, _ in asked[:first]) >= len(context) - 6 - max(runner.decoding_sizes), asked
+    assert any(read == "fill" for _, read in asked[:first]), asked
     assert asked[first][0] <= max(runner.decoding_sizes), asked
     drafter.join(0, context, {})  # the same context fed whole at join: the same tree
     again = drafter.propose([row], DraftBudget([3], NODES, TOP_K))[0]
