@@ -183,7 +183,7 @@ class Role(str, Enum):
     TREE = "tree"  # T = 1 + N: a token tree of N draft nodes under the root (TREE_* inputs)
     # A drafter's rows whose outputs nobody reads (its prompt, rows fed ahead of a catch-up): a
     # copy of its graph whose only outputs are what the cache keeps (presents, states), so no
-    # logits are computed. Run only by ``ModelRunner.forward(fill=True)``, at batch 1.
+    # logits are computed. Run only by ``ModelRunner.fill``, at batch 1.
     FILL = "fill"
 
     @property

@@ -77,8 +77,14 @@ def test_manifest_parity(engines):
     assert manifest["plan"]["group_size"] == 3 and manifest["plan"]["tile_draft_len"] == 41
     kinds = {name: model["kind"] for name, model in manifest["models"].items()}
     assert manifest["models"]["target"]["taps"] == [2, 15, 27]  # EAGLE-3's default taps for 30 layers
+    filled = set()
     for engine in manifest["engines"]:
         parity = engine["parity"]
+        if engine["role"] == "fill":  # a drafter's fill graph: its cache against its own full graph's, bit for bit
+            assert parity["reference"] == "the model's full graph", engine["name"]
+            assert parity["cache_equal_to_full_graph"] is True and parity["tested"], engine["name"]
+            filled.add(engine["model"])
+            continue
         if engine["batch"] > 1:  # batched graphs: every row against the batch-1 graph, ragged rows, an idle row
             assert parity["reference"] == "the batch-1 graph, row by row", engine["name"]
             if engine["kv_update"] == "in_place":  # the graph writes the cache: padding must not reach it
@@ -98,6 +104,8 @@ def test_manifest_parity(engines):
         else:  # int4: recorded, not enforced; still a sane drafter
             assert parity["enforced"] is False and parity["precision"] == "int4", engine["name"]
             assert parity["argmax_agreement"] > 0.5, engine["name"]
+    # the ort-gqa recipe's drafters that feed rows nobody reads have fill graphs (onnxruntime only)
+    assert filled == {name for name, kind in kinds.items() if kind in ("quantized-self", "eagle3")}, filled
 
 
 def test_chat_prompt_ids_match_transformers(pipe, hf):

@@ -23,8 +23,11 @@ BATCHES = (1, 2, 4)
 def test_every_decoding_role_is_built_at_every_batch_size_over_one_graph_file(batched_engines):
     manifest = read_manifest(batched_engines)
     for model in ("target", "quantized-self", "draft-model"):
-        entries = [e for e in manifest.engines if e.model == model]
+        fills = [e for e in manifest.engines if e.model == model and e.role is Role.FILL]
+        entries = [e for e in manifest.engines if e.model == model and e.role is not Role.FILL]
         assert {e.path for e in entries} == {f"{model}.onnx"}
+        # a drafter's fill graph (its cache outputs alone, ort-gqa) is another file, at batch 1 only
+        assert {(e.path, e.batch) for e in fills} == ({(f"{model}.fill.onnx", 1)} if model != "target" else set())
         assert manifest.batch_sizes(model) == list(BATCHES)
         single = {(e.role, e.tokens) for e in entries if e.batch == 1 and e.role in BATCHED_ROLES}
         for b in BATCHES[1:]:
