@@ -61,11 +61,20 @@ def head_parity(engines: Path, model: str) -> dict[str, dict]:
 
 
 def check_parity(engines: Path, model: str) -> None:
+    """Every graph of the head within the reference's limits; its fill graph (ort-gqa builds,
+    exporter/fill.py), at each catch-up and prefill size, leaves the cache as its catch-up graph does."""
     figures = head_parity(engines, model)
+    fills = {name: p for name, p in figures.items() if name.split(".")[1] == "fill"}
+    figures = {name: p for name, p in figures.items() if name not in fills}
     assert {name.split(".")[1] for name in figures} == {"catchup", "prefill", "step"}, figures
     for name, p in figures.items():
         assert p["enforced"] and p["positions"] >= 3, (name, p)
         assert p["max_rel_logit_diff"] <= 1e-4 and p["argmax_agreement"] == 1.0, (name, p)
+    if fills:
+        size = {name: name.rsplit(".t", 1)[1] for name in {*figures, *fills}}
+        assert {size[n] for n in fills} == {size[n] for n in figures if n.split(".")[1] != "step"}, fills
+    for name, p in fills.items():
+        assert p["cache_equal_to_full_graph"] is True and p["tested"], (name, p)
 
 
 def check_greedy_lossless(pipe, drafter: str, max_new_tokens: int = 20, prompts: list[str] = PROMPTS) -> None:
