@@ -151,19 +151,26 @@ def test_greedy_tree_decoding_is_the_target_alone(case, adaptive):
 def test_a_long_prompts_catch_up_asks_logits_of_its_last_graph_only(case, monkeypatch):
     """The first tree round catches the head up on the whole prompt; only its last row's logits
     are read, so the rows before the catch-up's largest decoding graph run without them (a
-    prompt's logits over the target's vocabulary would be tens of MB)."""
+    prompt's logits over the target's vocabulary would be tens of MB). With fill entries
+    (ort-gqa builds) the call reads at most 1+D rows and every row before it goes through the
+    fill graph, which computes no logits at all (ChainDrafter._read_rows)."""
     name, _, _, pipe = case
     runner = pipe.drafter(name).catchup.runners[0]
-    asked = []
+    asked = []  # (rows, logits read), in call order; "fill": a fill call's rows (nothing read)
     monkeypatch.setattr(runner, "_run", lambda size, want_logits, want=(), run=runner._run:
                         asked.append((size, want_logits)) or run(size, want_logits, want))
+    if runner.fill_sizes:  # without them fill is forward, whose _run calls are recorded already
+        monkeypatch.setattr(runner, "fill", lambda tokens, inputs=None, fill=runner.fill:
+                            asked.append((len(tokens), "fill")) or fill(tokens, inputs))
     ids = (pipe.prompt_ids(PROMPTS[1]) * 8)[: pipe.max_seq_len - 20]  # room for 8 tokens and a tree
     assert len(ids) > 2 * max(runner.decoding_sizes)
     spec = pipe.generate(prompt_ids=ids, max_new_tokens=8, drafter=name, tree_nodes=NODES)
     assert spec.stats.tree_nodes > 0
-    first = next(i for i, (_, want_logits) in enumerate(asked) if want_logits)  # the first round's call
-    assert sum(size for size, _ in asked[:first]) >= len(ids) - 1 - max(runner.decoding_sizes), asked
-    assert asked[first][0] <= max(runner.decoding_sizes), asked
+    first = next(i for i, (_, read) in enumerate(asked) if read is True)  # the first round's call
+    widest = runner.verify_limit if runner.fill_sizes else max(runner.decoding_sizes)
+    assert sum(size for size, _ in asked[:first]) >= len(ids) - 1 - widest, asked
+    assert asked[first][0] <= widest, asked
+    assert not runner.fill_sizes or all(read == "fill" for _, read in asked[:first]), asked
 
 
 def test_an_adaptive_tree_stops_growing_where_the_round_would_cut(case, monkeypatch):
