@@ -195,14 +195,21 @@ class ModelRunner(TimedCalls):
         ``want_logits``: time the runs as sampled decoding makes them, logits copied out."""
         return time_interleaved({self.name: (self, sizes)}, rounds, want_logits)[self.name]
 
-    def time_run(self, size: int, want_logits: bool = False, fill: bool = False) -> float:
-        """Seconds of one run of the engine of ``size`` tokens over a half-full cache (``fill``:
-        the fill entry's, asked for the cache alone)."""
-        call = self._calls[(Role.FILL, size) if fill else size]
+    def time_run(self, size: int, want_logits: bool = False) -> float:
+        """Seconds of one run of the engine of ``size`` tokens over a half-full cache."""
+        return self._time(size, self._calls[size], self._outputs(want_logits))
+
+    def time_fill(self, size: int) -> float:
+        """Seconds of one run of the fill entry of ``size`` tokens over a half-full cache, asked
+        for the cache alone (``FillTiming``). Apart from ``time_run``, whose (size, want_logits)
+        every timed schedule member shares (TreeVerifier, BatchedCalls, test fakes)."""
+        return self._time(size, self._calls[(Role.FILL, size)], self._states)
+
+    def _time(self, size: int, call: GraphCall, outputs: Sequence[str]) -> float:
         call.feeds[CACHE_LENGTH][0] = (self.cache.max_seq_len - size) // 2
         if VALID_TOKENS in call.feeds:
             call.feeds[VALID_TOKENS][0] = size
-        return call.time(self._states if fill else self._outputs(want_logits))
+        return call.time(outputs)
 
     def end_timing(self, sizes: Sequence[int]) -> None:
         """After timing: in-place engines wrote into the cache, so it is rewound to empty."""
@@ -346,7 +353,7 @@ class FillTiming:
         return self.runner.engine_at(size, fill=True)
 
     def time_run(self, size: int, want_logits: bool = False) -> float:
-        return self.runner.time_run(size, fill=True)
+        return self.runner.time_fill(size)
 
     def end_timing(self, sizes: Sequence[int]) -> None:
         self.runner.end_timing(sizes)

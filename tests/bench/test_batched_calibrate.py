@@ -171,14 +171,17 @@ def test_a_noisy_calibration_writes_nothing_and_names_the_entries(tmp_path, monk
         return size * 1e-3
 
     monkeypatch.setattr(ModelRunner, "time_run", time_run)
+    # the int4 copy's fill entries (an ort-gqa build), timed apart: quiet
+    monkeypatch.setattr(ModelRunner, "time_fill", lambda self, size: size * 1e-3)
     monkeypatch.chdir(tmp_path)  # the calibration build goes to ./engines
     recipe = _recipe(tmp_path)
     prompts = short_prompts(tmp_path / "prompts.jsonl", 2)
     code, _, err = run_cli("plan", recipe, "--calibrate", "--prompts", prompts, "--max-new-tokens", "8",
                            "--rounds", "4")
-    assert code == 3 and "Traceback" not in err
+    assert code == 3 and "Traceback" not in err, err
     errors = [line for line in err.splitlines() if line.startswith("specexport: error:")]
     assert len(errors) == 1 and err.strip().splitlines()[-1] == errors[0]
     assert "--rounds (now 4)" in errors[0] and "--accept-noise" in errors[0]
     assert any("target t1: spread" in line for line in err.splitlines())
+    assert not any("fill" in line for line in err.splitlines() if "spread" in line)  # only the noisy one named
     assert not (tmp_path / "tiny.calibration.json").exists()

@@ -12,6 +12,7 @@ import pytest
 from specexport.contract import Manifest, Role, write_manifest
 from specexport.runtime import load
 from tests.conftest import copy_engines, tuned_copy
+from tests.runtime.own_cache import int4_copy, use_own_cache
 
 DRAFTERS = ("quantized-self", "draft-model")
 PROMPT = [int(t) for t in (np.arange(40) * 7 + 3) % 97]  # 40 tokens: two prefill chunks of 16 and a part
@@ -32,8 +33,10 @@ def without_fill(gqa, tmp_path_factory):
 
 
 def _decode(root, drafter: str):
-    """A fixed-depth decode and the drafter's runner: (generation, runner)."""
+    """A fixed-depth decode and the drafter's runner: (generation, runner). The int4 copy
+    computes its own K/V (sharing the target's, it never feeds a row: tests/runtime/test_shared_cache.py)."""
     pipe = load(root, threads=1)
+    use_own_cache(pipe)
     out = pipe.generate(prompt_ids=PROMPT, max_new_tokens=24, drafter=drafter, draft_len=3, adaptive=False)
     return pipe, out, pipe.drafter(drafter).model.runners[0]
 
@@ -56,7 +59,7 @@ def test_a_catch_up_is_priced_at_the_fill_entries_it_runs(gqa, tmp_path):
     """Rows past a drafter's widest entry are filled first: its catch-up price is the read call's
     plan plus the fill entries' (costs chosen: every fill call 1 ms, every other call 10 ms)."""
     root = tuned_copy(gqa, tmp_path / "tuned", lambda e: 1.0 if e.role is Role.FILL else 10.0)
-    drafter = load(root, threads=1).drafter("quantized-self")
+    drafter = int4_copy(load(root, threads=1), share=False)
     runner = drafter.model.runners[0]
     widest = runner.decoding_sizes[-1]
     assert (runner.fill_ms(5), runner.fill_ms(widest + 5), runner.planned_ms(widest)) == (1.0, 2.0, 10.0)
