@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import onnx
 
-from specexport.contract import INPUT_IDS, read_manifest
+from specexport.contract import INPUT_IDS, Role, read_manifest
 from specexport.runtime import load
 from tests.conftest import TINY_SHAPE
 
@@ -25,12 +25,14 @@ def test_an_ort_gqa_model_is_one_graph_with_a_symbolic_token_count(tiny_engines)
     directory = tiny_engines.get("llama", attention="ort-gqa", **TINY_SHAPE)
     manifest = read_manifest(directory)
     for model, files in _files_by_model(directory).items():
-        assert files == {f"{model}.onnx"}, (model, files)
-        sizes = [e.tokens for e in manifest.engines if e.model == model]
+        # a drafter's fill graph (its cache outputs alone, exporter/fill.py) is one more such graph
+        assert files == {f"{model}.onnx", *([f"{model}.fill.onnx"] if model != "target" else [])}, (model, files)
+        sizes = [e.tokens for e in manifest.engines if e.model == model and e.role is not Role.FILL]
         assert len(sizes) >= 3, sizes  # decode, catch-up or verify, prefill at least
-        graph = onnx.load(str(directory / f"{model}.onnx"), load_external_data=False)
-        ids = next(v for v in graph.graph.input if v.name == INPUT_IDS)
-        assert [d.dim_param or d.dim_value for d in ids.type.tensor_type.shape.dim] == [1, "tokens"]
+        for file in files:
+            graph = onnx.load(str(directory / file), load_external_data=False)
+            ids = next(v for v in graph.graph.input if v.name == INPUT_IDS)
+            assert [d.dim_param or d.dim_value for d in ids.type.tensor_type.shape.dim] == [1, "tokens"], file
         for entry in (e for e in manifest.engines if e.model == model):
             assert entry.inputs[INPUT_IDS].shape == (1, entry.tokens)  # each entry: one static size
 
@@ -50,11 +52,14 @@ def test_a_load_opens_one_session_per_graph_file_whatever_sizes_it_runs(tiny_eng
         result = pipe.generate(prompt_ids=list(range(3, 40)), drafter=drafter, max_new_tokens=16)
         assert result.token_ids == baseline.token_ids, drafter
     pipe.target.time_engines(pipe.target.sizes, rounds=1)  # the probes too
+    models = ("target", "quantized-self", "draft-model")
     opened = {e.path for e in pipe.manifest.engines
-              if pipe.runner(e.model).is_open(e.tokens) and e.model in ("target", "quantized-self", "draft-model")}
+              if e.model in models and e.role is not Role.FILL and pipe.runner(e.model).is_open(e.tokens)}
     assert len(pipe.target.sizes) >= 4
     assert opened == {"target.onnx", "quantized-self.onnx", "draft-model.onnx"}
-    assert len(pipe.sessions) == 3  # one per file: with a session per size it would be one per entry
+    files = {e.path for e in pipe.manifest.engines if e.model in models}  # the drafters' fill graphs too
+    assert files - opened == {"quantized-self.fill.onnx", "draft-model.fill.onnx"}
+    assert len(pipe.sessions) == len(files)  # one per file: with a session per size it would be one per entry
 
 
 def test_a_standard_load_opens_a_session_per_size(tiny_engines):
