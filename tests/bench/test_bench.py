@@ -197,21 +197,26 @@ def _fake_record(drafter, total_s, draft_s, verify_s, tokens=12, rounds=4, propo
             "proposed_at": list(proposed_at)}
 
 
-def test_prediction_comes_from_costs_measured_apart_not_from_the_run():
+def _summarized(records: list[dict], repeats: int) -> dict:
+    """``summarize`` over fake records of the target alone ("none") and a drafter "m" whose
+    costs measured apart are a 10 ms verify of one token, 11 of two, 12 of three and 2 ms a draft."""
     from types import SimpleNamespace
 
     pipe = SimpleNamespace(manifest=SimpleNamespace(plan={"tile_draft_len": 41, "group_size": 3}, name="x",
                                                     toolchain={}, root="r", draft_len=2))
-    options = SimpleNamespace(threads=2, max_new_tokens=12, repeats=1, temperature=0.0, adaptive=True, draft_len=2,
-                              prompts="p.jsonl")
+    options = SimpleNamespace(threads=2, max_new_tokens=12, repeats=repeats, temperature=0.0, adaptive=True,
+                              draft_len=2, prompts="p.jsonl")
     costs = {"curve": [{"tokens": 1, "ms": 10.0, "relative": 1.0}], "verify_ms": [10.0, 11.0, 12.0],
              "draft_ms": {"m": [0.0, 2.0, 4.0]}, "draft_parts_ms": {"m": {"step": {"1": 2.0}}},
              "repeats": 3, "logits": False}
+    return summarize(pipe, options, [], ["none", "m"], records, [], [], costs)
 
+
+def test_prediction_comes_from_costs_measured_apart_not_from_the_run():
     def predicted(draft_s, verify_s):
         records = [_fake_record("none", 1.2, 0.0, 1.0, rounds=12, proposed_at=(0, 0), accepted_at=(0, 0)),
                    _fake_record("m", 1.0, draft_s, verify_s)]
-        result = summarize(pipe, options, [], ["none", "m"], records, [], [], costs)
+        result = _summarized(records, repeats=1)
         return next(r["predicted_speedup"] for r in result["results"] if r["drafter"] == "m")
 
     # 4 rounds of 2 drafts, 12 tokens: 12 · 10 / (4 · (12 + 2 · 2))
@@ -223,22 +228,12 @@ def test_a_paired_speedup_follows_a_machine_that_changes_speed_between_repeats()
     and 30 tok/s), the drafter 1.5x, 0.9x and 1.0x the target alone within each: paired, the
     median repeat's ratio (1.0) and the range; the ratio of the medians (18 / 20 = 0.9) takes
     them from different repeats."""
-    from types import SimpleNamespace
-
-    pipe = SimpleNamespace(manifest=SimpleNamespace(plan={"tile_draft_len": 41, "group_size": 3}, name="x",
-                                                    toolchain={}, root="r", draft_len=2))
-    options = SimpleNamespace(threads=2, max_new_tokens=12, repeats=3, temperature=0.0, adaptive=True, draft_len=2,
-                              prompts="p.jsonl")
-    costs = {"curve": [{"tokens": 1, "ms": 10.0, "relative": 1.0}], "verify_ms": [10.0, 11.0, 12.0],
-             "draft_ms": {"m": [0.0, 2.0, 4.0]}, "draft_parts_ms": {"m": {"step": {"1": 2.0}}},
-             "repeats": 3, "logits": False}
     records = []
     for repeat, (alone_tps, ratio) in enumerate([(10.0, 1.5), (20.0, 0.9), (30.0, 1.0)]):
         alone = _fake_record("none", 12 / alone_tps, 0.0, 0.5, rounds=12, proposed_at=(0, 0), accepted_at=(0, 0))
         drafted = _fake_record("m", 12 / (alone_tps * ratio), 0.1, 0.2)
         records += [{**alone, "repeat": repeat}, {**drafted, "repeat": repeat}]
-    result = summarize(pipe, options, [], ["none", "m"], records, [], [], costs)
-    row = next(r for r in result["results"] if r["drafter"] == "m")
+    row = next(r for r in _summarized(records, repeats=3)["results"] if r["drafter"] == "m")
     assert row["speedup_paired"] == pytest.approx(1.0, abs=1e-3)
     assert row["speedup_range"] == [pytest.approx(0.9, abs=1e-3), pytest.approx(1.5, abs=1e-3)]
     assert row["speedup"] == pytest.approx(0.9, abs=1e-3)
