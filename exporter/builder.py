@@ -27,6 +27,7 @@ from specexport.contract import (
     DrafterEntry,
     EngineEntry,
     KVLayout,
+    KVUpdate,
     Manifest,
     ModelEntry,
     Role,
@@ -500,22 +501,32 @@ class Builder:
                 ))
 
     def _save_fill(self, tmp: Path, model: str, proto: onnx.ModelProto, store: WeightStore, graphs: GraphSet) -> None:
-        """Write ``model``'s fill graph (its weights already in ``store``) and an entry of role
-        fill at each of its batch-1 decoding sizes."""
+        """Write ``model``'s fill graph (its weights already in ``store``), checked with its full
+        graph at validation (``_validate_fill``)."""
+        saved = self.save_fill(tmp, model, proto, store, fill_sizes(graphs.sizes),
+                               KV_UPDATE_OF_ATTENTION[self.recipe.attention])
+        self.fill_files[model] = [GraphUnderTest(name, path, size) for name, (size, path) in saved.items()]
+
+    def save_fill(self, tmp: Path, model: str, proto: onnx.ModelProto, store: WeightStore, sizes: list[int],
+                  kv_update: KVUpdate) -> dict[str, tuple[int, Path]]:
+        """Write a fill graph as ``model``.fill.onnx over ``store``'s weights and register an entry
+        of role fill at each of ``sizes`` (batch 1); a decoder's or a head's. Returns engine name
+        -> (tokens, path)."""
         path = tmp / f"{model}.fill.onnx"
         store.save(proto, path)
         onnx.checker.check_model(str(path))
-        for size in fill_sizes(graphs.sizes):
+        saved = {}
+        for size in sizes:
             graph_name = engine_name(model, Role.FILL, 1, size)
             # its chain's tree offsets and mask fed by the backend, as its full graph's entries
             inputs, outputs = chain_inputs(proto, size), tensor_specs(proto, "outputs", size)
             self.specs[graph_name] = (inputs, outputs)
-            self.fill_files.setdefault(model, []).append(GraphUnderTest(graph_name, path, size))
             self.engines.append(EngineEntry(
                 name=graph_name, model=model, role=Role.FILL, backend=ONNXRUNTIME, path=path.name, batch=1,
-                tokens=size, inputs=inputs, outputs=outputs,
-                kv_update=KV_UPDATE_OF_ATTENTION[self.recipe.attention], weights=store.location,
+                tokens=size, inputs=inputs, outputs=outputs, kv_update=kv_update, weights=store.location,
             ))
+            saved[graph_name] = (size, path)
+        return saved
 
     def _validate_fill(self, model: str, ids: np.ndarray) -> None:
         """The model's fill graphs leave its cache as its full graphs do, bit for bit (exporter/fill.py);

@@ -262,12 +262,19 @@ class ModelRunner(TimedCalls):
             size = self._pick_fill(n - done)
             count = min(size, n - done)
             call = self._calls[(Role.FILL, size)]
-            call.feed_row(0, self.cache.length, tokens[done : done + count],
-                          {name: rows[done : done + count] for name, rows in (inputs or {}).items()},
-                          size if self.full_rows else count)  # [1, T], extra inputs [1, T, F]
+            self._feed(call, size, tokens, inputs, done, count)
             result = call.run(self._states)  # the cache alone (presents, states)
             self.cache.store(result, count, in_place=self._fill[size].name in self._in_place)
             done += count
+
+    def _feed(self, call: GraphCall, size: int, tokens: Sequence[int], inputs: Mapping[str, np.ndarray] | None,
+              done: int, count: int) -> None:
+        """Row 0 of ``call`` (``size`` tokens) takes ``count`` tokens from ``done`` on at the
+        cache's length, with their extra input rows; full rows: the padding's K/V lands past the
+        length, never read."""
+        call.feed_row(0, self.cache.length, tokens[done : done + count],
+                      {name: rows[done : done + count] for name, rows in (inputs or {}).items()},
+                      size if self.full_rows else count)  # [1, T], extra inputs [1, T, F]
 
     def _pick_fill(self, remaining: int) -> int:
         """The fill entry to run first for ``remaining`` tokens: cheapest by cost, else the fit
@@ -301,11 +308,7 @@ class ModelRunner(TimedCalls):
         while done < n:
             size, engine = self._pick(n - done, verify)
             count = min(size, n - done)
-            call = self._calls[size]
-            # full rows: the padding's K/V lands past the length, never read
-            call.feed_row(0, self.cache.length, tokens[done : done + count],
-                          {name: rows[done : done + count] for name, rows in (inputs or {}).items()},
-                          size if self.full_rows else count)  # [1, T], extra inputs [1, T, F]
+            self._feed(self._calls[size], size, tokens, inputs, done, count)
             result = self._run(size, want_logits, want)
             # in place: the engine wrote its positions into the cache; else they are copied in
             self.cache.store(result, count, in_place=engine.name in self._in_place)

@@ -136,7 +136,7 @@ class HeadContext:
         store.save(proto, path)
         onnx.checker.check_model(str(path))
         if fill is not None and fills is not None:
-            fills.update(self._save_fill(fill, fill_sizes(sizes), store, kv_update))
+            fills.update(self.builder.save_fill(self.tmp, self.name, fill, store, fill_sizes(sizes), kv_update))
         paths = {}
         for tokens, role in sizes.items():
             name = engine_name(self.name, role, self.batch, tokens)
@@ -148,24 +148,6 @@ class HeadContext:
             ))
             paths[name] = path
         return paths
-
-    def _save_fill(self, proto: onnx.ModelProto, sizes: list[int], store: WeightStore,
-                   kv_update: KVUpdate) -> dict[str, tuple[int, Path]]:
-        """Write the head's fill graph and its entries (batch 1, each of ``sizes``)."""
-        path = self.tmp / f"{self.name}.fill.onnx"
-        store.save(proto, path)
-        onnx.checker.check_model(str(path))
-        saved = {}
-        for tokens in sizes:
-            name = engine_name(self.name, Role.FILL, 1, tokens)
-            inputs, outputs = tensor_specs(proto, "inputs", tokens), tensor_specs(proto, "outputs", tokens)
-            self.builder.specs[name] = (inputs, outputs)
-            self.builder.engines.append(EngineEntry(
-                name=name, model=self.name, role=Role.FILL, backend=ONNXRUNTIME, path=path.name, batch=1,
-                tokens=tokens, inputs=inputs, outputs=outputs, kv_update=kv_update, weights=store.location,
-            ))
-            saved[name] = (tokens, path)
-        return saved
 
     def _quantize(self, proto: onnx.ModelProto, tokens: int) -> onnx.ModelProto:
         """The graph at the drafter's precision (its inputs and outputs unchanged): every graph of
