@@ -8,9 +8,13 @@ none, is weighed by the geometric prior ``prior ** depth``: optimistic, so a new
 until rounds say otherwise. Weights are the drafter's opinion, not the target's, so for each tag
 (the drafter's name, or the n-gram match length for prompt lookup) and each depth d the estimate
 keeps a scale c_d: the nodes accepted at that depth over the weight predicted there in recent
-rounds (exponentially forgotten), with a prior at 1: one unit of weight for a drafter's own
+rounds (exponentially forgotten), with a prior of one unit of weight for a drafter's own
 weights, one round's worth of the geometric prior's for weightless chains (so a chain drafter
-that keeps failing loses its deep drafts as fast as its shallow ones). A node of depth d is then
+that keeps failing loses its deep drafts as fast as its shallow ones). The prior sits at the
+scale of the depth above (depth 1's at 1): with a prior at 1 at every depth, the deep depths a
+policy had stopped drafting, their rounds forgotten, went back to the prior's 0.8 a draft and
+looked worth drafting again (SmolLM2's EAGLE-3 head on a summary it mostly missed: a round at
+depth 5 every ten rounds, each kept nothing). A node of depth d is then
 expected to be kept with probability c_d · w, capped by its parent's, and a proposal of n nodes
 commits
 
@@ -41,13 +45,18 @@ class _DepthSums:
 
     def scales(self, depth: int) -> np.ndarray:
         """[depth] accepted over predicted at depths 1..depth, with one average round's
-        predicted weight of prior at 1 (1 where never drafted)."""
+        predicted weight of prior at the scale of the depth above (depth 1: at 1); where never
+        drafted, the depth above's scale."""
         known = min(depth, len(self.predicted))
-        scales = np.ones(depth)
         drafted = self.rounds[:known] > 0
         prior = np.ones(known) if self.weighted else \
             np.divide(self.predicted[:known], self.rounds[:known], out=np.zeros(known), where=drafted)  # [known]
-        scales[:known][drafted] = ((self.accepted[:known] + prior) / (self.predicted[:known] + prior))[drafted]
+        scales = np.ones(depth)
+        above = 1.0
+        for d in range(depth):
+            if d < known and drafted[d]:
+                above = (self.accepted[d] + prior[d] * above) / (self.predicted[d] + prior[d])
+            scales[d] = above
         return scales
 
     def add(self, predicted: np.ndarray, accepted: int, decay: float) -> None:

@@ -204,3 +204,21 @@ def test_a_drafter_starts_only_where_the_request_can_repay_its_prompt():
     assert long.best_depth("m", 7, remaining=400) > 0
     assert long.best_depth("m", 7, remaining=16) > 0  # started: the prompt is paid
     assert policy(0.0).best_depth("m", 7, remaining=16) > 0
+
+
+def test_depths_no_longer_drafted_do_not_return_to_the_prior():
+    """A drafter whose first draft is kept every other round and whose deeper ones never are
+    (SmolLM2's EAGLE-3 head on a summary): once its deep drafts failed, rounds stay shallow.
+    Each draft costs a tenth of a plain round. With every depth's prior at 1, the deep depths'
+    forgotten rounds brought them back to the prior's 0.8 a draft, and a round at depth 5 or 6
+    came every ten rounds or so, each keeping at most the first draft."""
+    policy = DepthPolicy(lambda tokens: 0.010 * (1 + 0.1 * (tokens - 1)), checked=False)
+    depths = []
+    for i in range(80):
+        k = policy.best_depth("head", 7)
+        if k:
+            policy.estimate.observe("head", drafts(k), 1 if i % 2 else 0)
+        depths.append(k)
+    assert max(depths[:3]) >= 5  # a new drafter is tried deep
+    assert max(depths[10:]) <= 2, depths
+    assert depths[10:].count(0) < 35  # and still drafts: its first draft pays
