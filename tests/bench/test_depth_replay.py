@@ -3,25 +3,17 @@ every draft is kept, stops where none is, and a variant's setting reaches the po
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from specexport.runtime.adaptive import DepthPolicy
+from tests.scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "depth_replay.py"
 COSTS = {str(k): 0.010 + 0.002 * k for k in range(8)}  # depth -> seconds of a round (JSON keys)
 
 
 @pytest.fixture(scope="module")
 def replay():
-    spec = importlib.util.spec_from_file_location("depth_replay", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["depth_replay"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("depth_replay")
 
 
 def record(kept: dict[str, int]) -> dict:

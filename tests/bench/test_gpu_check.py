@@ -4,7 +4,6 @@ recipe, the prompt subset, the peers' placement; the whole dry run is marked slo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,19 +18,13 @@ from specexport.bench.peers import GPU_PEERS, PeerDevice, draft_model_source, ma
 from specexport.errors import BadInput
 from tests.conftest import REPO, TINY_SHAPE
 from tests.gpu import needs_cuda_ort
+from tests.scripts import load_script
 
 TINY = {"source": "tiny", "arch": "llama", "seed": 0, "hidden_size": 64, "num_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _gpu_check()
+gpu_check = load_script("gpu_check")
 
 
 def bench_result(tile_relative=1.3, code_speedup=2.4, math_speedup=2.1, lossless=True, peer_relative=0.1) -> dict:

@@ -4,28 +4,20 @@ and a bad variant as one line naming the field."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from specexport.runtime.drafters import NgramDrafter
 from specexport.runtime.suffix_drafter import SuffixDrafter, SuffixSettings
 from specexport.runtime.suffix_store import ResponseStore
+from tests.scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "suffix_replay.py"
 COSTS = {1: 0.010, 2: 0.011, 3: 0.012, 6: 0.014, 8: 0.016, 16: 0.020}  # seconds by verify tokens
 
 
 @pytest.fixture(scope="module")
 def replay():
-    spec = importlib.util.spec_from_file_location("suffix_replay", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["suffix_replay"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("suffix_replay")
 
 
 def rows() -> list[dict]:

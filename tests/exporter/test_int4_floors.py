@@ -5,8 +5,6 @@ nothing else; a graph without them is refused rather than timed as a "floor"."""
 from __future__ import annotations
 
 import collections
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -18,16 +16,13 @@ from specexport.exporter.attention_pad import GQA, pad_attention_rows
 from specexport.exporter.quantize import WeightQuant, quantize_weights
 from tests.exporter.test_gguf_blocks import K, N
 from tests.exporter.test_nbits_graph import q4_1_pair, run_all, siblings_model
+from tests.scripts import load_script
 
 pytest.importorskip("onnxruntime")
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "int4_floors.py"
 
 
 def _floors():
-    spec = importlib.util.spec_from_file_location("int4_floors", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("int4_floors")
 
 
 def test_offsets_dropped_leave_the_kernel_alone():
