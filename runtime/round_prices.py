@@ -14,7 +14,12 @@ slow round (a page fault, another process) does not move it.
 A drafting kind not yet run is priced as the nearest drafting kind that was measured at that
 batch size says: its price times that kind's measured over priced where that price was
 replaced, else the price as it is (a drafter slower than its price is slower at every depth, and
-one measured right at a depth is right at the next). Depth 0, the target alone, is measured by
+one measured right at a depth is right at the next). Before any drafting kind is measured there,
+the target alone's measured over priced scales them: engines built or tuned on a busy machine
+priced every round of SmolLM2 with its int4 copy 1.5x too high, the target alone's was replaced
+within a few plain rounds, and its drafting rounds, priced as built against it, were never run,
+so never measured (E[L] 1.02 on the demo's code edit, where the copy keeps 3 drafts a round).
+Depth 0, the target alone, is measured by
 the rounds that choose it and by adaptive depth's occasional plain rounds, so drafting is
 compared with what the target alone does now, not with what it did at build.
 
@@ -64,9 +69,8 @@ class RoundPrices:
     fresh: int = 32  # ... and after which a new request no longer starts from it (forget_stale)
     _kinds: dict[Kind, _Measured] = field(default_factory=dict)
     _clock: int = 0  # rounds observed, of every kind
-    # kind -> its price as ``seconds`` says it, until a round of its batch size measures it or a
-    # drafting kind there (whose measured over priced scales the unmeasured ones), or a
-    # replaced price is dropped: a plain round leaves every drafting depth's price as it was
+    # kind -> its price as ``seconds`` says it, until a round of its batch size is measured
+    # (which may scale the unmeasured kinds there) or a replaced price is dropped
     _said: dict[Kind, float | None] = field(default_factory=dict)
 
     def seconds(self, batch: int, depth: int) -> float | None:
@@ -88,14 +92,14 @@ class RoundPrices:
 
     def _drafting_ratio(self, batch: int, depth: int) -> float:
         """Measured over priced of the nearest drafting kind at ``batch`` measured a window's
-        worth, where its price was replaced (1: priced right, or none measured)."""
+        worth, where its price was replaced (1: priced right); with none measured, the target
+        alone's at ``batch`` where its price was replaced (1: priced right or not measured)."""
         measured = [(abs(k - depth), k) for (b, k), m in self._kinds.items()
                     if b == batch and k > 0 and m.rounds >= self.window]
-        if not measured:
-            return 1.0
-        nearest = self._kinds[(batch, min(measured)[1])]
-        priced = self.priced(batch, min(measured)[1])
-        return nearest.seconds / priced if priced and nearest.replaced else 1.0
+        nearest = min(measured)[1] if measured else 0
+        kind = self._kinds.get((batch, nearest))
+        priced = self.priced(batch, nearest)
+        return kind.seconds / priced if kind is not None and kind.replaced and priced else 1.0
 
     @property
     def checked(self) -> bool:
@@ -122,11 +126,8 @@ class RoundPrices:
         """A round of this kind took ``seconds`` of wall time."""
         measured = self._kinds.setdefault((batch, depth), _Measured(deque(maxlen=self.window)))
         measured.last.append(seconds)
-        if depth == 0:
-            self._said.pop((batch, depth), None)
-        else:  # a drafting kind's measurement scales the unmeasured ones at its batch size
-            for kind in [kind for kind in self._said if kind[0] == batch]:
-                del self._said[kind]
+        for kind in [kind for kind in self._said if kind[0] == batch]:  # scales the unmeasured ones there
+            del self._said[kind]
         measured.rounds += 1
         self._clock += 1
         measured.at = self._clock

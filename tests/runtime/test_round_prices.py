@@ -258,3 +258,18 @@ def test_a_thin_win_is_checked_against_plain_rounds_often_and_two_at_a_time():
     assert _checks(16.5, 1.15)[:10] == [1, 1, 1, 0, 0] * 2  # the check is the plain_every-th round
     assert _checks(16.5, 0.0)[:33] == [1] * 31 + [0, 0]
     assert _checks(13.5, 1.15)[:33] == [1] * 31 + [0, 0]
+
+
+def test_unmeasured_drafting_depths_follow_the_target_alone_until_a_drafting_depth_is_measured():
+    """Engines costed on a busy machine: every round priced 1.5x what it takes. The target
+    alone's plain rounds replace its price; the drafting depths, never run at their high price,
+    are scaled with it, until a drafting depth's own rounds say otherwise."""
+    prices = RoundPrices(lambda batch, depth: 0.030 + 0.015 * depth)
+    for _ in range(3):
+        prices.observe(1, 0, 0.020)
+    assert prices.seconds(1, 0) == pytest.approx(0.020)
+    assert prices.seconds(1, 1) == pytest.approx(0.030)  # 0.045 as the target alone's 2/3
+    assert prices.seconds(2, 1) == pytest.approx(0.045)  # another batch size: its own measurements
+    for _ in range(3):
+        prices.observe(1, 2, 0.060)  # the drafter's own rounds: priced right
+    assert prices.seconds(1, 1) == pytest.approx(0.045)
