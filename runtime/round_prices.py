@@ -15,7 +15,8 @@ A drafting kind not yet run is priced as the nearest drafting kind that was meas
 batch size says: its price times that kind's measured over priced where that price was
 replaced, else the price as it is (a drafter slower than its price is slower at every depth, and
 one measured right at a depth is right at the next). Before any drafting kind is measured there,
-the target alone's measured over priced scales them: engines built or tuned on a busy machine
+the target alone's measured over priced scales them down where it is under 1 (a price too high
+is never run, so never corrected; one too low is run and measured): engines built on a busy machine
 priced every round of SmolLM2 with its int4 copy 1.5x too high, the target alone's was replaced
 within a few plain rounds, and its drafting rounds, priced as built against it, were never run,
 so never measured (E[L] 1.02 on the demo's code edit, where the copy keeps 3 drafts a round).
@@ -99,7 +100,10 @@ class RoundPrices:
         nearest = min(measured)[1] if measured else 0
         kind = self._kinds.get((batch, nearest))
         priced = self.priced(batch, nearest)
-        return kind.seconds / priced if kind is not None and kind.replaced and priced else 1.0
+        ratio = kind.seconds / priced if kind is not None and kind.replaced and priced else 1.0
+        # the target alone's correction only lowers them: a drafting price too high is never run,
+        # so never corrected; one too low is run, and measured
+        return ratio if measured else min(ratio, 1.0)
 
     @property
     def checked(self) -> bool:

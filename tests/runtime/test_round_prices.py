@@ -273,3 +273,11 @@ def test_unmeasured_drafting_depths_follow_the_target_alone_until_a_drafting_dep
     for _ in range(3):
         prices.observe(1, 2, 0.060)  # the drafter's own rounds: priced right
     assert prices.seconds(1, 1) == pytest.approx(0.045)
+
+
+def test_a_slower_target_alone_does_not_raise_unmeasured_drafting_prices():
+    """A price too low is run and measured; one raised too high would never be."""
+    prices = RoundPrices(lambda batch, depth: 0.020 + 0.010 * depth)
+    for _ in range(3):
+        prices.observe(1, 0, 0.040)
+    assert prices.seconds(1, 0) == pytest.approx(0.040) and prices.seconds(1, 1) == pytest.approx(0.030)
