@@ -151,7 +151,7 @@ class SpeculationPolicy:
         if own is None:  # a policy that prices nothing (a test's replay)
             return
         if drafter.name not in self.prices:  # the first sequence's settings, priced at every batch size
-            self.prices[drafter.name] = replace(own, priced=self._priced(seq.depth_policy, drafter), _kinds={}, _said={})
+            self.prices[drafter.name] = replace(own, priced=self._priced(seq.depth_policy, drafter), _kinds={})
         else:  # kept from the sequences before: what the clock said long ago is no measure now
             self.prices[drafter.name].forget_stale()
         seq.depth_policy.prices = self.prices[drafter.name]

@@ -70,19 +70,10 @@ class RoundPrices:
     fresh: int = 32  # ... and after which a new request no longer starts from it (forget_stale)
     _kinds: dict[Kind, _Measured] = field(default_factory=dict)
     _clock: int = 0  # rounds observed, of every kind
-    # kind -> its price as ``seconds`` says it, until a round of its batch size is measured
-    # (which may scale the unmeasured kinds there) or a replaced price is dropped
-    _said: dict[Kind, float | None] = field(default_factory=dict)
 
     def seconds(self, batch: int, depth: int) -> float | None:
         """The price of a round of this kind: the measured time where the price was off, else
         the price, scaled for an unmeasured drafting kind (None: neither is known)."""
-        kind = (batch, depth)
-        if kind not in self._said:  # asked for every depth every round: kept until a round changes it
-            self._said[kind] = self._seconds(batch, depth)
-        return self._said[kind]
-
-    def _seconds(self, batch: int, depth: int) -> float | None:
         measured = self._kinds.get((batch, depth))
         if measured is not None and measured.replaced:
             return measured.seconds
@@ -119,7 +110,6 @@ class RoundPrices:
         """Forget the replaced prices no round refreshed in the last ``older_than`` rounds."""
         for kind in [kind for kind, m in self._kinds.items() if m.replaced and self._clock - m.at > older_than]:
             del self._kinds[kind]
-            self._said.clear()
 
     def rounds(self, batch: int, depth: int) -> int:
         """Rounds of this kind measured so far."""
@@ -130,8 +120,6 @@ class RoundPrices:
         """A round of this kind took ``seconds`` of wall time."""
         measured = self._kinds.setdefault((batch, depth), _Measured(deque(maxlen=self.window)))
         measured.last.append(seconds)
-        for kind in [kind for kind in self._said if kind[0] == batch]:  # scales the unmeasured ones there
-            del self._said[kind]
         measured.rounds += 1
         self._clock += 1
         measured.at = self._clock
