@@ -150,3 +150,42 @@ def test_a_long_prompt_is_fed_through_the_fill_graph(pipe, pipe_without_fill, he
     old = pipe_without_fill.generate(prompt_ids=prompt, max_new_tokens=8, drafter=head, draft_len=DEPTH, adaptive=False)
     assert (out.stats.round_drafts, out.stats.round_accepted) == (old.stats.round_drafts, old.stats.round_accepted)
     assert not pipe_without_fill.drafter(head).catchup.runners[0].fill_sizes
+
+
+def test_a_catch_up_reads_the_rows_that_cost_least(root, pipe, tmp_path):
+    """A head alone reads as many of its catch-up rows as cost least, the rows before them
+    filled first (ChainDrafter._split): where every row read pays the head's output layer (costs
+    chosen: a catch-up entry 10 ms a token, a fill entry 1 ms) it reads the fewest (2: one row
+    runs the 2-token entry too) and fills the rest; where reading is flat (every entry 1 ms, a
+    fill 5 ms) it reads them all. The round is priced at that split, and the drafts, rounds and
+    output are the same either way."""
+    from specexport.contract import Role
+    from specexport.runtime import load
+    from tests.conftest import tuned_copy
+
+    head = "copy-eagle3"
+    steep = load(tuned_copy(root / "out", tmp_path / "steep", lambda e: 1.0 if e.role is Role.FILL else 10.0 * e.tokens))
+    flat = load(tuned_copy(root / "out", tmp_path / "flat", lambda e: 5.0 if e.role is Role.FILL else 1.0))
+    assert steep.drafter(head)._split(1 + DEPTH) == (2, 21.0)  # t2 20 ms + one fill call
+    assert flat.drafter(head)._split(1 + DEPTH) == (1 + DEPTH, 1.0)
+    # D drafts, every one kept: the catch-up of 1+D rows, then D-1 steps of 10 ms (1 ms)
+    assert steep.drafter(head).round_cost(DEPTH) == pytest.approx((21.0 + (DEPTH - 1) * 10.0) / 1e3)
+    assert flat.drafter(head).round_cost(DEPTH) == pytest.approx((1.0 + (DEPTH - 1) * 1.0) / 1e3)
+
+    prompt = [int(t) for t in steep.prompt_ids(PROMPTS[1])]
+    outs, fills = {}, {}
+    for name, pipe in (("steep", steep), ("flat", flat)):
+        runner = pipe.drafter(head).catchup.runners[0]
+        before = sum(n for engine, n in runner.calls_by_engine.items() if ".fill." in engine)
+        outs[name] = pipe.generate(prompt_ids=prompt, max_new_tokens=NEW_TOKENS, drafter=head, draft_len=DEPTH,
+                                   adaptive=False)
+        fills[name] = sum(n for engine, n in runner.calls_by_engine.items() if ".fill." in engine) - before
+    # the prompt's rows are filled in both (their last 2 or 4 read); the steep copy also fills
+    # before every catch-up of 3+ rows: after each round that kept 2+ drafts (the last round's
+    # rows are never fed)
+    kept_two = sum(a >= 2 for a in outs["steep"].stats.round_accepted[:-1])
+    assert kept_two >= 2 and fills["steep"] - fills["flat"] >= kept_two - 1, (fills, outs["steep"].stats.round_accepted)
+    assert (outs["steep"].stats.round_drafts, outs["steep"].stats.round_accepted) == \
+        (outs["flat"].stats.round_drafts, outs["flat"].stats.round_accepted)
+    assert outs["steep"].token_ids == outs["flat"].token_ids == steep.generate(prompt_ids=prompt,
+                                                                              max_new_tokens=NEW_TOKENS).token_ids
