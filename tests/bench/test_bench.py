@@ -179,7 +179,13 @@ def test_a_round_s_draft_cost_per_drafter_shape():
 
     one_slot = SimpleNamespace(slots=1, max_seq_len=64)
     model = ModelDrafter("m", one_slot, {1: 2000.0, 2: 3000.0})  # ms of a 1- and a 2-token step
-    chain = ChainDrafter("c", one_slot, one_slot, {"catchup": {6: 3500.0, 64: 9000.0}, "step": {1: 2000.0}})
+    # the head's catch-up runner plans its calls by the same costs (no fill entries: rows it
+    # does not read would run through the same entries, so it reads them all)
+    catchup_ms = {6: 3500.0, 64: 9000.0}
+    planned = lambda tokens: 0.0 if tokens < 1 else catchup_ms[6 if tokens <= 6 else 64]  # noqa: E731
+    runner = SimpleNamespace(fill_sizes=[], planned_ms=planned, fill_ms=planned)
+    catchup = SimpleNamespace(slots=1, max_seq_len=64, runners=[runner], widths=lambda rows: sorted(catchup_ms))
+    chain = ChainDrafter("c", catchup, one_slot, {"catchup": catchup_ms, "step": {1: 2000.0}})
     block = BlockDrafter("b", {}, [SimpleNamespace(round_rows=6)], 9000.0, None)
     assert [model.round_cost(k) for k in range(4)] == [1.5, 2.0, 4.0, 6.0]
     assert [chain.round_cost(k) for k in range(4)] == [3.5, 3.5, 5.5, 7.5]
