@@ -301,11 +301,11 @@ class ChainDrafter(ChainsAndTrees):
         most = min(rows, self._read_rows(1))
         best: tuple[float, int] | None = None
         for read in range(most, 0, -1):
-            fed, filled = runner.planned_ms(read), runner.fill_ms(rows - read)
-            if fed is None or filled is None:
+            ms = runner.catchup_ms(rows, read)  # the last ``read`` rows read, the rest filled
+            if ms is None:
                 return most, None
-            if best is None or fed + filled < best[0]:
-                best = (fed + filled, read)
+            if best is None or ms < best[0]:
+                best = (ms, read)
         assert best is not None  # rows >= 1
         return best[1], best[0]
 

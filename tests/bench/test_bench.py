@@ -183,7 +183,8 @@ def test_a_round_s_draft_cost_per_drafter_shape():
     # does not read would run through the same entries, so it reads them all)
     catchup_ms = {6: 3500.0, 64: 9000.0}
     planned = lambda tokens: 0.0 if tokens < 1 else catchup_ms[6 if tokens <= 6 else 64]  # noqa: E731
-    runner = SimpleNamespace(fill_sizes=[], planned_ms=planned, fill_ms=planned)
+    runner = SimpleNamespace(fill_sizes=[], planned_ms=planned, fill_ms=planned,
+                             catchup_ms=lambda tokens, read: planned(read) + planned(tokens - read))
     catchup = SimpleNamespace(slots=1, max_seq_len=64, runners=[runner], widths=lambda rows: sorted(catchup_ms))
     chain = ChainDrafter("c", catchup, one_slot, {"catchup": catchup_ms, "step": {1: 2000.0}})
     block = BlockDrafter("b", {}, [SimpleNamespace(round_rows=6)], 9000.0, None)

@@ -72,6 +72,7 @@ def weight_rel(pipe, name: str) -> float:
     kernels = (info.get("exactness") or {}).get("kernels", [])
     return 0.1 if any(not k.get("one_row_equal", True) for k in kernels) else 1e-4
 
+
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_each_tree_is_the_models_own_spine_and_siblings(pipe, name):
     reference = spine_reference(pipe, name)
