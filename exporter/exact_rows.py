@@ -10,9 +10,7 @@ runtime re-probes it at load (kernel_probe.check_engine).
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Callable
-from pathlib import Path
 
 import onnx
 from onnx import helper
@@ -34,9 +32,6 @@ DESCRIPTIONS = {"none": "not padded (this CPU's kernels compute a row alone as i
                 "all": "padded to two rows"}
 # a drafter head's graph (exporter/heads/) has no pad rewrite: its probe must find nothing to pad
 HEAD_REWRITES = {"none": PAD_REWRITES["none"]}
-CPU_FLAGS = ("avx512_vnni", "avx512f", "avx_vnni", "avx2")  # what decides MLAS's kernels
-
-
 def kernels_in(model: onnx.ModelProto) -> list[Kernel]:
     """Each distinct kernel ``model``'s rows go through that may compute a row alone differently."""
     graph = model.graph
@@ -59,16 +54,6 @@ def kernels_in(model: onnx.ModelProto) -> list[Kernel]:
                                    round(float(attrs.get("softcap", 0.0)), 7), max(attrs.get("local_window_size", 0), 0),
                                    len(node.input) > 16 and bool(node.input[16])))
     return list(dict.fromkeys(found))
-
-
-def cpu_flags() -> list[str]:
-    """Which of CPU_FLAGS this machine has (Linux: /proc/cpuinfo), for the manifest's record."""
-    info = Path("/proc/cpuinfo")
-    if not info.exists():
-        return [platform.machine()]
-    flags = next((line.split(":", 1)[1].split() for line in info.read_text().splitlines()
-                  if line.startswith("flags")), [])
-    return [f for f in CPU_FLAGS if f in flags]
 
 
 class RowExactness:
@@ -142,5 +127,5 @@ class RowExactness:
                 kernels.setdefault(kernel, row)
         threads = self.probes[0].threads if self.probes else self.threads  # what the sessions ran on
         return {"pad": self.least_pad, "threads": threads, "max_rows": self.max_rows,
-                "max_tokens": self.max_tokens, "cpu_flags": cpu_flags(), "kernels": list(kernels.values()),
+                "max_tokens": self.max_tokens, "cpu_flags": kernel_probe.cpu_flags(), "kernels": list(kernels.values()),
                 **({} if self.held else {"held": False})}

@@ -19,8 +19,10 @@ those exact). numpy + onnxruntime only: the graphs are written by runtime/onnx_b
 from __future__ import annotations
 
 import functools
+import platform
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import numpy as np
 
@@ -279,6 +281,20 @@ def probe(kernels: Sequence[Kernel], threads: int | None, max_rows: int, max_tok
 
 
 Prober = Callable[..., Probe]  # probe's signature: (kernels, threads, max_rows, max_tokens)
+
+
+CPU_FLAGS = ("avx512_vnni", "avx512f", "avx_vnni", "avx2")  # what decides MLAS's kernels, the widest first
+
+
+def cpu_flags() -> list[str]:
+    """Which of CPU_FLAGS this machine has (Linux: /proc/cpuinfo; elsewhere its architecture's
+    name), for the manifest's record and the bench baseline's key."""
+    info = Path("/proc/cpuinfo")
+    if not info.exists():
+        return [platform.machine()]
+    flags = next((line.split(":", 1)[1].split() for line in info.read_text().splitlines()
+                  if line.startswith("flags")), [])
+    return [f for f in CPU_FLAGS if f in flags]
 
 
 def check_engine(record: dict | None, threads: int | None, label: str, prober: Prober | None = None) -> str | None:

@@ -107,10 +107,10 @@ def test_bench_baseline_and_report_are_written_atomically(tmp_path):
     baseline = tmp_path / "baseline.json"
     baseline.write_text('{"old": true}')
     with pytest.raises(KeyError):
-        write_baseline(baseline, {"settings": {}})  # fails while serializing: the old file stays
+        write_baseline(baseline, {"settings": {}}, "avx2")  # fails while serializing: the old file stays
     assert json.loads(baseline.read_text()) == {"old": True} and beside(baseline) == []
-    write_baseline(baseline, result)
-    assert load_baseline(baseline)["settings"]["draft_len"] == 3
+    write_baseline(baseline, result, "avx2")
+    assert load_baseline(baseline)["machines"]["avx2"]["settings"]["draft_len"] == 3
     with pytest.raises(KeyError):
         write({"settings": {}}, tmp_path / "out")  # the markdown report fails to render
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temporaries

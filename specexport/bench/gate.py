@@ -8,18 +8,28 @@ E[L] under adaptive depth follows the depth the machine's measured costs choose 
 it differs between machines and between tunings with nothing wrong; where both the baseline and
 the run have it, the gate compares the greedy E[L] at the fixed full depth instead, which only a
 change in the drafter or the target moves.
+
+Speedups are ratios on one machine, but which ratios a machine gives follows its kernels: on an
+AVX2 CPU without VNNI an int4 graph's rows cost about linearly, so a verify pass and an int4 draft
+cost more against a step than on an AVX-512 VNNI one (docs/results.md, tenth pass). So a baseline
+file keeps one baseline per CPU class (``machine_class``: the widest of the flags that pick MLAS's
+kernels), ``--update-baseline`` replaces only this machine's, and a machine whose class has none
+is gated on its E[L] and exactness only, saying so, until one is recorded.
 """
 
 from __future__ import annotations
 
 import json
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
 from specexport import atomic
+from specexport.runtime.kernel_probe import cpu_flags
 
 SPEEDUP_TOLERANCE = 0.25  # relative: on a shared 2-core VM the ratios of one run move by ~15%
 ACCEPTANCE_TOLERANCE = 0.15  # relative: greedy E[L] at a fixed depth moves only at near-ties
+UNKNOWN_CLASS = "unrecorded"  # the class of a baseline file written before the classes
 
 
 @dataclass
@@ -45,7 +55,9 @@ def baseline_of(result: dict) -> dict:
     }
 
 
-def compare(result: dict, baseline: dict) -> list[Check]:
+def compare(result: dict, baseline: dict, speedups: bool = True) -> list[Check]:
+    """The gate's checks of ``result`` against one class's ``baseline``; ``speedups``: False where
+    that baseline was recorded on another class of CPU (baseline_for)."""
     tolerances = baseline.get("tolerances", {})
     speed_tol = tolerances.get("speedup", SPEEDUP_TOLERANCE)
     accept_tol = tolerances.get("acceptance_length", ACCEPTANCE_TOLERANCE)
@@ -55,7 +67,8 @@ def compare(result: dict, baseline: dict) -> list[Check]:
         got = measured.get((row["drafter"], row["category"]))
         fixed = got is not None and None not in (row.get("acceptance_length_fixed"), got.get("acceptance_length_fixed"))
         acceptance = "acceptance_length_fixed" if fixed else "acceptance_length"
-        for metric, tol in (("speedup", speed_tol), (acceptance, accept_tol)):
+        metrics = ((("speedup", speed_tol),) if speedups else ()) + ((acceptance, accept_tol),)
+        for metric, tol in metrics:
             value = None if got is None else got[metric]
             ok = value is not None and value >= row[metric] * (1 - tol)
             checks.append(Check(row["drafter"], row["category"], metric, row[metric], value, ok))
@@ -64,10 +77,32 @@ def compare(result: dict, baseline: dict) -> list[Check]:
     return checks
 
 
-def write_baseline(path: Path, result: dict) -> None:
-    """Replace the baseline in one rename: a killed update leaves the old one whole."""
-    atomic.write_text(path, json.dumps(baseline_of(result), indent=1) + "\n")
+def machine_class(flags: list[str] | None = None) -> str:
+    """The CPU class a baseline's speedups hold on: the widest of kernel_probe.CPU_FLAGS this
+    machine has (``avx512_vnni``, ``avx2``, ...), else its architecture (``aarch64``)."""
+    found = cpu_flags() if flags is None else flags
+    return found[0] if found else platform.machine()
+
+
+def write_baseline(path: Path, result: dict, machine: str) -> None:
+    """Record ``result`` as ``machine``'s baseline, keeping the other classes'; in one rename, so a
+    killed update leaves the old file whole."""
+    machines = load_baseline(path)["machines"] if path.is_file() else {}
+    machines = {**machines, machine: baseline_of(result)}
+    atomic.write_text(path, json.dumps({"machines": dict(sorted(machines.items()))}, indent=1) + "\n")
 
 
 def load_baseline(path: Path) -> dict:
-    return json.loads(path.read_text())
+    """``{"machines": {class: baseline}}``; a file from before the classes (one baseline at the
+    top) is read as the baseline of a class no machine has."""
+    data = json.loads(path.read_text())
+    return data if "machines" in data else {"machines": {UNKNOWN_CLASS: data}}
+
+
+def baseline_for(baseline: dict, machine: str) -> tuple[dict, bool]:
+    """``machine``'s baseline and True; where its class has none, another class's (its E[L]
+    and exactness still hold here) and False: then speedups are not compared."""
+    machines = baseline["machines"]
+    if machine in machines:
+        return machines[machine], True
+    return next(iter(machines.values())), False

@@ -39,9 +39,9 @@ def print_summary(result: dict) -> None:
         console.print(f"peer {skipped['peer']}: skipped ({skipped['skipped']})", soft_wrap=True)
 
 
-def print_checks(checks) -> None:
+def print_checks(checks, machine: str) -> None:
     console = Console()
-    table = Table(title="regression gate (ratios against bench/baseline.json)")
+    table = Table(title=f"regression gate (ratios against the baseline of this CPU class, {machine})")
     for column in ("drafter", "category", "metric", "baseline", "measured", ""):
         table.add_column(column)
     for c in checks:

@@ -130,16 +130,21 @@ def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, dr
         print_summary(result)
         click.echo(f"wrote {', '.join(str(f) for f in files)}", err=True)
     if baseline is not None:
-        from specexport.bench.gate import compare, load_baseline, write_baseline
+        from specexport.bench.gate import baseline_for, compare, load_baseline, machine_class, write_baseline
 
+        machine = machine_class()
         if update_baseline:
-            write_baseline(baseline, result)
-            click.echo(f"baseline written to {baseline}", err=True)
+            write_baseline(baseline, result, machine)
+            click.echo(f"baseline for this CPU class ({machine}) written to {baseline}", err=True)
             return
         if not baseline.is_file():
             raise BadInput(f"{baseline}: baseline not found; create it with --update-baseline")
-        checks = compare(result, load_baseline(baseline))
-        print_checks(checks)
+        entry, same_class = baseline_for(load_baseline(baseline), machine)
+        if not same_class:
+            click.echo(f"{baseline} has no baseline for this CPU class ({machine}): speedups are not gated here, "
+                       "E[L] and exactness are; record one with --update-baseline (make bench-update)", err=True)
+        checks = compare(result, entry, speedups=same_class)
+        print_checks(checks, machine)
         if not all(c.ok for c in checks):
             sys.exit(1)
 

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from specexport.bench.calibrate import _interpolate, choose, predict
-from specexport.bench.gate import baseline_of, compare
+from specexport.bench.gate import (
+    baseline_for,
+    baseline_of,
+    compare,
+    load_baseline,
+    machine_class,
+    write_baseline,
+)
 from specexport.bench.summary import predict_speedup, rounds_by_draft_size, summarize
 from tests.conftest import TINY_SHAPE, run_cli
 
@@ -103,6 +110,35 @@ def test_gate_compares_fixed_depth_acceptance_not_the_adaptive_one(bench_result)
     assert {c.metric for c in compare(result, old)} == {"speedup", "acceptance_length"}  # an older baseline
 
 
+def test_gate_keeps_a_baseline_per_cpu_class(bench_result, tmp_path):
+    """Speedups follow the CPU's kernels: the file keeps a baseline per class, an update replaces
+    only its own class's, and a class with none is gated on E[L] and exactness, not on speed."""
+    result, _ = bench_result
+    path = tmp_path / "baseline.json"
+    write_baseline(path, result, "avx512_vnni")
+    slower = json.loads(json.dumps(result))
+    for row in slower["categories"]:
+        row["speedup"] *= 0.5  # the same drafts on a CPU whose verify passes cost more
+    write_baseline(path, slower, "avx2")
+    stored = load_baseline(path)
+    assert set(stored["machines"]) == {"avx2", "avx512_vnni"}
+    entry, same = baseline_for(stored, "avx512_vnni")
+    failed = [c for c in compare(slower, entry, speedups=same) if not c.ok]
+    assert same and failed and {c.metric for c in failed} == {"speedup"}  # on its own class: a regression
+    entry, same = baseline_for(stored, "avx2")
+    assert same and all(c.ok for c in compare(slower, entry, speedups=same))
+    entry, same = baseline_for(stored, "aarch64")  # no baseline of its own
+    checks = compare(slower, entry, speedups=same)
+    assert not same and checks and all(c.ok for c in checks) and "speedup" not in {c.metric for c in checks}
+    lossy = json.loads(json.dumps(slower))
+    lossy["categories"][0]["matches_baseline"] = False
+    assert [c.metric for c in compare(lossy, entry, speedups=same) if not c.ok] == ["lossless"]
+    legacy = tmp_path / "legacy.json"  # one baseline at the top: a class no machine has
+    legacy.write_text(json.dumps(baseline_of(result)))
+    assert baseline_for(load_baseline(legacy), machine_class())[1] is False
+    assert machine_class(["avx512_vnni", "avx512f", "avx2"]) == "avx512_vnni" and machine_class(["avx2"]) == "avx2"
+
+
 def test_gate_cli_exit_codes(tiny_engines, prompts, tmp_path):
     engines = tiny_engines.get("llama", **TINY_SHAPE)
     baseline = tmp_path / "baseline.json"
@@ -111,7 +147,8 @@ def test_gate_cli_exit_codes(tiny_engines, prompts, tmp_path):
     code, _, err = run_cli(*args, "--update-baseline")
     assert code == 0 and baseline.is_file(), err
     stored = json.loads(baseline.read_text())
-    for row in stored["categories"]:
+    assert list(stored["machines"]) == [machine_class()]  # recorded under this CPU's class
+    for row in stored["machines"][machine_class()]["categories"]:
         row["acceptance_length_fixed"] *= 10  # an impossible bar: the gate must fail
     baseline.write_text(json.dumps(stored))
     code, out, _ = run_cli(*args)
