@@ -153,6 +153,13 @@ def test_gate_cli_exit_codes(tiny_engines, prompts, tmp_path):
     baseline.write_text(json.dumps(stored))
     code, out, _ = run_cli(*args)
     assert code == 1 and "REGRESSION" in out
+    entry = stored["machines"].pop(machine_class())  # recorded on another class of CPU only
+    for row in entry["categories"]:
+        row["acceptance_length_fixed"] /= 10
+        row["speedup"] *= 10  # a bar no run here meets: not compared across classes
+    baseline.write_text(json.dumps({"machines": {"another-cpu": entry}}))
+    code, out, err = run_cli(*args)
+    assert code == 0 and "REGRESSION" not in out and f"no baseline for this CPU class ({machine_class()})" in err
 
 
 def test_bench_bad_input(tiny_engines, tmp_path):
