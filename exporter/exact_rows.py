@@ -32,6 +32,8 @@ DESCRIPTIONS = {"none": "not padded (this CPU's kernels compute a row alone as i
                 "all": "padded to two rows"}
 # a drafter head's graph (exporter/heads/) has no pad rewrite: its probe must find nothing to pad
 HEAD_REWRITES = {"none": PAD_REWRITES["none"]}
+
+
 def kernels_in(model: onnx.ModelProto) -> list[Kernel]:
     """Each distinct kernel ``model``'s rows go through that may compute a row alone differently."""
     graph = model.graph

@@ -105,12 +105,13 @@ def test_bench_baseline_and_report_are_written_atomically(tmp_path):
     result = {"settings": {"max_new_tokens": 8, "temperature": 0.0, "adaptive": True, "draft_len": 3},
               "categories": []}
     baseline = tmp_path / "baseline.json"
-    baseline.write_text('{"old": true}')
+    baseline.write_text('{"categories": [], "old": true}')  # a baseline from before the CPU classes
     with pytest.raises(KeyError):
         write_baseline(baseline, {"settings": {}}, "avx2")  # fails while serializing: the old file stays
-    assert json.loads(baseline.read_text()) == {"old": True} and beside(baseline) == []
+    assert json.loads(baseline.read_text()) == {"categories": [], "old": True} and beside(baseline) == []
     write_baseline(baseline, result, "avx2")
-    assert load_baseline(baseline)["machines"]["avx2"]["settings"]["draft_len"] == 3
+    machines = load_baseline(baseline)["machines"]
+    assert machines["avx2"]["settings"]["draft_len"] == 3 and machines["unrecorded"]["old"] is True  # kept
     with pytest.raises(KeyError):
         write({"settings": {}}, tmp_path / "out")  # the markdown report fails to render
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temporaries

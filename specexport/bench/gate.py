@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specexport import atomic
+from specexport.errors import BadInput
 from specexport.runtime.kernel_probe import cpu_flags
 
 SPEEDUP_TOLERANCE = 0.25  # relative: on a shared 2-core VM the ratios of one run move by ~15%
@@ -95,8 +96,16 @@ def write_baseline(path: Path, result: dict, machine: str) -> None:
 def load_baseline(path: Path) -> dict:
     """``{"machines": {class: baseline}}``; a file from before the classes (one baseline at the
     top) is read as the baseline of a class no machine has."""
-    data = json.loads(path.read_text())
-    return data if "machines" in data else {"machines": {UNKNOWN_CLASS: data}}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadInput(f"{path}: not a JSON baseline ({e}); write a new one with --update-baseline") from None
+    machines = data.get("machines") if isinstance(data, dict) and "machines" in data else {UNKNOWN_CLASS: data}
+    if not isinstance(machines, dict) or not machines or not all(
+            isinstance(b, dict) and isinstance(b.get("categories"), list) for b in machines.values()):
+        raise BadInput(f"{path}: not a bench baseline (a 'categories' list per CPU class under 'machines'); "
+                       "write a new one with --update-baseline")
+    return {"machines": machines}
 
 
 def baseline_for(baseline: dict, machine: str) -> tuple[dict, bool]:

@@ -117,6 +117,12 @@ def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, dr
     chosen_peers = parse_peer_names(peers)
     if update_baseline and baseline is None:
         raise BadInput("--update-baseline needs --baseline FILE")
+    if baseline is not None:  # a missing or unreadable baseline is refused before minutes of runs
+        from specexport.bench.gate import baseline_for, compare, load_baseline, machine_class, write_baseline
+
+        if not update_baseline and not baseline.is_file():
+            raise BadInput(f"{baseline}: baseline not found; create it with --update-baseline")
+        stored = load_baseline(baseline) if baseline.is_file() else None
     options = BenchOptions(prompts=prompts, max_new_tokens=max_new_tokens, repeats=repeats,
                            drafters=drafters.split(",") if drafters else None, temperature=temperature,
                            threads=threads, adaptive=adaptive, peers=chosen_peers, draft_len=draft_len,
@@ -130,16 +136,12 @@ def bench(engine_dir: Path, prompts: Path, max_new_tokens: int, repeats: int, dr
         print_summary(result)
         click.echo(f"wrote {', '.join(str(f) for f in files)}", err=True)
     if baseline is not None:
-        from specexport.bench.gate import baseline_for, compare, load_baseline, machine_class, write_baseline
-
         machine = machine_class()
         if update_baseline:
             write_baseline(baseline, result, machine)
             click.echo(f"baseline for this CPU class ({machine}) written to {baseline}", err=True)
             return
-        if not baseline.is_file():
-            raise BadInput(f"{baseline}: baseline not found; create it with --update-baseline")
-        entry, same_class = baseline_for(load_baseline(baseline), machine)
+        entry, same_class = baseline_for(stored, machine)
         if not same_class:
             click.echo(f"{baseline} has no baseline for this CPU class ({machine}): speedups are not gated here, "
                        "E[L] and exactness are; record one with --update-baseline (make bench-update)", err=True)

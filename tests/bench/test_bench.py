@@ -15,7 +15,7 @@ from specexport.bench.gate import (
     write_baseline,
 )
 from specexport.bench.summary import predict_speedup, rounds_by_draft_size, summarize
-from tests.conftest import TINY_SHAPE, run_cli
+from tests.conftest import TINY_SHAPE, check_one_line, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +160,10 @@ def test_gate_cli_exit_codes(tiny_engines, prompts, tmp_path):
     baseline.write_text(json.dumps({"machines": {"another-cpu": entry}}))
     code, out, err = run_cli(*args)
     assert code == 0 and "REGRESSION" not in out and f"no baseline for this CPU class ({machine_class()})" in err
+    for bad in ("{not json", '{"machines": {}}'):
+        baseline.write_text(bad)
+        code, _, err = run_cli(*args)
+        check_one_line(code, err, str(baseline), "--update-baseline")
 
 
 def test_bench_bad_input(tiny_engines, tmp_path):
