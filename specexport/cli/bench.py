@@ -55,8 +55,8 @@ from specexport.cli.output import print_json
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench/out"), show_default=True,
               help="Folder for bench.json, bench.md and the plots.")
 @click.option("--baseline", type=click.Path(path_type=Path), default=None,
-              help="Compare ratios with this baseline; exit 1 on a regression.")
-@click.option("--update-baseline", is_flag=True, help="Write the results as the new --baseline.")
+              help="Compare ratios with this file's baseline for this CPU class; exit 1 on a regression.")
+@click.option("--update-baseline", is_flag=True, help="Write the results as --baseline's baseline for this CPU class (other classes kept).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result JSON.")
 @click.option("--batch", "batch", default=None,
               help="Batch sizes (1,2,4,8): throughput of the batched loop by batch size, the target alone against "
