@@ -92,7 +92,7 @@ class NgramDrafterSpec(_Strict):
 
     kind: Literal["ngram"]
     name: str = "ngram"  # what --drafter and the manifest call it (unique in the recipe)
-    max_ngram: int = Field(3, ge=1)  # the longest suffix of the context looked up earlier in it
+    max_ngram: int = Field(16, ge=1)  # the longest suffix of the context looked up earlier in it (long: tells copies apart)
     min_ngram: int = Field(1, ge=1)  # the shortest match that still proposes
 
     @model_validator(mode="after")

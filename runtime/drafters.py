@@ -15,12 +15,11 @@ live in runtime/chain_drafter.py (EAGLE-3, MTP) and runtime/block_drafter.py (DF
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from specexport.contract import LOGITS, NEXT_TOKENS
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft, Kept, Sampling, warp_row
@@ -216,53 +215,82 @@ class NoDrafter(Stateless):
 LONGER_MATCH_WEIGHT = 4
 
 
+# The match lengths a draft's tag names (the largest at or under the match): adaptive depth
+# learns acceptance per tag, and a few buckets fill faster than one tag per length.
+TAG_LENGTHS = (1, 2, 3, 4, 6, 8, 12)
+
+
+def tag_length(matched: int) -> int:
+    """The tag of a draft after a ``matched``-token match: the largest of TAG_LENGTHS <= it."""
+    return max(n for n in TAG_LENGTHS if n <= matched)
+
+
 class NgramDrafter(Stateless):
     """Prompt lookup: find the context's last n tokens earlier in the context (longest n
-    first) and propose what followed: as a chain, the latest occurrence that still has k tokens
-    after it; as a tree, every occurrence's continuation merged into a trie."""
+    first) and propose what followed: as a chain, the latest occurrence of the longest match that
+    still has k tokens after it; as a tree, every occurrence's continuation merged into a trie.
+
+    A long ``max_ngram`` is what tells copies apart: in a code edit the last three tokens
+    (`` self.``) occur a dozen times, the last twelve once. Matches are found from the last
+    token back (its occurrences, then each extended while the tokens before it agree), so a
+    long ``max_ngram`` costs the occurrences of the last token times the match length, not a
+    scan of the context per length."""
 
     builds_trees = True
 
-    def __init__(self, name: str = "ngram", max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, name: str = "ngram", max_ngram: int = 16, min_ngram: int = 1):
         self.name = name
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def matches(self, context: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
-        """(n, the starts of every earlier occurrence of the context's last n tokens), longest n
-        first, for each n that has one. Windows end before the last token, so each occurrence
-        has a continuation."""
+    def occurrences(self, context: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every earlier occurrence of the context's end: (where its continuation starts [h],
+        how many tokens it matches [h], at most ``max_ngram``), longest first, latest first
+        among equals; those under ``min_ngram`` left out. An occurrence ends before the last
+        token, so each has a continuation."""
         size = len(context)
-        for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
-            windows = sliding_window_view(context[: size - 1], n)  # [size-n, n] window i: context[i:i+n]
-            hits = np.flatnonzero((windows == context[size - n :]).all(axis=1))  # [h] ascending
-            if hits.size:
-                yield n, hits
+        last = size - 1
+        ends = np.flatnonzero(context[:last] == context[last]) if size > 1 else np.empty(0, np.int64)  # [h]
+        lengths = np.ones(len(ends), dtype=np.int64)  # [h]
+        alive = np.arange(len(ends))  # [a] the occurrences still matching at distance m
+        for m in range(1, min(self.max_ngram, size - 1)):
+            alive = alive[ends[alive] >= m]
+            alive = alive[context[ends[alive] - m] == context[last - m]]
+            if not alive.size:
+                break
+            lengths[alive] += 1
+        keep = lengths >= self.min_ngram
+        starts, lengths = ends[keep] + 1, lengths[keep]
+        order = np.lexsort((-starts, -lengths))  # longest first, then latest
+        return starts[order], lengths[order]
 
     def chain(self, context: np.ndarray, k: int) -> Draft:
-        for n, hits in self.matches(context):
-            full = hits[hits + n + k <= len(context)]
-            start = int(full[-1] if full.size else hits[0]) + n
-            return Draft(np.array(context[start : start + k], dtype=np.int64), tag=f"{self.name}/n{n}")
-        return EMPTY_DRAFT
+        starts, lengths = self.occurrences(context)
+        if not starts.size:
+            return EMPTY_DRAFT
+        longest = starts[lengths == lengths[0]]  # [h'] latest first
+        full = longest[longest + k <= len(context)]
+        start = int(full[0] if full.size else longest[-1])  # else the earliest: the longest continuation
+        return Draft(np.array(context[start : start + k], dtype=np.int64), tag=f"{self.name}/n{tag_length(int(lengths[0]))}")
 
     def tree(self, row: DraftRow, depth: int, nodes: int, top_k: int) -> DraftTree | None:
-        """Several continuations at once: what followed every earlier occurrence of the
-        context's last n tokens (longest n first, latest first, up to ``depth`` tokens each),
-        merged into a trie; the ``nodes`` prefixes with the most matches behind them are kept,
-        at most ``top_k`` children under a node (None: no match). A match of n tokens counts
-        ``LONGER_MATCH_WEIGHT`` times one of n − 1, so the few long matches a chain would follow
-        outrank the many short ones that merely share the last token."""
+        """Several continuations at once: what followed the earlier occurrences of the
+        context's end (longest match first, latest first, up to ``depth`` tokens each), merged
+        into a trie; the ``nodes`` prefixes with the most matches behind them are kept, at most
+        ``top_k`` children under a node (None: no match). An occurrence matching n tokens weighs
+        1 + 4 + ... + ``LONGER_MATCH_WEIGHT`` ** (n − 1) (it counts once as a match of each
+        length up to n), so the few long matches a chain would follow outrank the many short
+        ones that merely share the last token. Occurrences are taken a match length at a time
+        until there are 2 × ``top_k``."""
         context = row.context
-        found: list[np.ndarray] = []
-        weights: list[float] = []
-        for n, hits in self.matches(context):
-            found += [context[h + n : h + n + depth] for h in hits[::-1]]
-            weights += [float(LONGER_MATCH_WEIGHT ** (n - 1))] * len(hits)
-            if len(found) >= 2 * top_k:
-                break
-        if not found:
+        starts, lengths = self.occurrences(context)
+        if not starts.size:
             return None
+        if len(starts) > 2 * top_k:  # the first 2 top_k, and the rest of the last one's match length
+            keep = lengths >= lengths[2 * top_k - 1]
+            starts, lengths = starts[keep], lengths[keep]
+        found = [context[s : s + depth] for s in starts]
+        weights = [float((LONGER_MATCH_WEIGHT ** int(n) - 1) / (LONGER_MATCH_WEIGHT - 1)) for n in lengths]
         return trie_tree(found, nodes, top_k, f"{self.name}/tree", weights)
 
 

@@ -24,9 +24,9 @@ speedup, 1.21× before.
 
 The drafts are chosen, not drawn, so a sampled request stays exact through the point-mass rules
 (runtime/acceptance.py: ``rejection`` with q = one-hot for a chain, ``tree_rejection`` for a
-tree). A chain is tagged with its match length (``suffix/m4``: 4 tokens matched), so adaptive
-depth learns acceptance per match length and trims each chain by its own (``trim_chain``), as it
-does prompt lookup's ``ngram/n3``.
+tree). A chain is tagged with its match length (``suffix/m4``: 4 or 5 tokens matched, by
+runtime/drafters.py's ``tag_length``), so adaptive depth learns acceptance per match length and
+trims each chain by its own (``trim_chain``), as it does prompt lookup's ``ngram/n3``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,14 @@ import numpy as np
 
 from specexport.contract import DrafterEntry
 from specexport.runtime.acceptance import EMPTY_DRAFT, Draft
-from specexport.runtime.drafters import ChainsAndTrees, DraftBudget, DraftRow, PartCosts, TargetOut
+from specexport.runtime.drafters import (
+    ChainsAndTrees,
+    DraftBudget,
+    DraftRow,
+    PartCosts,
+    TargetOut,
+    tag_length,
+)
 from specexport.runtime.suffix_index import Match, SuffixIndex
 from specexport.runtime.suffix_store import ResponseStore
 from specexport.runtime.tree import DraftTree
@@ -50,10 +57,6 @@ if TYPE_CHECKING:
 
 OWN, STORE = 0, 1  # a chain's indexes: the request's own, the store's
 Step = tuple[int, float, Match]  # the next token after a match, its share, the match one token longer
-
-# Chain tags by match length: lengths from one of these up to the next share a tag (a few tags,
-# each seen often enough for its acceptance estimate to settle).
-TAG_LENGTHS = (1, 2, 3, 4, 6, 8, 12)
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,7 @@ class SuffixDrafter(ChainsAndTrees):
                 drafts.append(EMPTY_DRAFT)
                 continue
             tokens, matched = found
-            drafts.append(Draft(np.array(tokens, dtype=np.int64), tag=f"{self.name}/m{_tag_length(matched)}"))
+            drafts.append(Draft(np.array(tokens, dtype=np.int64), tag=f"{self.name}/m{tag_length(matched)}"))
         return drafts
 
     def trees(self, rows: Sequence[DraftRow], budget: DraftBudget) -> list[DraftTree | None]:
@@ -256,11 +259,6 @@ def _moved(indexes: list[SuffixIndex], matches: list[Match | None], steps: list[
     match (a longer one would have been its last match)."""
     return [step[2] if step is not None and step[0] == token else index.longest(end, 1 + (match.length if match else 0))
             for index, match, step in zip(indexes, matches, steps)]
-
-
-def _tag_length(matched: int) -> int:
-    """The tag a chain of a ``matched``-token match carries: the largest of TAG_LENGTHS <= it."""
-    return max(n for n in TAG_LENGTHS if n <= matched)
 
 
 def make(pipe: Pipeline, entry: DrafterEntry, slots: int) -> SuffixDrafter:

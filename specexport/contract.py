@@ -550,7 +550,7 @@ class DrafterParams:
     leaves the field out (or writes null); each kind writes only its own fields."""
 
     # ngram
-    max_ngram: int = 3
+    max_ngram: int = 16
     min_ngram: int = 1
     # suffix (runtime/suffix_drafter.py says what each does)
     index_depth: int = 24

@@ -25,6 +25,46 @@ def test_ngram_longest_match_first():
     assert proposed(NgramDrafter(max_ngram=1), context, 2) == [1, 2]  # latest "9" with 2 tokens after
 
 
+def test_ngram_a_long_match_tells_copies_apart():
+    # a code edit copying its prompt: the last three tokens ("1 2 3", say " self.") follow three
+    # names (10, 11, 12), each with its own continuation; the copy so far ends "10 1 2 3", which
+    # occurs once: the default follows it, where a 3-token lookup takes the latest "1 2 3"
+    context = [10, 1, 2, 3, 20, 11, 1, 2, 3, 21, 12, 1, 2, 3, 22, 0, 10, 1, 2, 3]
+    draft = propose(NgramDrafter(), context, 2)
+    assert (draft.tokens.tolist(), draft.tag) == ([20, 11], "ngram/n4")
+    assert proposed(NgramDrafter(max_ngram=3), context, 2) == [22, 0]
+
+
+def test_ngram_tags_bucket_the_match_length():
+    copy = list(range(1, 15))  # 14 distinct tokens
+    for matched, tag in [(1, "ngram/n1"), (5, "ngram/n4"), (7, "ngram/n6"), (13, "ngram/n12")]:
+        context = copy + [0] + copy[:matched]
+        assert propose(NgramDrafter(), context, 1).tag == tag, matched
+    assert propose(NgramDrafter(max_ngram=5), copy + [0] + copy[:13], 1).tag == "ngram/n4"  # capped
+
+
+def reference_chain(context: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Prompt lookup spelled out: the longest n whose last n tokens occur earlier, the latest
+    occurrence with k tokens after it (else the earliest)."""
+    for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
+        starts = [i + n for i in range(len(context) - n) if context[i : i + n] == context[-n:]]
+        if starts:
+            full = [s for s in starts if s + k <= len(context)]
+            start = full[-1] if full else starts[0]
+            return context[start : start + k]
+    return []
+
+
+def test_ngram_chains_match_the_lookup_spelled_out():
+    rng = np.random.default_rng(3)
+    for _ in range(300):  # three tokens, so matches are many and some run long
+        context = rng.integers(0, 3, size=int(rng.integers(1, 40))).tolist()
+        min_ngram = int(rng.integers(1, 4))
+        max_ngram, k = int(rng.integers(min_ngram, 20)), int(rng.integers(1, 8))
+        drafter = NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+        assert proposed(drafter, context, k) == reference_chain(context, k, max_ngram, min_ngram), (context, k)
+
+
 def ngram_tree(drafter, context, depth, nodes, top_k):
     """The drafter's tree for one row: (tokens, parents, weights to 4 places)."""
     tree = drafter.propose([DraftRow(np.array(context, dtype=np.int64), GREEDY, RNG)], DraftBudget([depth], nodes, top_k))[0]
