@@ -18,7 +18,8 @@ uncut chain, what it kept, the round's price): where a variant gains or loses, r
         --variant default --variant spec_factor=2,chain_min_prob=0.1
 
 A variant sets SuffixSettings fields (``default``: the settings as they are); n-gram's
-prompt lookup (max n-gram 3) is the baseline every line is compared with.
+prompt lookup, as the recipes ship it (``max_ngram`` 16 since 2026-12-07; 3 before), is the
+baseline every line is compared with.
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ def main() -> None:
     manifest = json.loads((args.engine / "manifest.json").read_text())
     draft_len, long_depth = int(manifest["plan"]["draft_len"]), max(costs) - 1
     rows = greedy_outputs(args.engine, args.prompts, args.max_new_tokens, args.cache)
-    drafters: dict[str, Callable[[], Drafter]] = {"ngram": lambda: NgramDrafter("ngram", 3, 1)}
+    drafters: dict[str, Callable[[], Drafter]] = {"ngram": lambda: NgramDrafter("ngram")}
     for spec in args.variant or ["default"]:
         settings = suffix_variant(spec, args.store_tokens)
         store = ResponseStore(settings.store_tokens, settings.index_depth) if settings.store_tokens else None
