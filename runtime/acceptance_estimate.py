@@ -110,8 +110,11 @@ class AcceptanceEstimate:
     def chain_lengths(self, tag: str, depth: int) -> np.ndarray:
         """[depth] E(k), k = 1..depth: tokens a round commits with a weightless chain of ``tag``
         cut to k drafts (each draft kept at most as often as the one before it). Past the
-        depths drafted so far, the rate per position so far goes on (a chain kept whole at
-        depth 3 is worth trying at 4; one rarely kept at 1 is not at 2)."""
+        depths drafted so far, each further draft is kept at the rate per position so far, at
+        most the prior's (a chain kept whole at depth 3 is worth trying at 4; one rarely kept at
+        1 is not at 2). At the rate so far alone, a tag kept whole in a round or two at depth 3
+        was worth all 7 at once: prompt lookup's fresh match lengths, drafted as deep as a round
+        allows, then missed past the few tokens they had been kept for."""
         cached = self._lengths.setdefault(tag, {}).get(depth)
         if cached is not None:
             return cached
@@ -119,7 +122,7 @@ class AcceptanceEstimate:
         kept = np.minimum(self._prior_weights(depth) * sums.scales(depth), 1.0)  # [depth]
         known = min(depth, int(np.argmin(np.append(sums.rounds, 0.0) > 0)))  # depths drafted so far
         if 0 < known < depth:
-            per_position = kept[known - 1] ** (1.0 / known)
+            per_position = min(kept[known - 1] ** (1.0 / known), self.prior)
             kept[known:] = kept[known - 1] * per_position ** np.arange(1, depth - known + 1)
         lengths = 1.0 + np.cumsum(np.minimum.accumulate(kept))  # [depth]
         lengths.flags.writeable = False  # shared by the rounds until the next observation

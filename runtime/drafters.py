@@ -76,9 +76,13 @@ class Drafter(Protocol):
     name: str
     needs: tuple[str, ...]  # target outputs it reads (a head's aux_hidden_states); empty for most
     builds_trees: bool  # whether ``propose`` gives trees for a tree budget (else chains)
-    # whether its chains may run past D: drafts that cost nothing to make and whose length follows
-    # the evidence (suffix decoding's match length); a row alone then drafts up to the target's
-    # longest verify entry and the chain's tag decides how much of it is verified (runtime/policy.py)
+    # whether its drafts cost nothing to make and its chains' tags carry the evidence for them
+    # (prompt lookup's and suffix decoding's match length): a row whose adaptive depth chose to
+    # draft drafts as deep as the round allows, and the chain's tag decides how much of it is
+    # verified (runtime/policy.py); the depth planned before drafting knows no match length
+    drafts_free: bool
+    # whether such chains may also run past D: a row alone then drafts up to the target's longest
+    # verify entry (suffix decoding, whose draft grows with its match)
     drafts_long: bool
 
     @property
@@ -139,6 +143,7 @@ class ChainsAndTrees(ABC):
     drafter ``builds_trees``."""
 
     builds_trees = True
+    drafts_free = False
     drafts_long = False
 
     def propose(self, rows: Sequence[DraftRow], budget: DraftBudget) -> list[DraftTree]:
@@ -234,9 +239,16 @@ class NgramDrafter(Stateless):
     (`` self.``) occur a dozen times, the last twelve once. Matches are found from the last
     token back (its occurrences, then each extended while the tokens before it agree), so a
     long ``max_ngram`` costs the occurrences of the last token times the match length, not a
-    scan of the context per length."""
+    scan of the context per length.
+
+    Its drafts cost nothing, and a chain's tag names its match length (``drafts_free``): a
+    row drafts as deep as its round allows and adaptive depth verifies as much as that match
+    length has been kept. A depth planned before the match is known held every chain of
+    SmolLM2's int4 code edit at the 2 drafts a fresh estimate pays for, where its 12-token
+    matches kept all 7."""
 
     builds_trees = True
+    drafts_free = True
 
     def __init__(self, name: str = "ngram", max_ngram: int = 16, min_ngram: int = 1):
         self.name = name

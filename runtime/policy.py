@@ -16,14 +16,19 @@ One interface over what decides the amount of speculation, asked at three points
   (runtime/acceptance_estimate.py: one estimator for depth, width and tree size) and the shared
   width's pooled one; and ``price_round``, what the round took, for the round prices.
 
-A drafter whose drafts cost nothing and follow the evidence (``Drafter.drafts_long``: suffix
-decoding, whose draft grows with its match) drafts past D when its row runs alone and adaptive
-depth chose to draft: as deep as the target's widest long verify size holds (the probe entries
+A drafter whose drafts cost nothing and carry their evidence (``Drafter.drafts_free``: prompt
+lookup and suffix decoding, whose chains are tagged with their match length) drafts a chain as
+deep as its row's depth allows whenever adaptive depth chose to draft: the depth planned before
+drafting knows no match length (its tag, the drafter's name, is never observed), and held every
+n-gram chain of SmolLM2's int4 code edit at 2 drafts where its 12-token matches kept all 7. One
+that also ``drafts_long`` (suffix decoding, whose draft grows with its match) drafts past D when
+its row runs alone: as deep as the target's widest long verify size holds (the probe entries
 past every verify entry, runtime/runner.py), within the request's own cap, its cache and its
-token budget. Its chain's tag (the match length) then cuts it to the prefix with the most
-expected tokens per second, each depth priced as the round prices price it (the probe entry that
-would run it, checked against the clock), so a long draft is verified only where its expected
-accepted tokens pay for the larger verify. Batched rows, tree rounds and the shared width keep D.
+token budget. The chain's tag then cuts it to the prefix with the most expected tokens per
+second (``trim``), each depth priced as the round prices price it (the entry that would run it,
+checked against the clock), so a long draft is verified only where its expected accepted tokens
+pay for the larger verify. Tree rounds and the shared width keep their own sizes; batched rows
+keep D.
 
 A round is priced from the engines' costs (tuned, built, or timed on first ask) and the price
 is checked against the clock by the kind of round (runtime/round_prices.py): a price off by
@@ -224,7 +229,7 @@ class SpeculationPolicy:
                 # an adaptive row alone has its drafter stop growing where the size below would cut
                 hints = [self._size_hint(seq) if n == 1 else None for seq in running]
                 return RoundPlan(cap, depths, trees, nodes, self.tree_top_k, hints)
-        return RoundPlan(cap, self._long(running, self._depths(running, cap)), self.chains)
+        return RoundPlan(cap, self._long(running, self._depths(running, cap, chains=True)), self.chains)
 
     def _long(self, running: Sequence[Running], depths: list[int]) -> list[int]:
         """The depths with a long drafter's row alone (adaptive, chose to draft) let past D: as
@@ -245,15 +250,22 @@ class SpeculationPolicy:
         verified by the target's own graphs, not the tree graph."""
         return RoundPlan(plan.cap, plan.depths, self.chains)
 
-    def _depths(self, running: Sequence[Running], cap: int) -> list[int]:
+    def _depths(self, running: Sequence[Running], cap: int, chains: bool = False) -> list[int]:
         """Each row's depth: the round's, within its request's own cap (``Request.max_depth``,
-        its stats' draft_len), its cache and its token budget, then as its own adaptive depth chooses."""
+        its stats' draft_len), its cache and its token budget, then as its own adaptive depth
+        chooses; in a chain round, all of it for a free drafter's row that chose to draft
+        (``Drafter.drafts_free``: its chain's tag then cuts it, ``trim``)."""
         max_seq_len, batch = self.target.max_seq_len, self.target.batch_for(len(running))
-        ks = [min(cap, seq.stats.draft_len, max_seq_len - seq.length, seq.request.max_new_tokens - seq.stats.tokens - 1)
-              for seq in running]
-        return [seq.depth_policy.best_depth(self.drafter_of(seq).name, k, batch,
-                                            remaining=seq.request.max_new_tokens - seq.stats.tokens)
-                if seq.depth_policy is not None else k for seq, k in zip(running, ks)]
+        depths = []
+        for seq in running:
+            k = min(cap, seq.stats.draft_len, max_seq_len - seq.length, seq.request.max_new_tokens - seq.stats.tokens - 1)
+            if seq.depth_policy is not None:
+                drafter = self.drafter_of(seq)
+                chosen = seq.depth_policy.best_depth(drafter.name, k, batch,
+                                                     remaining=seq.request.max_new_tokens - seq.stats.tokens)
+                k = k if chosen > 0 and chains and drafter.drafts_free else chosen
+            depths.append(k)
+        return depths
 
     def _size_hint(self, seq: Running) -> SizeHint | None:
         """The size an adaptive sequence verifying alone will cut its tree to, counting the

@@ -114,6 +114,7 @@ class SuffixDrafter(ChainsAndTrees):
 
     needs: tuple[str, ...] = ()
     engine_seconds = 0.0  # host work only
+    drafts_free = True  # drafted as deep as the round allows, its tag (the match length) cuts it
     drafts_long = True  # a long match earns a long draft: past D at batch 1 (runtime/policy.py)
 
     def __init__(self, name: str, settings: SuffixSettings, store: ResponseStore | None, slots: int):

@@ -1,6 +1,7 @@
 """Adaptive draft depth: it drafts deep when drafts are kept and stops when they are not."""
 
 import numpy as np
+import pytest
 
 from specexport.runtime.acceptance_estimate import AcceptanceEstimate
 from specexport.runtime.adaptive import DepthPolicy
@@ -222,3 +223,54 @@ def test_depths_no_longer_drafted_do_not_return_to_the_prior():
     assert max(depths[:3]) >= 5  # a new drafter is tried deep
     assert max(depths[10:]) <= 2, depths
     assert depths[10:].count(0) < 35  # and still drafts: its first draft pays
+
+
+def test_a_free_drafter_drafts_what_the_round_allows_and_its_tag_decides():
+    """Prompt lookup on a target copying a 12-token cycle, verifies as steep as int4's on a
+    CPU (each token 6 ms over a plain round's 20): before drafting no match length is known,
+    and a fresh estimate's drafts pay only to depth 3. Prompt lookup's drafts cost nothing
+    (``drafts_free``), so its rounds draft all the round allows and the match length's tag,
+    once kept whole, verifies more each round, up to 7. Planned without the tag (the control), every
+    round stops at 3."""
+    vocab = 12
+    table = np.full((vocab, vocab), -1.0, dtype=np.float32)
+    table[np.arange(vocab), (np.arange(vocab) + 1) % vocab] = 1.0  # [vocab, vocab] t -> t + 1
+    prompt = list(range(vocab)) + [0, 1]
+    steep = lambda tokens: 0.020 + 0.006 * (tokens - 1)  # noqa: E731
+
+    def depths(drafter: NgramDrafter) -> list[int]:
+        out, stats = run(markov(table), drafter, prompt, draft_len=7, max_new=64,
+                         policy=DepthPolicy(steep, checked=False))
+        assert out == greedy_reference(table, prompt, 64)
+        return stats.round_drafts
+
+    free = depths(NgramDrafter())
+    # 3 while each longer match is a fresh tag (n2, n6, n8, n12: 3 + 1 tokens a round); then
+    # n12's rounds, kept whole, draft deeper each round (past the depths kept so far, at the
+    # prior's rate a draft) up to 7; the last round drafts what the token budget leaves
+    grown = free[4:-1]
+    assert free[:4] == [3] * 4 and grown == sorted(grown) and grown.count(7) >= 2, str(free)
+
+    class Planned(NgramDrafter):
+        drafts_free = False
+
+    assert max(depths(Planned())) == 3
+
+
+def test_past_the_depths_drafted_a_draft_is_kept_at_most_at_the_prior_rate():
+    """A tag kept whole in two rounds at depth 3: each draft past 3 is expected kept at the
+    prior's 0.8 of the one before, not at the rate so far (about 1: all 7 at once, the way fresh
+    match lengths drafted deep and missed past what they had been kept for). A tag rarely kept
+    at depth 1 goes on at its own rate."""
+    estimate = AcceptanceEstimate()
+    for _ in range(2):
+        estimate.observe_chain("whole", 3, 3)
+    for _ in range(5):
+        estimate.observe_chain("rare", 1, 0)
+
+    def kept(tag: str) -> np.ndarray:
+        return np.diff(estimate.chain_lengths(tag, 7), prepend=1.0)  # [7] each draft's expected keep
+
+    whole, rare = kept("whole"), kept("rare")
+    assert whole[2] > 0.9 and np.allclose(whole[3:] / whole[2:-1], 0.8), whole
+    assert rare[0] < 0.5 and rare[1] == pytest.approx(rare[0] ** 2), rare
