@@ -4,8 +4,9 @@ target alone, untimed and deterministic (a shared, noisy machine does not move t
 The target's greedy output of every prompt is decoded once (drafter none) and cached; each
 drafter then drafts against it round by round as the loop does for a request decoding alone:
 adaptive depth (fixed prices: the engine's costs.json, a verify of t tokens priced at the
-smallest verify or probe entry holding it), a drafter that ``drafts_long`` past D up to the
-widest probe entry, each chain cut by its own tag (``trim_chain``), the round's acceptance
+smallest verify or probe entry holding it), a drafter that ``drafts_free`` drafting all the
+round allows (past D up to the widest probe entry where it ``drafts_long``), each chain cut by
+its own tag (``trim_chain``), the round's acceptance
 observed, and the request's output joining the drafter's store when it ends. Prompts run in
 file order through one drafter per variant, so a store spans them as in ``bench --repeats 1``.
 ``--oracle``: each suffix chain drafted as deep as a long draft goes and verified exactly as far
@@ -128,6 +129,8 @@ def replay(drafter: Drafter, rows: list[dict], cost: Callable[[int], float | Non
         while at < len(output):
             left = len(output) - at
             k = depth.best_depth(drafter.name, min(draft_len, left - 1))
+            if k > 0 and drafter.drafts_free:  # all the round allows, cut by its tag (runtime/policy.py)
+                k = min(draft_len, left - 1)
             if oracle or (k > 0 and drafter.drafts_long):  # past D as a request alone drafts (runtime/policy.py)
                 k = min(long_depth, left - 1)
             draft_row = DraftRow(np.array(context, dtype=np.int64), Sampling(), np.random.default_rng(0), None, len(prompt))
