@@ -32,7 +32,7 @@ class DrafterSet:
         # every member's outputs of the target, each asked once (a member reads only its own)
         self.needs: tuple[str, ...] = tuple(dict.fromkeys(n for m in self.members.values() for n in m.needs))
         self.builds_trees = all(m.builds_trees for m in self.members.values())
-        # each member's own decide for its rows (SpeculationPolicy.drafter_of)
+        # each member's own flags decide for its rows (SpeculationPolicy.drafter_of)
         self.drafts_free = self.drafts_long = False
         self._owner = [self.default] * slots  # slot -> the name of the member drafting for it
 
