@@ -97,6 +97,7 @@ class RecordingRows:
 
     def __init__(self, inner):
         self.inner, self.name, self.needs, self.builds_trees = inner, inner.name, inner.needs, inner.builds_trees
+        self.drafts_free, self.drafts_long = inner.drafts_free, inner.drafts_long
         self.seen: dict[int, list[tuple]] = {}
         self._key: dict[int, int] = {}  # slot -> the sequence in it
 
